@@ -1,0 +1,184 @@
+"""Tests for wspool.pool: lazy growth, growth policies, limits and statistics."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from wspool.errors import RuleError, WorkspaceFrozenError, WorkspaceLimitError
+from wspool.pool import PoolSpec, WorkspacePool, _FreezeState
+
+CPU = torch.device("cpu")
+MiB = 2**20
+
+
+def _pool(rules: dict[str, str] | None = None, **kwargs: object) -> WorkspacePool:
+    spec = PoolSpec("p", rules or {"default": "1MiB", "big": "3MiB", "expr": "x * 1KiB"}, **kwargs)  # type: ignore[arg-type]
+    return WorkspacePool(spec, CPU)
+
+
+def test_nothing_is_allocated_before_the_first_request() -> None:
+    """A new pool holds no buffer."""
+    pool = _pool()
+    assert pool.buffer is None
+    assert pool.stats().capacity_bytes == 0
+
+
+def test_buffer_is_zeroed_uint8_of_the_resolved_size() -> None:
+    """The first request allocates a zero-filled uint8 buffer of exactly the rule's size."""
+    buf = _pool().workspace("default", {})
+    assert buf.dtype == torch.uint8
+    assert buf.device == CPU
+    assert buf.numel() == MiB
+    assert int(buf.count_nonzero()) == 0
+
+
+def test_reuse_and_growth() -> None:
+    """Requests that fit reuse the buffer; a larger one grows it; it never shrinks."""
+    pool = _pool()
+    first = pool.workspace("default", {})
+    assert pool.workspace("default", {}).data_ptr() == first.data_ptr()
+    bigger = pool.workspace("big", {})
+    assert bigger.numel() == 3 * MiB
+    assert pool.workspace("default", {}).data_ptr() == bigger.data_ptr()
+    stats = pool.stats()
+    assert (stats.capacity_bytes, stats.grow_count, stats.request_count) == (3 * MiB, 2, 4)
+    assert stats.peak_request_bytes == 3 * MiB
+    assert stats.last_grow_reason == "rule big: 3MiB"
+    assert dict(stats.requests_by_rule) == {"default": 3, "big": 1}
+
+
+def test_stats_are_frozen_snapshots() -> None:
+    """Statistics are an immutable snapshot that later requests do not change."""
+    pool = _pool()
+    pool.workspace("default", {})
+    snapshot = pool.stats()
+    pool.workspace("big", {})
+    assert snapshot.capacity_bytes == MiB
+    with pytest.raises(AttributeError):
+        snapshot.capacity_bytes = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("growth", "requested", "capacity"),
+    [
+        ("exact", 1000, 1000),
+        ("power_of_two", 1000, 1024),
+        ("power_of_two", 1024, 1024),
+        ("32MiB", 1, 32 * MiB),
+        ("32MiB", 33 * MiB, 64 * MiB),
+    ],
+)
+def test_growth_policies(growth: str, requested: int, capacity: int) -> None:
+    """Exact, power-of-two and granularity policies round capacities as documented."""
+    pool = _pool(growth=growth)
+    pool.request(requested)
+    assert pool.capacity_bytes == capacity
+
+
+def test_rounding_never_exceeds_max_bytes() -> None:
+    """A request that fits max_bytes is served even if rounding would go above it."""
+    pool = _pool(growth="32MiB", max_bytes=40 * MiB)
+    pool.request(33 * MiB)
+    assert pool.capacity_bytes == 40 * MiB
+
+
+def test_max_bytes_refuses_and_keeps_the_buffer(caplog: pytest.LogCaptureFixture) -> None:
+    """Above max_bytes, growth raises WorkspaceLimitError (a MemoryError); the old buffer stays."""
+    pool = _pool(max_bytes=2 * MiB)
+    buf = pool.workspace("default", {})
+    with (
+        caplog.at_level(logging.WARNING, logger="wspool"),
+        pytest.raises(
+            WorkspaceLimitError,
+            match=r"pool 'p' on cpu \(lane main\) needs 3145728 bytes \(3MiB\) for rule big, "
+            r"above max_bytes = 2097152 bytes \(2MiB\); raise pools\.p\.max_bytes / WSPOOL_POOLS__P__MAX_BYTES",
+        ) as info,
+    ):
+        pool.workspace("big", {})
+    assert isinstance(info.value, MemoryError)
+    assert pool.buffer is not None and pool.buffer.data_ptr() == buf.data_ptr()
+    assert pool.stats().refused_count == 1
+    assert "refused p on cpu" in caplog.text
+
+
+def test_out_of_memory_keeps_serving_the_old_buffer() -> None:
+    """An injected OutOfMemoryError on growth becomes WorkspaceLimitError; the pool keeps its buffer."""
+    calls = []
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        calls.append(nbytes)
+        if nbytes > MiB:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB", "big": "3MiB"}), CPU, allocator=allocator)
+    buf = pool.workspace("default", {})
+    with pytest.raises(WorkspaceLimitError, match=r"could not grow from 1048576 to 3145728 bytes .* out of memory"):
+        pool.workspace("big", {})
+    assert pool.workspace("default", {}).data_ptr() == buf.data_ptr()
+    assert pool.capacity_bytes == MiB
+    assert calls == [MiB, 3 * MiB]
+
+
+def test_frozen_pool_refuses_growth_and_keeps_state() -> None:
+    """While frozen, a request that fits is served and one that does not raises; nothing changes."""
+    freeze = _FreezeState()
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB", "big": "3MiB"}), CPU, freeze=freeze)
+    buf = pool.workspace("default", {})
+    freeze.frozen = True
+    assert pool.workspace("default", {}).data_ptr() == buf.data_ptr()
+    with pytest.raises(
+        WorkspaceFrozenError,
+        match=r"would have to grow while the registry is frozen: rule big needs 3145728 bytes \(3MiB\), "
+        r"1048576 bytes available.*raise pools\.p\.rules\.big / WSPOOL_POOLS__P__RULES__BIG",
+    ):
+        pool.workspace("big", {})
+    assert (pool.capacity_bytes, pool.buffer.data_ptr()) == (MiB, buf.data_ptr())  # type: ignore[union-attr]
+
+
+def test_unknown_rule_names_the_key() -> None:
+    """Asking for a rule the pool lacks names the key to set."""
+    with pytest.raises(
+        RuleError, match=r"pool 'p' has no rule 'lse' \(rules: big, default, expr\); set pools\.p\.rules\.lse"
+    ):
+        _pool().workspace("lse", {})
+
+
+def test_expression_rule_uses_facts() -> None:
+    """An expression rule sizes the buffer from the call's facts."""
+    pool = _pool()
+    assert pool.workspace("expr", {"x": 8}).numel() == 8 * 1024
+
+
+def test_retired_buffers_are_dropped_unless_captured() -> None:
+    """Growth drops an uncaptured buffer, but keeps one marked as captured until release_retired()."""
+    pool = _pool()
+    pool.workspace("default", {})
+    pool.workspace("big", {})
+    assert pool.stats().retired_bytes == 0
+    pool._captured = True  # as if handed out during a CUDA-graph capture
+    pool.request(4 * MiB)
+    assert pool.stats().retired_bytes == 3 * MiB
+    assert pool.release_retired() == 3 * MiB
+    assert pool.stats().retired_bytes == 0
+
+
+def test_generation_counts_buffer_replacements() -> None:
+    """generation increments each time the buffer is replaced, so caches can key on it."""
+    pool = _pool()
+    assert pool.generation == 0
+    pool.workspace("default", {})
+    pool.workspace("default", {})
+    assert pool.generation == 1
+    pool.workspace("big", {})
+    assert pool.generation == 2
+
+
+def test_growth_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Growth is logged on the wspool logger with pool, device, old and new capacity and rule."""
+    with caplog.at_level(logging.INFO, logger="wspool"):
+        _pool().workspace("big", {})
+    assert "pool p on cpu lane main grew 0B -> 3MiB for rule big" in caplog.text

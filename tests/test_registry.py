@@ -1,0 +1,168 @@
+"""Tests for wspool.registry: the public API backends use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import wspool
+from wspool.errors import ConfigError, WorkspaceFrozenError
+
+MiB = 2**20
+
+
+def test_default_registry_serves_the_seed_sizes() -> None:
+    """The process default registry gives 128MiB by default and 256MiB for lse."""
+    reg = wspool.get_registry()
+    assert reg.resolve("flashinfer_mla") == 128 * MiB
+    assert reg.resolve("flashinfer_mla", rule="lse") == 256 * MiB
+    assert reg.workspace("flashinfer_mla", device="cpu").numel() == 128 * MiB
+    assert reg.workspace("flashinfer_mla", device="cpu", rule="lse").numel() == 256 * MiB
+    assert wspool.get_registry() is reg
+
+
+def test_from_config_reads_the_file(tmp_path: Path) -> None:
+    """from_config loads an explicit file."""
+    path = tmp_path / "my.yaml"
+    path.write_text("pools:\n  flashinfer_mla:\n    rules:\n      lse: 300MiB\n")
+    assert wspool.PoolRegistry.from_config(path).resolve("flashinfer_mla", rule="lse") == 314572800
+
+
+def test_from_config_missing_file() -> None:
+    """from_config with a missing file is a ConfigError."""
+    with pytest.raises(ConfigError, match="does not exist"):
+        wspool.PoolRegistry.from_config("/nonexistent/wspool.yaml")
+
+
+def test_backends_share_one_buffer() -> None:
+    """Two callers naming the same pool and device get the same buffer."""
+    reg = wspool.PoolRegistry.from_config(pools={"shared": {"rules": {"a": "1MiB", "b": "2MiB"}}})
+    first = reg.workspace("shared", device="cpu", rule="b")
+    second = reg.workspace("shared", device=torch.device("cpu"), rule="a")
+    assert first.data_ptr() == second.data_ptr()
+    assert reg.stats("shared", device="cpu").request_count == 2
+
+
+def test_pools_and_lanes_are_separate() -> None:
+    """Different pools, and different lanes of one pool, never share memory."""
+    reg = wspool.PoolRegistry.from_config(
+        pools={"x": {"rules": {"default": "1MiB"}}, "y": {"rules": {"default": "1MiB"}}}
+    )
+    x = reg.workspace("x", device="cpu")
+    y = reg.workspace("y", device="cpu")
+    with wspool.lane("ubatch1"):
+        x1 = reg.workspace("x", device="cpu")
+    x2 = reg.workspace("x", device="cpu", lane="ubatch2")
+    assert len({x.data_ptr(), y.data_ptr(), x1.data_ptr(), x2.data_ptr()}) == 4
+    assert reg.workspace("x", device="cpu").data_ptr() == x.data_ptr()
+    assert {s.lane for s in reg.all_stats() if s.pool == "x"} == {"main", "ubatch1", "ubatch2"}
+
+
+def test_device_none_means_cpu_without_cuda() -> None:
+    """device=None is the current device: the CPU on a machine without CUDA."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; covered by the GPU tests")
+    reg = wspool.PoolRegistry()
+    assert reg.workspace("flashinfer_mla").device == torch.device("cpu")
+
+
+def test_resolve_allocates_nothing() -> None:
+    """resolve() returns bytes without creating a buffer."""
+    reg = wspool.PoolRegistry()
+    assert reg.resolve("flashinfer_mla", rule="lse") == 256 * MiB
+    assert list(reg.pools()) == []
+
+
+def test_unknown_pool_and_rule_name_the_setting() -> None:
+    """Unknown pools and rules are ConfigErrors naming the key to set."""
+    reg = wspool.PoolRegistry()
+    with pytest.raises(ConfigError, match=r"unknown pool 'nope'.*WSPOOL_POOLS__NOPE__RULES__DEFAULT"):
+        reg.workspace("nope", device="cpu")
+    with pytest.raises(ConfigError, match=r"no rule 'prefill'.*pools\.flashinfer_mla\.rules\.prefill"):
+        reg.resolve("flashinfer_mla", rule="prefill")
+    assert list(reg.pools()) == []
+
+
+def test_reserve_and_warmup() -> None:
+    """reserve() pre-sizes by bytes or rule; warmup() grows once to the largest shape."""
+    reg = wspool.PoolRegistry.from_config(pools={"p": {"rules": {"default": "x * 1MiB"}}})
+    reg.reserve("p", device="cpu", nbytes="2MiB")
+    assert reg.stats("p", device="cpu").capacity_bytes == 2 * MiB
+    capacity = reg.warmup("p", [{"x": 1}, {"x": 5}, {"x": 3}], device="cpu")
+    assert capacity == 5 * MiB
+    assert reg.stats("p", device="cpu").grow_count == 2
+    reg.reserve("p", device="cpu", rule="default", x=6)
+    assert reg.stats("p", device="cpu").capacity_bytes == 6 * MiB
+    with pytest.raises(ValueError, match="exactly one of nbytes= or rule="):
+        reg.reserve("p", device="cpu")
+
+
+def test_freeze_context_manager() -> None:
+    """Inside frozen(), growth is refused; afterwards it is allowed again."""
+    reg = wspool.PoolRegistry()
+    reg.workspace("flashinfer_mla", device="cpu")
+    with reg.frozen():
+        assert reg.is_frozen
+        with pytest.raises(WorkspaceFrozenError, match=r"rules\.lse"):
+            reg.workspace("flashinfer_mla", device="cpu", rule="lse")
+    assert not reg.is_frozen
+    assert reg.workspace("flashinfer_mla", device="cpu", rule="lse").numel() == 256 * MiB
+
+
+def test_declared_pool_is_overridden_by_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend's declared rules apply unless the configuration sets them."""
+    monkeypatch.setenv("WSPOOL_POOLS__MYBACKEND__RULES__DEFAULT", "8MiB")
+    reg = wspool.PoolRegistry()
+    reg.declare_pool("mybackend", {"default": "4MiB", "prefill": "16MiB"}, max_bytes="1GiB")
+    assert reg.resolve("mybackend") == 8 * MiB
+    assert reg.resolve("mybackend", rule="prefill") == 16 * MiB
+    assert reg.spec("mybackend").max_bytes == 2**30
+
+
+def test_reset_drops_buffers() -> None:
+    """reset() forgets every pool instance."""
+    reg = wspool.PoolRegistry()
+    reg.workspace("flashinfer_mla", device="cpu")
+    reg.reset()
+    assert reg.all_stats() == []
+
+
+def test_concurrent_first_requests_allocate_once() -> None:
+    """Threads racing on a new pool allocate it exactly once and count every request."""
+    allocations = []
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        allocations.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+    reg = wspool.PoolRegistry(wspool.load_settings(pools={"p": {"rules": {"default": "1MiB"}}}), allocator=allocator)
+    barrier = threading.Barrier(8)
+
+    def worker() -> None:
+        barrier.wait()
+        for _ in range(500):
+            reg.workspace("p", device="cpu")
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert allocations == [MiB]
+    assert reg.stats("p", device="cpu").request_count == 4000
+
+
+def test_import_touches_neither_flashinfer_nor_cuda() -> None:
+    """import wspool loads no FlashInfer and creates no CUDA context."""
+    code = (
+        "import sys, torch, wspool; "
+        "assert 'flashinfer' not in sys.modules, 'flashinfer imported'; "
+        "assert not torch.cuda.is_initialized(), 'cuda initialised'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,92 @@
+"""Tests for wspool.units: parsing and printing sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wspool.errors import SizeError
+from wspool.units import MAX_SIZE_BYTES, format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("256MiB", 256 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("128MB", 128 * 10**6),
+        ("4096", 4096),
+        (4096, 4096),
+        ("0", 0),
+        ("64kib", 64 * 1024),
+        ("2 GiB", 2 * 2**30),
+        ("  1tb ", 10**12),
+        ("7b", 7),
+        ("1.1KiB", math.ceil(1.1 * 1024)),
+    ],
+)
+def test_parse_size_accepts_units(text: object, expected: int) -> None:
+    """Binary and SI units, bare numbers and integers parse to bytes, case-insensitively."""
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("-1MiB", "invalid size"),
+        (-5, "must not be negative"),
+        ("12 parsecs", "unknown unit 'parsecs'"),
+        ("nan", "invalid size 'nan'"),
+        (float("nan"), "got float nan"),
+        (True, "got bool True"),
+        ("", "invalid size ''"),
+        ("   ", "invalid size"),
+        (1.5, "got float"),
+        (None, "got NoneType"),
+        ("2PiB", "unknown unit"),
+        ("2048TiB", "exceeds the limit"),
+        (MAX_SIZE_BYTES + 1, "exceeds the limit"),
+    ],
+)
+def test_parse_size_rejects_bad_input(value: object, match: str) -> None:
+    """Negatives, unknown units, NaN, booleans, empty strings and huge sizes are SizeErrors."""
+    with pytest.raises(SizeError, match=match):
+        parse_size(value)
+
+
+def test_size_error_names_the_setting() -> None:
+    """A size error names the YAML key and the environment variable."""
+    with pytest.raises(SizeError, match=r"pools\.x\.max_bytes / WSPOOL_POOLS__X__MAX_BYTES") as info:
+        parse_size("lots", setting=("pools", "x", "max_bytes"))
+    assert info.value.env_var == "WSPOOL_POOLS__X__MAX_BYTES"
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [(268435456, "256MiB"), (17301504, "16.5MiB"), (1023, "1023B"), (0, "0B"), (3 * 2**29, "1.5GiB"), (2**40, "1TiB")],
+)
+def test_format_size(nbytes: int, text: str) -> None:
+    """Sizes print in the largest binary unit, exact multiples without decimals."""
+    assert format_size(nbytes) == text
+
+
+@given(st.integers(min_value=0, max_value=MAX_SIZE_BYTES))
+def test_exact_sizes_round_trip(nbytes: int) -> None:
+    """Every exact format_size output parses back to the same byte count."""
+    text = format_size(nbytes)
+    if "." not in text:
+        assert parse_size(text) == nbytes
+
+
+@given(st.one_of(st.text(max_size=30), st.integers(), st.floats(), st.booleans(), st.none()))
+def test_parse_size_never_crashes(value: object) -> None:
+    """Arbitrary input either parses to a bounded size or raises SizeError."""
+    try:
+        nbytes = parse_size(value)
+    except SizeError:
+        return
+    assert 0 <= nbytes <= MAX_SIZE_BYTES

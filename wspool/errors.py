@@ -1,0 +1,84 @@
+"""The exceptions wspool raises, and how they name the setting to change.
+
+Every error derives from :class:`WspoolError`. Configuration problems are also
+``ValueError`` and limit problems are also ``MemoryError``, so callers that
+already catch the builtin kinds keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "ConfigError",
+    "RuleError",
+    "SizeError",
+    "WorkspaceFrozenError",
+    "WorkspaceLimitError",
+    "WspoolError",
+    "setting_names",
+]
+
+ENV_PREFIX = "WSPOOL_"
+ENV_DELIMITER = "__"
+
+
+def setting_names(path: Sequence[str]) -> tuple[str, str]:
+    """Return a setting's YAML key and environment variable.
+
+    Args:
+        path: The key's parts, e.g. ``("pools", "flashinfer_mla", "rules", "lse")``.
+
+    Returns:
+        ``("pools.flashinfer_mla.rules.lse", "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE")``.
+    """
+    parts = [str(p) for p in path]
+    return ".".join(parts), ENV_PREFIX + ENV_DELIMITER.join(p.upper() for p in parts)
+
+
+def describe_setting(path: Sequence[str]) -> str:
+    """Return ``"key / ENV_VAR"`` for use inside error messages."""
+    key, env = setting_names(path)
+    return f"{key} / {env}"
+
+
+class WspoolError(Exception):
+    """Base class of every error wspool raises."""
+
+
+class ConfigError(WspoolError, ValueError):
+    """A configuration value, size or rule is invalid.
+
+    Attributes:
+        key: The YAML key of the offending setting, when one is known.
+        env_var: The matching ``WSPOOL_*`` environment variable, when known.
+    """
+
+    def __init__(self, message: str, *, path: Sequence[str] | None = None) -> None:
+        super().__init__(message)
+        self.key: str | None = None
+        self.env_var: str | None = None
+        if path is not None:
+            self.key, self.env_var = setting_names(path)
+
+
+class SizeError(ConfigError):
+    """A size (``"256MiB"``, ``4096``) could not be parsed."""
+
+
+class RuleError(ConfigError):
+    """A sizing rule is malformed, or could not be resolved for a call."""
+
+
+class WorkspaceLimitError(WspoolError, MemoryError):
+    """A pool could not grow: ``max_bytes`` was reached or the device ran out.
+
+    The pool keeps serving its previous buffer.
+    """
+
+
+class WorkspaceFrozenError(WspoolError, RuntimeError):
+    """A pool would have to grow while frozen or during CUDA-graph capture.
+
+    Nothing is allocated and the pool's buffer is left exactly as it was.
+    """

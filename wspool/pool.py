@@ -1,0 +1,419 @@
+"""One workspace pool on one device and lane: a lazily grown, zero-filled ``uint8`` buffer.
+
+Device semantics: a pool lives on exactly one ``torch.device``; nothing is
+allocated before the first request, and the buffer is created there with
+``torch.zeros`` (so kernels that keep semaphores in it start from zero).
+
+Growth: a request that resolves larger than the capacity replaces the buffer
+with a new, larger, zero-filled one (rounded by the pool's growth policy,
+capped by ``max_bytes``). The pool never shrinks by itself and never calls
+``torch.cuda.empty_cache()``.
+
+Capture semantics: a pool never allocates while the current CUDA stream is
+capturing a graph; such a request raises :class:`WorkspaceFrozenError`. A
+buffer that was handed out during a capture is referenced by that graph, so
+when the pool later grows, that buffer is *retired* (kept alive) rather than
+freed, until :meth:`WorkspacePool.release_retired` says the graphs are gone.
+Buffers never handed out during a capture are dropped on growth and freed by
+PyTorch once the caller's last reference goes.
+
+Thread semantics: every method is thread-safe; concurrent first requests
+allocate once. Using one buffer from two CUDA streams at once is a data race
+that wspool cannot see: give each stream its own lane.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError, describe_setting
+from wspool.rules import LiteralRule, SizeRule, compile_rule
+from wspool.units import format_size
+
+__all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool"]
+
+logger = logging.getLogger("wspool")
+
+#: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
+Allocator = Callable[[int, torch.device], torch.Tensor]
+
+
+def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Allocate a zero-filled ``uint8`` buffer (the default allocator)."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of one pool's state; reading it has no side effects.
+
+    Attributes:
+        pool: The pool's name.
+        device: The device, as a string (``"cuda:0"``, ``"cpu"``).
+        lane: The lane (``"main"`` unless a lane was chosen).
+        capacity_bytes: Size of the current buffer (0 before the first request).
+        peak_request_bytes: Largest size any request resolved to.
+        request_count: Requests served.
+        grow_count: Times the buffer was (re)allocated, the first allocation included.
+        last_grow_reason: Why the buffer last grew, e.g. ``"rule lse: 256MiB"``.
+        refused_count: Requests refused (frozen, capturing, over the limit, out of memory).
+        retired_bytes: Bytes of old buffers kept alive for captured graphs.
+        requests_by_rule: Requests served per rule (or per reason for sized requests).
+    """
+
+    pool: str
+    device: str
+    lane: str
+    capacity_bytes: int
+    peak_request_bytes: int
+    request_count: int
+    grow_count: int
+    last_grow_reason: str | None
+    refused_count: int = 0
+    retired_bytes: int = 0
+    requests_by_rule: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class PoolSpec:
+    """A pool's configuration, shared by its instances on every device and lane.
+
+    Args:
+        name: The pool's name.
+        rules: Rule name -> rule source (size or expression).
+        growth: ``"exact"``, ``"power_of_two"`` or a granularity size string.
+        max_bytes: Largest capacity allowed, or ``None``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rules: Mapping[str, str | int],
+        growth: str = "exact",
+        max_bytes: int | None = None,
+    ) -> None:
+        from wspool.units import parse_size  # the one place sizes are parsed
+
+        self.name = name
+        self.rules: dict[str, SizeRule] = {
+            rule: compile_rule(source, ("pools", name, "rules", rule)) for rule, source in rules.items()
+        }
+        self.growth = growth
+        self.granularity = 0 if growth in ("exact", "power_of_two") else parse_size(growth)
+        self.max_bytes = max_bytes
+
+    def setting(self, *parts: str) -> str:
+        """Name a setting of this pool as ``"key / ENV_VAR"``."""
+        return describe_setting(("pools", self.name, *parts))
+
+    def capacity_for(self, nbytes: int) -> int:
+        """Return the capacity to allocate for a request of ``nbytes``."""
+        if self.growth == "power_of_two":
+            capacity = 1 << max(nbytes - 1, 0).bit_length()
+        elif self.granularity:
+            capacity = -(-nbytes // self.granularity) * self.granularity
+        else:
+            capacity = nbytes
+        if self.max_bytes is not None and capacity > self.max_bytes >= nbytes:
+            capacity = self.max_bytes  # rounding may not push a fitting request over the cap
+        return capacity
+
+
+class _RuleSlot:
+    """Per rule (or request reason): its compiled rule and an atomic request counter."""
+
+    __slots__ = ("counter", "label", "nbytes", "rule", "setting")
+
+    def __init__(self, rule: SizeRule | None, label: str, setting: str) -> None:
+        self.rule = rule
+        # A literal rule's size, read without a method call on the hot path.
+        self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None
+        self.label = label  # says why the pool grew, e.g. "rule lse"
+        self.setting = setting  # the key that sizes these requests, for error messages
+        # next() on itertools.count is atomic under the GIL: exact counts without a lock.
+        self.counter = itertools.count()
+
+    @property
+    def count(self) -> int:
+        # count's repr is "count(N)": the only way to read it without advancing it.
+        return int(repr(self.counter)[6:-1])
+
+
+class _FreezeState:
+    """Shared by a registry's pools: growth is refused while ``frozen``."""
+
+    __slots__ = ("frozen",)
+
+    def __init__(self) -> None:
+        self.frozen = False
+
+
+def _is_capturing() -> bool:
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+class WorkspacePool:
+    """A workspace buffer for one (pool, device, lane); create through a registry.
+
+    Args:
+        spec: The pool's configuration.
+        device: Where the buffer lives (an explicit device, never ``"cuda"``
+            without an index).
+        lane: The lane name; distinct lanes never share memory.
+        freeze: The registry's freeze flag.
+        allocator: Makes zero-filled buffers; the default is ``torch.zeros``.
+    """
+
+    def __init__(
+        self,
+        spec: PoolSpec,
+        device: torch.device,
+        lane: str = "main",
+        *,
+        freeze: _FreezeState | None = None,
+        allocator: Allocator | None = None,
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.lane = lane
+        self._freeze = freeze if freeze is not None else _FreezeState()
+        self._allocate: Allocator = allocator or zeros_allocator
+        self._is_cuda = device.type == "cuda"
+        self._lock = threading.Lock()
+        # (buffer, capacity) replaced as one object, so unlocked readers never see a
+        # new capacity with the old, smaller buffer.
+        self._state: tuple[torch.Tensor | None, int] = (None, 0)
+        self._peak = 0
+        self._grows = 0
+        self._refused = 0
+        self._last_reason: str | None = None
+        self._captured = False
+        self._retired: list[torch.Tensor] = []
+        self._slots: dict[str, _RuleSlot] = {
+            name: _RuleSlot(rule, f"rule {name}", spec.setting("rules", name)) for name, rule in spec.rules.items()
+        }
+        self.generation = 0
+        """Increments each time the buffer is replaced; caches keyed on it go stale."""
+
+    # -- the per-call path -------------------------------------------------
+
+    def workspace(self, rule: str, facts: Mapping[str, object]) -> torch.Tensor:
+        """Return the buffer, grown first if ``rule`` resolves larger than it.
+
+        Args:
+            rule: The rule's name (``"default"``, ``"lse"``...).
+            facts: The call's facts that the rule may read.
+
+        Returns:
+            The whole ``uint8`` buffer; ``numel()`` is at least the resolved size.
+
+        Raises:
+            RuleError: The rule is unknown or cannot be resolved for these facts.
+            WorkspaceFrozenError: Growth was needed while frozen or capturing.
+            WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
+        """
+        slot = self._slots.get(rule)
+        if slot is None or slot.rule is None:
+            raise self._unknown_rule(rule)
+        nbytes = slot.nbytes
+        if nbytes is None:
+            nbytes = slot.rule.resolve(facts)
+        if self._is_cuda and _is_capturing():
+            self._captured = True
+        buffer, capacity = self._state
+        if nbytes <= capacity:
+            next(slot.counter)
+            if nbytes > self._peak:
+                self._note_peak(nbytes)
+            return buffer  # type: ignore[return-value]
+        return self._serve_growing(slot, nbytes)
+
+    def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
+        """Return the buffer for an explicit size in bytes, grown first if needed."""
+        slot = self._slots.get(reason)
+        if slot is None:
+            with self._lock:
+                slot = self._slots.setdefault(reason, _RuleSlot(None, reason, self.spec.setting("rules", "<rule>")))
+        if self._is_cuda and _is_capturing():
+            self._captured = True
+        buffer, capacity = self._state
+        if nbytes <= capacity:
+            next(slot.counter)
+            if nbytes > self._peak:
+                self._note_peak(nbytes)
+            return buffer  # type: ignore[return-value]
+        return self._serve_growing(slot, nbytes)
+
+    def _note_peak(self, nbytes: int) -> None:
+        with self._lock:
+            if nbytes > self._peak:
+                self._peak = nbytes
+
+    def _serve_growing(self, slot: _RuleSlot, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            buffer, capacity = self._state
+            if nbytes > capacity:
+                buffer = self._grow_locked(nbytes, slot.label, slot.setting)
+            next(slot.counter)
+            if nbytes > self._peak:
+                self._peak = nbytes
+            return buffer  # type: ignore[return-value]
+
+    # -- growth ------------------------------------------------------------
+
+    def grow_to(self, nbytes: int, reason: str) -> torch.Tensor:
+        """Grow to hold at least ``nbytes`` (used by overflow recovery and reserve).
+
+        Returns:
+            The (possibly new) buffer.
+
+        Raises:
+            WorkspaceFrozenError: While frozen or capturing.
+            WorkspaceLimitError: Beyond ``max_bytes`` or the device's memory.
+        """
+        with self._lock:
+            buffer, capacity = self._state
+            if nbytes <= capacity:
+                return buffer  # type: ignore[return-value]
+            return self._grow_locked(nbytes, reason)
+
+    def _grow_locked(self, nbytes: int, reason: str, setting: str | None = None) -> torch.Tensor:
+        spec = self.spec
+        setting = setting or spec.setting("rules", "<rule>")
+        previous, old = self._state
+        if spec.max_bytes is not None and nbytes > spec.max_bytes:
+            self._refused += 1
+            logger.warning(
+                "wspool: refused %s on %s lane %s: %s (%s) needs %d bytes, above max_bytes %d",
+                spec.name,
+                self.device,
+                self.lane,
+                reason,
+                format_size(nbytes),
+                nbytes,
+                spec.max_bytes,
+            )
+            raise WorkspaceLimitError(
+                f"pool {spec.name!r} on {self.device} (lane {self.lane}) needs {nbytes} bytes "
+                f"({format_size(nbytes)}) for {reason}, above max_bytes = {spec.max_bytes} bytes "
+                f"({format_size(spec.max_bytes)}); raise {spec.setting('max_bytes')}"
+            )
+        capturing = self._is_cuda and _is_capturing()
+        if self._freeze.frozen or capturing:
+            self._refused += 1
+            why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
+            logger.warning(
+                "wspool: refused growth of %s on %s lane %s %s: %s needs %d bytes, %d available",
+                spec.name,
+                self.device,
+                self.lane,
+                why,
+                reason,
+                nbytes,
+                old,
+            )
+            raise WorkspaceFrozenError(
+                f"pool {spec.name!r} on {self.device} (lane {self.lane}) would have to grow {why}: "
+                f"{reason} needs {nbytes} bytes ({format_size(nbytes)}), {old} bytes available. "
+                f"Reserve or warm up that size before capturing/freezing, or raise {setting}"
+            )
+        capacity = spec.capacity_for(nbytes)
+        try:
+            buffer = self._allocate(capacity, self.device)
+        except torch.OutOfMemoryError as exc:
+            self._refused += 1
+            logger.warning(
+                "wspool: out of memory growing %s on %s lane %s from %d to %d bytes for %s",
+                spec.name,
+                self.device,
+                self.lane,
+                old,
+                capacity,
+                reason,
+            )
+            raise WorkspaceLimitError(
+                f"pool {spec.name!r} on {self.device} (lane {self.lane}) could not grow from {old} to "
+                f"{capacity} bytes ({format_size(capacity)}) for {reason}: the device is out of memory; "
+                f"the pool keeps its {format_size(old) if old else 'empty'} buffer. Lower {setting} "
+                f"or free device memory"
+            ) from exc
+        if previous is not None and self._captured:
+            self._retired.append(previous)
+        self._state = (buffer, capacity)
+        self._captured = False
+        self._grows += 1
+        self.generation += 1
+        self._last_reason = f"{reason}: {format_size(nbytes)}"
+        logger.info(
+            "wspool: pool %s on %s lane %s grew %s -> %s for %s (requested %d bytes)",
+            spec.name,
+            self.device,
+            self.lane,
+            format_size(old),
+            format_size(capacity),
+            reason,
+            nbytes,
+        )
+        return buffer
+
+    # -- inspection and maintenance -----------------------------------------
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The current buffer, or ``None`` before the first request."""
+        return self._state[0]
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The current buffer's size in bytes (0 before the first request)."""
+        return self._state[1]
+
+    def stats(self) -> PoolStats:
+        """Return a consistent snapshot of this pool's statistics."""
+        with self._lock:
+            by_rule = {name: slot.count for name, slot in self._slots.items() if slot.count}
+            return PoolStats(
+                pool=self.spec.name,
+                device=str(self.device),
+                lane=self.lane,
+                capacity_bytes=self._state[1],
+                peak_request_bytes=self._peak,
+                request_count=sum(by_rule.values()),
+                grow_count=self._grows,
+                last_grow_reason=self._last_reason,
+                refused_count=self._refused,
+                retired_bytes=sum(t.numel() for t in self._retired),
+                requests_by_rule=MappingProxyType(by_rule),
+            )
+
+    def release_retired(self) -> int:
+        """Drop retired buffers; call once no captured graph can replay them.
+
+        Returns:
+            The number of bytes released to PyTorch's allocator.
+        """
+        with self._lock:
+            released = sum(t.numel() for t in self._retired)
+            self._retired.clear()
+            return released
+
+    def _unknown_rule(self, rule: str) -> Exception:
+        from wspool.errors import RuleError
+
+        known = ", ".join(sorted(n for n, s in self._slots.items() if s.rule is not None)) or "none"
+        return RuleError(
+            f"pool {self.spec.name!r} has no rule {rule!r} (rules: {known}); set {self.spec.setting('rules', rule)}",
+            path=("pools", self.spec.name, "rules", rule),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkspacePool({self.spec.name!r}, device={self.device}, lane={self.lane!r}, "
+            f"capacity={format_size(self._state[1])})"
+        )

@@ -1,0 +1,110 @@
+"""Byte sizes: the one place where ``"256MiB"`` becomes 268435456 and back.
+
+Binary units (KiB, MiB, GiB, TiB) are powers of 1024, SI units (KB, MB, GB,
+TB) powers of 1000; units are case-insensitive and a bare number means bytes.
+A fractional size (``"1.5GiB"``) is rounded up to a whole byte.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+
+from wspool.errors import SizeError, describe_setting
+
+__all__ = ["MAX_SIZE_BYTES", "UNIT_BYTES", "format_size", "parse_size"]
+
+#: Sizes above this are rejected: no device has a petabyte of memory, and the
+#: bound keeps rule arithmetic on small integers.
+MAX_SIZE_BYTES = 1 << 50
+
+UNIT_BYTES: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def _fail(message: str, setting: Sequence[str] | None) -> SizeError:
+    where = f" (setting {describe_setting(setting)})" if setting else ""
+    return SizeError(message + where, path=setting)
+
+
+def parse_size(value: object, *, setting: Sequence[str] | None = None) -> int:
+    """Parse a size into bytes.
+
+    Args:
+        value: An ``int`` or a string such as ``"256MiB"``, ``"1.5GiB"``,
+            ``"128MB"`` or ``"4096"``.
+        setting: The key path this value came from, named in errors.
+
+    Returns:
+        The size in bytes, ``0 <= size <= MAX_SIZE_BYTES``.
+
+    Raises:
+        SizeError: For booleans, floats, negatives, NaN, empty strings, unknown
+            units and sizes above :data:`MAX_SIZE_BYTES`.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _fail(
+            f"size must be an integer number of bytes or a string like '256MiB', got {type(value).__name__} {value!r}",
+            setting,
+        )
+    if isinstance(value, int):
+        nbytes = value
+    else:
+        match = _SIZE_RE.match(value)
+        if match is None:
+            raise _fail(
+                f"invalid size {value!r}: expected a non-negative number with an optional "
+                f"unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '256MiB'",
+                setting,
+            )
+        number, unit = match.groups()
+        scale = UNIT_BYTES.get(unit.lower())
+        if scale is None:
+            raise _fail(
+                f"invalid size {value!r}: unknown unit {unit!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)",
+                setting,
+            )
+        try:
+            exact = Decimal(number) * scale
+        except InvalidOperation as exc:  # pragma: no cover - the regex admits only digits
+            raise _fail(f"invalid size {value!r}", setting) from exc
+        if exact > MAX_SIZE_BYTES:
+            raise _fail(f"size {value!r} exceeds the limit of {format_size(MAX_SIZE_BYTES)}", setting)
+        nbytes = math.ceil(exact)
+    if nbytes < 0:
+        raise _fail(f"size must not be negative, got {value!r}", setting)
+    if nbytes > MAX_SIZE_BYTES:
+        raise _fail(f"size {value!r} exceeds the limit of {format_size(MAX_SIZE_BYTES)}", setting)
+    return nbytes
+
+
+def format_size(nbytes: int) -> str:
+    """Format a byte count for people: ``268435456`` -> ``"256MiB"``.
+
+    Exact multiples print without decimals; other sizes of 1 KiB or more print
+    with up to two decimals of the largest binary unit that fits
+    (``17301504`` -> ``"16.5MiB"``); smaller sizes print as ``"123B"``.
+    """
+    for unit, scale in _BINARY_UNITS:
+        if abs(nbytes) >= scale:
+            if nbytes % scale == 0:
+                return f"{nbytes // scale}{unit}"
+            # Keep a decimal point on inexact sizes so they never read as exact ("2.0KiB").
+            text = f"{nbytes / scale:.2f}".rstrip("0")
+            return (text + "0" if text.endswith(".") else text) + unit
+    return f"{nbytes}B"
