@@ -15,6 +15,7 @@ __all__ = [
     "SizeError",
     "WorkspaceFrozenError",
     "WorkspaceLimitError",
+    "WorkspaceOverflowError",
     "WspoolError",
     "setting_names",
 ]
@@ -82,3 +83,7 @@ class WorkspaceFrozenError(WspoolError, RuntimeError):
 
     Nothing is allocated and the pool's buffer is left exactly as it was.
     """
+
+
+class WorkspaceOverflowError(WspoolError, RuntimeError):
+    """A kernel still overflowed its workspace after wspool grew it and retried."""

@@ -1,0 +1,117 @@
+"""Test doubles of FlashInfer's MLA kernels that run on the CPU.
+
+They take the same arguments as the real ones (the binding tests check that
+wspool's calls fit the real signatures), carve or use the workspace they are
+given the way FlashInfer does, and compute with the fp32 reference, so a
+stale plan or a wrong buffer shows up as a wrong result.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+
+from wspool.flashinfer.reference import mla_decode_reference
+from wspool.flashinfer.trtllm_layout import carve_trtllm_mla_workspace
+
+MiB = 1 << 20
+
+
+class TrtllmDouble:
+    """``trtllm_batch_decode_with_kv_cache_mla``: carves like the launcher, then computes."""
+
+    def __init__(self, scratch_bytes: int = 32 * MiB) -> None:
+        self.scratch_bytes = scratch_bytes
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        query = kwargs["query"]
+        batch, q_len, heads, _ = query.shape
+        carve_trtllm_mla_workspace(
+            kwargs["workspace_buffer"].numel(),
+            num_heads=heads,
+            batch_size=batch,
+            q_len=q_len,
+            return_lse=kwargs["return_lse"],
+            scratch_bytes=self.scratch_bytes,
+        )
+        kv = kwargs["kv_cache"].squeeze(1)
+        out, lse = mla_decode_reference(
+            query, kv, kwargs["block_tables"], kwargs["seq_lens"], sm_scale=kwargs["bmm1_scale"]
+        )
+        if kwargs["out"] is not None:
+            kwargs["out"].copy_(out)
+            out = kwargs["out"]
+        if kwargs["return_lse"]:
+            return out, lse.view(batch * q_len, heads)
+        return out
+
+
+class WrapperDouble:
+    """``BatchMLAPagedAttentionWrapper``: computes from the CSR metadata of its last plan."""
+
+    instances: ClassVar[list[WrapperDouble]] = []
+    partial_bytes = 17301504  # what FlashInfer's fa3 plan carves on an H200 (mla_partial_o)
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto", **kwargs: Any) -> None:
+        self.workspace = float_workspace_buffer
+        self.backend = backend
+        self.init_kwargs = kwargs
+        self.plan_calls = 0
+        self.planned: dict[str, Any] | None = None
+        WrapperDouble.instances.append(self)
+
+    def plan(self, **kwargs: Any) -> None:
+        self.plan_calls += 1
+        capacity = self.workspace.numel()
+        if capacity < self.partial_bytes:
+            raise RuntimeError(
+                "Error in function 'aligned_alloc' at allocator.h:49: Buffer overflow when allocating memory for "
+                f"mla_partial_o with size {self.partial_bytes} and alignment 16, but only {capacity} bytes "
+                "available in AlignedAllocator. Increase the workspace buffer size."
+            )
+        meta = kwargs["metadata"]
+        # Copy, as FlashInfer does at plan time: later in-place edits must not leak in.
+        self.planned = {**kwargs, "csr": tuple(t.clone() for t in meta)}
+
+    def run(self, **kwargs: Any) -> Any:
+        assert self.planned is not None, "run() before plan()"
+        qo_indptr, kv_indptr, kv_indices, kv_lens = self.planned["csr"]
+        query, kv_cache = kwargs["query"], kwargs["kv_cache"]
+        batch = kv_lens.numel()
+        q_len = int(qo_indptr[1] - qo_indptr[0])
+        heads = query.shape[1]
+        widest = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+        tables = torch.zeros(batch, max(widest, 1), dtype=torch.int32)
+        for b in range(batch):
+            pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
+            tables[b, : pages.numel()] = pages
+        out, lse = mla_decode_reference(
+            query.view(batch, q_len, heads, -1), kv_cache, tables, kv_lens, sm_scale=self.planned["sm_scale"]
+        )
+        out = out.view(batch * q_len, heads, -1)
+        lse = lse.view(batch * q_len, heads)
+        if kwargs["out"] is not None:
+            kwargs["out"].copy_(out)
+            out = kwargs["out"]
+        if kwargs["return_lse"]:
+            assert self.planned["lse_mode"] == "basee"
+            return out, lse
+        return out
+
+
+def metadata_csr(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Stand-in for ``MLAPlanMetadata.csr``: the tensors themselves."""
+    return tensors
+
+
+def fake_flashinfer_mla(trtllm: TrtllmDouble | None = None) -> SimpleNamespace:
+    """A stand-in for the ``flashinfer.mla`` module built from the doubles."""
+    return SimpleNamespace(
+        trtllm_batch_decode_with_kv_cache_mla=trtllm or TrtllmDouble(),
+        BatchMLAPagedAttentionWrapper=WrapperDouble,
+        MLAPlanMetadata=SimpleNamespace(csr=metadata_csr),
+    )

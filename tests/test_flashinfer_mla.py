@@ -1,0 +1,275 @@
+"""Tests for wspool.flashinfer.mla on the CPU: paths, plan reuse and invalidation, overflow recovery."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import wspool
+from tests.mla_doubles import TrtllmDouble, WrapperDouble, fake_flashinfer_mla
+from tests.mla_inputs import MLAInputs, make_inputs
+from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError
+from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_decode_reference, select_path
+from wspool.flashinfer import kernels as fi_kernels
+from wspool.flashinfer import mla as mla_module
+
+MiB = 1 << 20
+
+
+def _reference(inputs: MLAInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla_decode_reference(
+        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, sm_scale=inputs.sm_scale
+    )
+
+
+def _decode(inputs: MLAInputs, **kwargs: object) -> object:
+    return mla_decode(
+        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+        sm_scale=inputs.sm_scale, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+@pytest.fixture
+def hopper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pretend the CPU is an SM90 GPU whose FlashInfer is the wrapper double."""
+    WrapperDouble.instances.clear()
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
+    yield
+
+
+@pytest.fixture
+def blackwell(monkeypatch: pytest.MonkeyPatch) -> TrtllmDouble:
+    """Pretend the CPU is an SM100 GPU whose trtllm-gen kernel is the carving double."""
+    double = TrtllmDouble()
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (10, 0))
+    monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla(double))
+    return double
+
+
+def test_path_selection() -> None:
+    """CPU picks the reference; GPU kernels are never replaced by it silently; unknown backends fail."""
+    cpu = torch.device("cpu")
+    assert select_path(cpu) == "reference"
+    assert select_path(cpu, "reference") == "reference"
+    with pytest.raises(ValueError, match="backend 'fa3' needs a CUDA device"):
+        select_path(cpu, "fa3")
+    with pytest.raises(ValueError, match="unknown MLA decode backend 'flash'"):
+        select_path(cpu, "flash")
+
+
+def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SM100/103/107 take trtllm-gen; SM90 and SM80 take the planned wrapper."""
+    gpu = torch.device("cuda", 0)
+    for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "auto"), ((8, 0), "auto")]:
+        monkeypatch.setattr(mla_module, "_arch", lambda device, arch=arch: arch)
+        assert select_path(gpu) == path
+    assert select_path(gpu, "fa2") == "fa2"
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_reference_path_draws_from_the_pool(return_lse: bool) -> None:
+    """On the CPU, mla_decode computes the reference and sizes the pool by the default or lse rule."""
+    inputs = make_inputs(3, 8, [70, 1, 128])
+    result = _decode(inputs, return_lse=return_lse)
+    want_out, want_lse = _reference(inputs)
+    if return_lse:
+        out, lse = result  # type: ignore[misc]
+        torch.testing.assert_close(lse, want_lse)
+    else:
+        out = result
+    torch.testing.assert_close(out, want_out)
+    stats = wspool.get_registry().stats("flashinfer_mla", device="cpu")
+    assert stats.capacity_bytes == (256 if return_lse else 128) * MiB
+    assert dict(stats.requests_by_rule) == {("lse" if return_lse else "default"): 1}
+
+
+def test_out_and_lse_buffers_are_filled() -> None:
+    """Caller-given out and lse buffers are written and returned."""
+    inputs = make_inputs(2, 4, [10, 20])
+    out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 1, 4)
+    got_out, got_lse = _decode(inputs, return_lse=True, out=out, lse=lse)  # type: ignore[misc]
+    assert got_out is out and got_lse is lse
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda i: setattr(i, "query", i.query[:, :, :2]), "query is .* but the plan is for"),
+        (lambda i: setattr(i, "block_tables", i.block_tables.float()), "block_tables must be a 2-D int32 tensor"),
+        (lambda i: setattr(i, "seq_lens", i.seq_lens[:1]), "block_tables has 2 rows but seq_lens has 1"),
+        (lambda i: setattr(i, "max_seq_len", 0), "max_seq_len must be a positive integer"),
+        (lambda i: setattr(i, "kv_cache", i.kv_cache[..., :512]), r"kv_cache must be \[pages, 64, 576\]"),
+    ],
+)
+def test_bad_tensors_are_rejected(change: object, match: str) -> None:
+    """Malformed inputs raise a ValueError naming the tensor, before any kernel runs."""
+    inputs = make_inputs(2, 4, [10, 20])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    change(inputs)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=match):
+        if "query" in match or "kv_cache" in match:
+            plan.run(inputs.query, inputs.kv_cache)
+        else:
+            _decode(inputs)
+
+
+def test_wrapper_path_matches_reference(hopper: None) -> None:
+    """On the Hopper path, the CSR metadata built on the device gives the reference result."""
+    inputs = make_inputs(4, 8, [300, 1, 64, 65], q_len=1)
+    out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    want_out, want_lse = _reference(inputs)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    (wrapper,) = WrapperDouble.instances
+    assert wrapper.workspace.numel() == 256 * MiB
+    assert wrapper.planned["lse_mode"] == "basee"  # type: ignore[index]
+
+
+def test_one_plan_per_step(hopper: None) -> None:
+    """Sixty-one layer calls with the same metadata plan once and share one wrapper."""
+    inputs = make_inputs(2, 8, [100, 37])
+    for layer in range(61):
+        inputs.query = make_inputs(2, 8, [100, 37], seed=layer).query
+        out = _decode(inputs)
+        torch.testing.assert_close(out, _reference(inputs)[0])
+    (wrapper,) = WrapperDouble.instances
+    assert wrapper.plan_calls == 1
+    assert wspool.get_registry().stats("flashinfer_mla", device="cpu").request_count == 61
+
+
+def test_in_place_metadata_changes_replan(hopper: None) -> None:
+    """Editing the page table or lengths in place makes the next call replan; results stay right."""
+    inputs = make_inputs(2, 4, [100, 37], page_size=16)
+    _decode(inputs)
+    inputs.seq_lens[1] = 38  # the next decode step appends a token
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+    inputs.block_tables[0, 0], inputs.block_tables[0, 1] = (
+        inputs.block_tables[0, 1].item(),
+        inputs.block_tables[0, 0].item(),
+    )
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+    assert WrapperDouble.instances[0].plan_calls == 3
+
+
+def test_new_metadata_or_batch_replans(hopper: None) -> None:
+    """New tensors, another batch size or other options plan again; wrappers are reused across steps."""
+    first = make_inputs(2, 4, [50, 60])
+    _decode(first)
+    second = make_inputs(3, 4, [5, 6, 7], seed=1)
+    torch.testing.assert_close(_decode(second), _reference(second)[0])
+    torch.testing.assert_close(_decode(second, return_lse=True)[0], _reference(second)[0])  # type: ignore[index]
+    assert sum(w.plan_calls for w in WrapperDouble.instances) == 3
+    assert len(WrapperDouble.instances) == 2  # one per LSE mode, shared across steps
+
+
+def test_pool_growth_replans_on_the_new_buffer(hopper: None) -> None:
+    """When another caller grows the pool, the plan's next run replans on the new buffer."""
+    inputs = make_inputs(2, 4, [50, 60])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    old = WrapperDouble.instances[-1]
+    wspool.get_registry().reserve("flashinfer_mla", device="cpu", nbytes="200MiB")
+    torch.testing.assert_close(plan.run(inputs.query, inputs.kv_cache), _reference(inputs)[0])
+    new = WrapperDouble.instances[-1]
+    assert new is not old and new.workspace.numel() == 200 * MiB and plan.plan_calls == 2
+
+
+def test_plan_taken_over_by_another_plan_replans(hopper: None) -> None:
+    """Two live plans sharing a wrapper never run on each other's metadata."""
+    a = make_inputs(2, 4, [50, 60], seed=1)
+    b = make_inputs(2, 4, [7, 90], seed=2)
+    kwargs = {"num_heads": 4, "sm_scale": a.sm_scale, "page_size": 64}
+    plan_a = mla_decode_plan(a.block_tables, a.seq_lens, a.max_seq_len, **kwargs)  # type: ignore[arg-type]
+    plan_b = mla_decode_plan(b.block_tables, b.seq_lens, b.max_seq_len, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(plan_a.run(a.query, a.kv_cache), _reference(a)[0])
+    torch.testing.assert_close(plan_b.run(b.query, b.kv_cache), _reference(b)[0])
+    assert len(WrapperDouble.instances) == 1
+
+
+def test_undersized_rule_recovers_once_with_a_warning(hopper: None, caplog: pytest.LogCaptureFixture) -> None:
+    """An 8MiB rule overflows FlashInfer's plan; the pool grows once, with one warning naming the key."""
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 2 and stats.capacity_bytes >= WrapperDouble.partial_bytes
+    assert stats.last_grow_reason.startswith("overflow recovery (mla_partial_o)")  # type: ignore[union-attr]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0].getMessage()
+    _decode(inputs, registry=registry)
+    assert registry.stats("flashinfer_mla", device="cpu").grow_count == 2
+
+
+def test_overflow_while_frozen_raises_with_the_key(hopper: None) -> None:
+    """A frozen pool does not grow on overflow: the error names the bytes needed and the key."""
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    registry.reserve("flashinfer_mla", device="cpu", nbytes="8MiB")
+    with (
+        registry.frozen(),
+        pytest.raises(
+            WorkspaceFrozenError, match=r"overflow recovery \(mla_partial_o\) needs \d+ bytes.*RULES__DEFAULT"
+        ),
+    ):
+        _decode(inputs, registry=registry)
+    assert registry.stats("flashinfer_mla", device="cpu").capacity_bytes == 8 * MiB
+
+
+def test_trtllm_path_uses_pool_buffers(blackwell: TrtllmDouble) -> None:
+    """On Blackwell, the kernel gets the pool's workspace, the counter pool's buffer and basee LSE."""
+    inputs = make_inputs(2, 16, [50, 60])
+    _out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    call = blackwell.calls[-1]
+    registry = wspool.get_registry()
+    assert call["workspace_buffer"].data_ptr() == registry.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
+    assert call["multi_ctas_kv_counter_buffer"].numel() == 2 * 16 * 4  # round_up(max(B*H, sm_count=1), 8) * 4
+    assert call["return_lse_base"] == "basee" and call["backend"] == "trtllm-gen"
+
+
+def test_seed_regression_128mib_fails_and_default_serves(blackwell: TrtllmDouble) -> None:
+    """The seed's crash: an LSE call at 128 heads x 512 requests overflows 128MiB; the default serves it."""
+    inputs = make_inputs(512, 128, [1] * 512, page_size=64)
+    seed_fixed_size = wspool.PoolRegistry.from_config(
+        pools={"flashinfer_mla": {"rules": {"default": "128MiB", "lse": "128MiB"}, "max_bytes": "128MiB"}}
+    )
+    with pytest.raises(
+        WorkspaceLimitError,
+        match=r"above max_bytes = 134217728 bytes \(128MiB\); raise pools\.flashinfer_mla\.max_bytes",
+    ) as info:
+        _decode(inputs, return_lse=True, registry=seed_fixed_size)
+    # The kernel double raised FlashInfer's own message first: the seed's slab, 129MiB.
+    assert "trtllm_gen_softmax_workspace with size 135266304 and alignment 16, but only 134217728" in str(
+        info.value.__context__
+    )
+    assert seed_fixed_size.stats("flashinfer_mla", "cpu").capacity_bytes == 128 * MiB
+    _out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    stats = wspool.get_registry().stats("flashinfer_mla", device="cpu")
+    assert (stats.capacity_bytes, stats.grow_count) == (256 * MiB, 1)
+
+
+def test_plan_object_is_the_explicit_form(hopper: None) -> None:
+    """mla_decode_plan + run per layer gives the same results with one plan."""
+    inputs = make_inputs(3, 8, [20, 30, 40])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=8, sm_scale=inputs.sm_scale,
+        page_size=64, return_lse=True,
+    )  # fmt: skip
+    assert isinstance(plan, MLADecodePlan) and plan.rule == "lse" and plan.facts["batch_size"] == 3
+    for _ in range(5):
+        _out, lse = plan.run(inputs.query, inputs.kv_cache)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    assert plan.plan_calls == 1

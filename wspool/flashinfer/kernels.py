@@ -1,0 +1,153 @@
+"""Every FlashInfer call wspool makes, built in one place.
+
+Each ``*_kwargs`` function returns the exact keyword arguments wspool passes,
+so the CPU tests can bind them to the installed FlashInfer's real signatures
+with ``inspect.signature(...).bind(**kwargs)``. FlashInfer itself is imported
+lazily, on the first call that needs a kernel, never at ``import wspool``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "load_flashinfer_mla",
+    "trtllm_decode_kwargs",
+    "wrapper_init_kwargs",
+    "wrapper_plan_kwargs",
+    "wrapper_run_kwargs",
+]
+
+_INSTALL_HINT = "install it with: pip install 'flashinfer-python>=0.7.2,<0.8' (or choose backend='reference')"
+
+
+def load_flashinfer_mla() -> ModuleType:
+    """Import ``flashinfer.mla``.
+
+    Raises:
+        ImportError: FlashInfer is not installed, with an install hint.
+    """
+    try:
+        return importlib.import_module("flashinfer.mla")
+    except ImportError as exc:
+        raise ImportError(f"wspool's MLA decode kernels need FlashInfer ({exc}); {_INSTALL_HINT}") from exc
+
+
+def trtllm_decode_kwargs(
+    *,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    workspace: torch.Tensor,
+    counters: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    sm_scale: float,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    return_lse: bool,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    qk_nope_head_dim: int,
+) -> dict[str, Any]:
+    """Arguments of ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` (Blackwell).
+
+    The counter buffer comes from its own pool, so it is allocated once, zeroed
+    once, and never reallocated behind a captured graph.
+    """
+    return {
+        "query": query,
+        "kv_cache": kv_cache.unsqueeze(1),  # [pages, 1, page_size, dim]: one shared KV head
+        "workspace_buffer": workspace,
+        "qk_nope_head_dim": qk_nope_head_dim,
+        "kv_lora_rank": kv_lora_rank,
+        "qk_rope_head_dim": qk_rope_head_dim,
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+        "max_seq_len": max_seq_len,
+        "out": out,
+        "bmm1_scale": sm_scale,
+        "bmm2_scale": 1.0,
+        "backend": "trtllm-gen",
+        "lse": lse,
+        "return_lse": return_lse,
+        "multi_ctas_kv_counter_buffer": counters,
+        "return_lse_base": "basee",
+    }
+
+
+def wrapper_init_kwargs(
+    *,
+    workspace: torch.Tensor,
+    backend: str,
+    graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Arguments of ``BatchMLAPagedAttentionWrapper(...)`` (Hopper and Ampere).
+
+    Args:
+        workspace: The float workspace from the pool.
+        backend: ``"auto"``, ``"fa3"`` or ``"fa2"``.
+        graph_buffers: ``(qo_indptr, kv_indptr, kv_indices, kv_len_arr)`` fixed
+            buffers for CUDA-graph mode, or ``None`` for eager mode.
+    """
+    kwargs: dict[str, Any] = {"float_workspace_buffer": workspace, "backend": backend}
+    if graph_buffers is not None:
+        qo_indptr, kv_indptr, kv_indices, kv_len_arr = graph_buffers
+        kwargs.update(
+            use_cuda_graph=True, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr
+        )
+    return kwargs
+
+
+def wrapper_plan_kwargs(
+    *,
+    metadata: object,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    page_size: int,
+    causal: bool,
+    sm_scale: float,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    return_lse: bool,
+) -> dict[str, Any]:
+    """Arguments of ``BatchMLAPagedAttentionWrapper.plan`` (canonical CSR metadata, packed inputs)."""
+    return {
+        "metadata": metadata,
+        "num_heads": num_heads,
+        "head_dim_ckv": kv_lora_rank,
+        "head_dim_kpe": qk_rope_head_dim,
+        "page_size": page_size,
+        "causal": causal,
+        "sm_scale": sm_scale,
+        "q_data_type": q_dtype,
+        "kv_data_type": kv_dtype,
+        "query_layout": "packed",
+        "kv_cache_layout": "packed",
+        # The natural-log LSE, as every other path returns it (DCP merges need one base).
+        "lse_mode": "basee" if return_lse else "none",
+    }
+
+
+def wrapper_run_kwargs(
+    *,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    return_lse: bool,
+) -> dict[str, Any]:
+    """Arguments of ``BatchMLAPagedAttentionWrapper.run`` (packed query ``[tokens, heads, dim]``)."""
+    return {
+        "query": query,
+        "kv_cache": kv_cache,
+        "out": out,
+        "lse": lse,
+        "return_lse": return_lse,
+        "return_lse_base_on_e": True,
+    }

@@ -1,0 +1,601 @@
+"""MLA decode (DeepSeek / Kimi style) with its workspace from a wspool pool.
+
+An engine calls MLA decode once per layer with the same page table and lengths
+for every layer of a step. :func:`mla_decode_plan` makes one
+:class:`MLADecodePlan` per step (FlashInfer's ``plan()`` costs about a
+millisecond of host time); :meth:`MLADecodePlan.run` is the per-layer call.
+:func:`mla_decode` is the one-call form: it reuses the previous call's plan
+while the page table and lengths are the same, unmodified tensors.
+
+Kernel paths (``backend="auto"``):
+
+- Blackwell (SM100/SM103/SM107): ``trtllm_batch_decode_with_kv_cache_mla``
+  with ``workspace_buffer`` from the pool and its counter buffer from the
+  ``flashinfer_mla_counters`` pool.
+- Other CUDA devices (Hopper SM90, Ampere SM80): ``BatchMLAPagedAttentionWrapper``
+  built on the pool's buffer, planned from the page table converted to CSR on
+  the device.
+- CPU, or ``backend="reference"``: :func:`~wspool.flashinfer.reference.mla_decode_reference`.
+  It is never chosen on a GPU unless asked for. It requests the workspace like
+  the kernels do, so sizes and statistics behave the same everywhere.
+
+The LSE is the natural-log log-sum-exp on every path.
+
+Device semantics: everything runs on the device of ``block_tables``, which
+must be the device of the query and the KV cache. Thread and stream
+semantics: a plan and its lane's buffer serve one stream at a time; use
+``lane=`` for concurrent streams. Capture semantics: ``run()`` of a plan made
+with ``use_cuda_graph=True`` can be captured; the pool must not need to grow
+during capture (reserve or warm up first, then freeze).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from wspool.devices import resolve_device
+from wspool.errors import WorkspaceOverflowError, describe_setting
+from wspool.flashinfer import kernels
+from wspool.flashinfer.overflow import parse_overflow
+from wspool.flashinfer.reference import mla_decode_reference
+from wspool.pool import WorkspacePool
+from wspool.registry import PoolRegistry, get_registry
+from wspool.units import format_size
+
+__all__ = [
+    "BACKENDS",
+    "COUNTER_POOL",
+    "MLA_POOL",
+    "MLADecodePlan",
+    "mla_decode",
+    "mla_decode_plan",
+    "select_path",
+]
+
+logger = logging.getLogger("wspool")
+
+MLA_POOL = "flashinfer_mla"
+COUNTER_POOL = "flashinfer_mla_counters"
+#: trtllm-gen's multi-CTA semaphores: FlashInfer's own formula, as a rule.
+COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
+BACKENDS = ("auto", "reference", "trtllm-gen", "fa3", "fa2")
+_BLACKWELL = ((10, 0), (10, 3), (10, 7))
+_MiB = 1 << 20
+#: Growths tried for one call before an overflow is reported (each grows past the last need).
+_MAX_RECOVERIES = 3
+
+_capabilities: dict[torch.device, tuple[int, int]] = {}
+_sm_counts: dict[torch.device, int] = {}
+
+
+def _arch(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    found = _capabilities.get(device)
+    if found is None:
+        found = _capabilities[device] = torch.cuda.get_device_capability(device)
+    return found
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    found = _sm_counts.get(device)
+    if found is None:
+        found = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return found
+
+
+def select_path(device: torch.device, backend: str = "auto") -> str:
+    """Return the kernel path for ``device``: ``"reference"``, ``"trtllm-gen"``, or a wrapper backend.
+
+    Raises:
+        ValueError: ``backend`` is unknown, or names a GPU kernel for a CPU device.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MLA decode backend {backend!r} (choose one of {', '.join(BACKENDS)})")
+    if backend == "reference":
+        return "reference"
+    arch = _arch(device)
+    if arch is None:
+        if backend == "auto":
+            return "reference"
+        raise ValueError(f"MLA decode backend {backend!r} needs a CUDA device, got {device}; use backend='reference'")
+    if backend == "auto":
+        return "trtllm-gen" if arch in _BLACKWELL else "auto"
+    return backend
+
+
+def _check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.device) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in (torch.int32, torch.int64):
+        shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be a {dim}-D int32 tensor, got {shown}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, but block_tables is on {device}")
+
+
+class MLADecodePlan:
+    """MLA decode planned for one page table and set of lengths: one step of an engine.
+
+    Build with :func:`mla_decode_plan`. :meth:`run` is the per-layer call; it
+    never runs against metadata it was not planned for: a pool that grew, or a
+    shared FlashInfer wrapper that another plan took over, makes it replan.
+    Mutating ``block_tables`` or ``seq_lens`` after planning is the caller's
+    contract to avoid (or to follow with :meth:`replan`); :func:`mla_decode`
+    detects it through the tensors' version counters.
+
+    Attributes:
+        path: ``"reference"``, ``"trtllm-gen"`` or the wrapper backend asked for.
+        rule: The pool rule that sizes the workspace (``"lse"`` or ``"default"``).
+        facts: The facts the rule is resolved with.
+        plan_calls: How many times this plan called FlashInfer's ``plan()``.
+    """
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        *,
+        num_heads: int,
+        sm_scale: float,
+        page_size: int,
+        q_len: int = 1,
+        q_dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: torch.dtype | None = None,
+        return_lse: bool = False,
+        registry: PoolRegistry | None = None,
+        pool: str = MLA_POOL,
+        backend: str = "auto",
+        lane: str | None = None,
+        use_cuda_graph: bool = False,
+        kv_lora_rank: int = 512,
+        qk_rope_head_dim: int = 64,
+        qk_nope_head_dim: int = 128,
+        facts: Mapping[str, int] | None = None,
+    ) -> None:
+        device = block_tables.device if isinstance(block_tables, torch.Tensor) else resolve_device(None)
+        _check_int_tensor("block_tables", block_tables, 2, device)
+        _check_int_tensor("seq_lens", seq_lens, 1, device)
+        batch_size = seq_lens.shape[0]
+        if block_tables.shape[0] != batch_size:
+            raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch_size} entries")
+        for name, value in (("num_heads", num_heads), ("page_size", page_size), ("q_len", q_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        self.device = device
+        self.path = select_path(device, backend)
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+        self.q_len = q_len
+        self.num_heads = num_heads
+        self.page_size = page_size
+        self.sm_scale = float(sm_scale)
+        self.q_dtype = q_dtype
+        self.kv_dtype = kv_dtype or q_dtype
+        self.return_lse = return_lse
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.use_cuda_graph = use_cuda_graph
+        self.rule = "lse" if return_lse else "default"
+        self.facts: dict[str, int] = {
+            "batch_size": batch_size,
+            "q_len": q_len,
+            "num_heads": num_heads,
+            "max_seq_len": max_seq_len,
+            "page_size": page_size,
+            "kv_lora_rank": kv_lora_rank,
+            "qk_rope_head_dim": qk_rope_head_dim,
+            "dtype_bytes": torch.empty((), dtype=q_dtype).element_size(),
+            "sm_count": _sm_count(device),
+            "cp_world": 1,
+            **(facts or {}),
+        }
+        self._query_shape = (batch_size, q_len, num_heads, kv_lora_rank + qk_rope_head_dim)
+        self._registry = registry if registry is not None else get_registry()
+        self._pool = self._registry.pool(pool, device, lane=lane)
+        self._setting = describe_setting(("pools", pool, "rules", self.rule))
+        self._versions = (block_tables._version, seq_lens._version)
+        self._wrapper: Any = None
+        self._generation = -1
+        self._token = object()  # identifies this plan as a shared wrapper's current owner
+        self._graph_buffers: tuple[torch.Tensor, ...] | None = None
+        self.plan_calls = 0
+        # Grow now, outside the per-layer path (and outside any later capture).
+        self._pool.ensure(self.rule, self.facts)
+        if self.path == "trtllm-gen":
+            self._registry.declare_pool(COUNTER_POOL, {"default": COUNTER_RULE})
+            self._counters = self._registry.pool(COUNTER_POOL, device, lane=lane)
+            self._counters.ensure("default", self.facts)
+        elif self.path != "reference":
+            self._plan_wrapper()
+
+    # -- metadata identity (for mla_decode's reuse) --------------------------
+
+    def is_current_for(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+        """Whether these are the very tensors this plan was made for, unmodified since."""
+        return (
+            block_tables is self.block_tables
+            and seq_lens is self.seq_lens
+            and block_tables._version == self._versions[0]
+            and seq_lens._version == self._versions[1]
+        )
+
+    def replan(self) -> None:
+        """Plan again for the current contents of ``block_tables`` and ``seq_lens`` (same shapes)."""
+        self._versions = (self.block_tables._version, self.seq_lens._version)
+        if self.path not in ("reference", "trtllm-gen"):
+            self._plan_wrapper()
+
+    # -- the per-layer call ----------------------------------------------------
+
+    def run(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run MLA decode for one layer.
+
+        Args:
+            query: ``[batch, q_len, heads, kv_lora_rank + rope]`` as planned.
+            kv_cache: ``[pages, page_size, kv_lora_rank + rope]``.
+            out: Optional ``[batch, q_len, heads, kv_lora_rank]`` output buffer.
+            lse: Optional ``[batch, q_len, heads]`` fp32 buffer (with LSE plans).
+
+        Returns:
+            ``out``, or ``(out, lse)`` for a plan made with ``return_lse=True``.
+
+        Raises:
+            ValueError: The query does not match the plan.
+            WorkspaceFrozenError: The pool would have to grow while frozen or capturing.
+            WorkspaceOverflowError: FlashInfer still overflowed after recovery.
+        """
+        if tuple(query.shape) != self._query_shape or query.dtype != self.q_dtype:
+            raise ValueError(
+                f"query is {tuple(query.shape)} {query.dtype}, but the plan is for "
+                f"{self._query_shape} {self.q_dtype}; make a new plan for a new shape"
+            )
+        if kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size or kv_cache.shape[2] != query.shape[3]:
+            raise ValueError(
+                f"kv_cache must be [pages, {self.page_size}, {query.shape[3]}], got {tuple(kv_cache.shape)}"
+            )
+        workspace = self._pool.workspace(self.rule, self.facts)
+        if self.path == "reference":
+            return self._run_reference(query, kv_cache, out, lse)
+        if self.path == "trtllm-gen":
+            return self._run_trtllm(query, kv_cache, out, lse, workspace)
+        if self._pool.generation != self._generation or self._wrapper._wspool_owner is not self._token:
+            self._plan_wrapper()
+        tokens = self.batch_size * self.q_len
+        result = self._wrapper.run(
+            **kernels.wrapper_run_kwargs(
+                query=query.reshape(tokens, self.num_heads, -1),
+                kv_cache=kv_cache,
+                out=None if out is None else out.view(tokens, self.num_heads, -1),
+                lse=None if lse is None else lse.view(tokens, self.num_heads),
+                return_lse=self.return_lse,
+            )
+        )
+        return self._shape_result(result)
+
+    def _shape_result(self, result: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        batch, q_len, heads = self.batch_size, self.q_len, self.num_heads
+        if self.return_lse:
+            out, lse = result
+            return out.view(batch, q_len, heads, -1), lse.view(batch, q_len, heads)
+        return result.view(batch, q_len, heads, -1)  # type: ignore[no-any-return]
+
+    def _run_reference(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ref_out, ref_lse = mla_decode_reference(
+            query, kv_cache, self.block_tables, self.seq_lens, sm_scale=self.sm_scale, kv_lora_rank=self.kv_lora_rank
+        )
+        if out is not None:
+            out.copy_(ref_out)
+            ref_out = out
+        if not self.return_lse:
+            return ref_out
+        if lse is not None:
+            lse.copy_(ref_lse)
+            ref_lse = lse
+        return ref_out, ref_lse
+
+    def _run_trtllm(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor | None,
+        lse: torch.Tensor | None,
+        workspace: torch.Tensor,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        kernel = kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla
+        counters = self._counters.workspace("default", self.facts)
+        tokens = self.batch_size * self.q_len
+        for attempt in range(_MAX_RECOVERIES + 1):
+            try:
+                result = kernel(
+                    **kernels.trtllm_decode_kwargs(
+                        query=query,
+                        kv_cache=kv_cache,
+                        workspace=workspace,
+                        counters=counters,
+                        block_tables=self.block_tables,
+                        seq_lens=self.seq_lens,
+                        max_seq_len=self.max_seq_len,
+                        sm_scale=self.sm_scale,
+                        out=out,
+                        lse=None if lse is None else lse.view(tokens, self.num_heads),
+                        return_lse=self.return_lse,
+                        kv_lora_rank=self.kv_lora_rank,
+                        qk_rope_head_dim=self.qk_rope_head_dim,
+                        qk_nope_head_dim=self.qk_nope_head_dim,
+                    )
+                )
+                return self._shape_result(result)
+            except RuntimeError as exc:
+                workspace = self._recover(exc, workspace.numel(), attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- planning (wrapper path) ----------------------------------------------
+
+    def _plan_wrapper(self) -> None:
+        metadata = kernels.load_flashinfer_mla().MLAPlanMetadata.csr(*self._csr_metadata())
+        plan_kwargs = kernels.wrapper_plan_kwargs(
+            metadata=metadata,
+            num_heads=self.num_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            page_size=self.page_size,
+            causal=self.q_len > 1,
+            sm_scale=self.sm_scale,
+            q_dtype=self.q_dtype,
+            kv_dtype=self.kv_dtype,
+            return_lse=self.return_lse,
+        )
+        for attempt in range(_MAX_RECOVERIES + 1):
+            workspace = self._pool.ensure(self.rule, self.facts)
+            generation = self._pool.generation
+            wrapper = self._acquire_wrapper(workspace, generation)
+            try:
+                self.plan_calls += 1
+                wrapper.plan(**plan_kwargs)
+            except RuntimeError as exc:
+                self._recover(exc, workspace.numel(), attempt)
+                continue
+            wrapper._wspool_owner = self._token
+            self._wrapper = wrapper
+            self._generation = generation
+            return
+
+    def _csr_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convert the page table to FlashInfer's CSR form, on the device (one host sync)."""
+        device, batch = self.device, self.batch_size
+        lengths = self.seq_lens.to(torch.int32)
+        pages = (lengths + self.page_size - 1) // self.page_size
+        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        torch.cumsum(pages, 0, out=kv_indptr[1:])
+        live = torch.arange(self.block_tables.shape[1], device=device)[None, :] < pages[:, None]
+        kv_indices = self.block_tables[live].to(torch.int32)
+        qo_indptr = torch.arange(0, (batch + 1) * self.q_len, self.q_len, dtype=torch.int32, device=device)
+        if self._graph_buffers is not None:
+            # Graph mode: FlashInfer copies the metadata into the fixed buffers at plan time.
+            capacity = self._graph_buffers[2].numel()
+            if kv_indices.numel() > capacity:
+                raise ValueError(
+                    f"the page table holds {kv_indices.numel()} live pages, more than the {capacity} "
+                    f"this CUDA-graph plan was made for; make a new plan"
+                )
+        return qo_indptr, kv_indptr, kv_indices, lengths
+
+    def _acquire_wrapper(self, workspace: torch.Tensor, generation: int) -> Any:
+        if self.use_cuda_graph:
+            if self._wrapper is not None and self._generation == generation:
+                return self._wrapper
+            max_pages = self.block_tables.numel()
+            self._graph_buffers = (
+                torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
+                torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
+                torch.empty(max_pages, dtype=torch.int32, device=self.device),
+                torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
+            )
+            return _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
+        return _shared_wrapper(self._pool, workspace, generation, self.path, self.return_lse)
+
+    # -- overflow recovery -----------------------------------------------------
+
+    def _recover(self, exc: RuntimeError, capacity: int, attempt: int) -> torch.Tensor:
+        """Grow the pool past what a FlashInfer overflow needed; re-raise anything else."""
+        overflow = parse_overflow(exc)
+        if overflow is None:
+            raise exc
+        needed = overflow.needed_capacity(capacity)
+        if attempt >= _MAX_RECOVERIES:
+            raise WorkspaceOverflowError(
+                f"FlashInfer MLA decode still overflowed pool {self._pool.spec.name!r} on {self.device} after "
+                f"{attempt} growth(s): {overflow.name} needs {overflow.size_bytes} bytes with "
+                f"{overflow.available_bytes} of {capacity} available; raise {self._setting}"
+            ) from exc
+        # Headroom for the carves after the one that failed, so one retry normally suffices.
+        target = -(-(needed + max(needed // 8, _MiB)) // _MiB) * _MiB
+        if attempt == 0:
+            logger.warning(
+                "wspool: FlashInfer MLA decode overflowed pool %s on %s (rule %s): %s needed %d bytes, %d "
+                "available of %s; growing to %s and retrying. Raise %s to at least %s to avoid this",
+                self._pool.spec.name,
+                self.device,
+                self.rule,
+                overflow.name,
+                overflow.size_bytes,
+                overflow.available_bytes,
+                format_size(capacity),
+                format_size(target),
+                self._setting,
+                format_size(needed),
+            )
+        return self._pool.grow_to(target, f"overflow recovery ({overflow.name})", self._setting)
+
+
+def _make_wrapper(
+    workspace: torch.Tensor,
+    backend: str,
+    graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> Any:
+    wrapper_cls = kernels.load_flashinfer_mla().BatchMLAPagedAttentionWrapper
+    wrapper = wrapper_cls(
+        **kernels.wrapper_init_kwargs(workspace=workspace, backend=backend, graph_buffers=graph_buffers)
+    )
+    wrapper._wspool_owner = None
+    return wrapper
+
+
+# One eager wrapper per (pool instance, generation, backend, LSE mode): each wrapper
+# holds 16 MiB of FlashInfer's own buffers, so plans of successive steps share it.
+_wrappers: weakref.WeakKeyDictionary[WorkspacePool, dict[tuple[int, str, bool], Any]] = weakref.WeakKeyDictionary()
+
+
+def _shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, generation: int, backend: str, lse: bool) -> Any:
+    cache = _wrappers.setdefault(pool, {})
+    key = (generation, backend, lse)
+    wrapper = cache.get(key)
+    if wrapper is None:
+        for stale in [k for k in cache if k[0] != generation]:
+            del cache[stale]  # built on a buffer the pool has replaced
+        wrapper = cache[key] = _make_wrapper(workspace, backend)
+    return wrapper
+
+
+def mla_decode_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    *,
+    num_heads: int,
+    sm_scale: float,
+    page_size: int,
+    q_len: int = 1,
+    q_dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+    registry: PoolRegistry | None = None,
+    pool: str = MLA_POOL,
+    backend: str = "auto",
+    lane: str | None = None,
+    use_cuda_graph: bool = False,
+    facts: Mapping[str, int] | None = None,
+) -> MLADecodePlan:
+    """Plan MLA decode for one step; call ``plan.run(query, kv_cache)`` once per layer.
+
+    Args:
+        block_tables: ``[batch, max_pages]`` int32 page ids, on the decode device.
+        seq_lens: ``[batch]`` int32 cached lengths (the new query tokens included).
+        max_seq_len: An upper bound of ``seq_lens``.
+        num_heads: Query heads.
+        sm_scale: Softmax scale.
+        page_size: Tokens per KV-cache page.
+        q_len: Query tokens per request (1 for plain decode).
+        q_dtype: Query dtype; ``kv_dtype`` defaults to it.
+        return_lse: Also return the natural-log LSE; sizes the workspace with rule ``lse``.
+        registry: The registry; default :func:`wspool.get_registry`.
+        pool: The pool to draw from.
+        backend: ``"auto"``, ``"reference"``, ``"trtllm-gen"``, ``"fa3"`` or ``"fa2"``.
+        lane: The pool lane (for concurrent streams).
+        use_cuda_graph: Build the wrapper with fixed index buffers so ``run`` can be captured.
+        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``).
+    """
+    return MLADecodePlan(
+        block_tables, seq_lens, max_seq_len, num_heads=num_heads, sm_scale=sm_scale, page_size=page_size,
+        q_len=q_len, q_dtype=q_dtype, kv_dtype=kv_dtype, return_lse=return_lse, registry=registry, pool=pool,
+        backend=backend, lane=lane, use_cuda_graph=use_cuda_graph, facts=facts,
+    )  # fmt: skip
+
+
+# The last plan per (registry, pool, device, lane, backend, LSE mode), reused while
+# the caller passes the same, unmodified page table and lengths (one plan per step).
+_recent_plans: weakref.WeakKeyDictionary[PoolRegistry, dict[tuple[Any, ...], MLADecodePlan]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    *,
+    sm_scale: float,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    registry: PoolRegistry | None = None,
+    pool: str = MLA_POOL,
+    backend: str = "auto",
+    lane: str | None = None,
+    facts: Mapping[str, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode for one layer, with the workspace from ``pool``.
+
+    Args:
+        query: ``[batch, q_len, heads, 576]`` (latent 512 + rope 64).
+        kv_cache: ``[pages, page_size, 576]``.
+        block_tables: ``[batch, max_pages]`` int32.
+        seq_lens: ``[batch]`` int32.
+        max_seq_len: An upper bound of ``seq_lens``.
+        sm_scale: Softmax scale.
+        return_lse: Also return the natural-log LSE ``[batch, q_len, heads]`` fp32.
+        out: Optional output buffer ``[batch, q_len, heads, 512]``.
+        lse: Optional LSE buffer.
+        registry: The registry; default :func:`wspool.get_registry`.
+        pool: The pool to draw from (rule ``lse`` with LSE, else ``default``).
+        backend: See :func:`mla_decode_plan`.
+        lane: The pool lane.
+        facts: Extra facts for the rules.
+
+    Returns:
+        ``out``, or ``(out, lse)`` with ``return_lse``.
+
+    The plan of the previous call is reused while ``block_tables`` and
+    ``seq_lens`` are the same tensors with unchanged version counters (torch
+    bumps them on every in-place write), and the shapes and options match. A
+    kernel that writes them without torch knowing must be followed by a new
+    plan: use :func:`mla_decode_plan` for explicit control.
+    """
+    if query.dim() != 4:
+        raise ValueError(f"query must be [batch, q_len, heads, dim], got {tuple(query.shape)}")
+    registry = registry if registry is not None else get_registry()
+    _batch, q_len, heads, _ = query.shape
+    key = (pool, block_tables.device, lane, backend, return_lse)
+    plans = _recent_plans.setdefault(registry, {})
+    plan = plans.get(key)
+    if (
+        plan is None
+        or not plan.is_current_for(block_tables, seq_lens)
+        or plan.max_seq_len != max_seq_len
+        or plan.q_len != q_len
+        or plan.num_heads != heads
+        or plan.sm_scale != sm_scale
+        or plan.q_dtype != query.dtype
+        or plan.kv_dtype != kv_cache.dtype
+        or plan.page_size != kv_cache.shape[1]
+        or (facts is not None and any(plan.facts.get(k) != v for k, v in facts.items()))
+    ):
+        plan = plans[key] = MLADecodePlan(
+            block_tables, seq_lens, max_seq_len, num_heads=heads, sm_scale=sm_scale, page_size=kv_cache.shape[1],
+            q_len=q_len, q_dtype=query.dtype, kv_dtype=kv_cache.dtype, return_lse=return_lse, registry=registry,
+            pool=pool, backend=backend, lane=lane, facts=facts,
+        )  # fmt: skip
+    return plan.run(query, kv_cache, out=out, lse=lse)

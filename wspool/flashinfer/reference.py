@@ -1,0 +1,62 @@
+"""A torch implementation of MLA decode in fp32: the CPU path and the tests' reference.
+
+Layout (DeepSeek / Kimi style, matrix-absorbed MLA):
+``query [batch, q_len, heads, kv_lora_rank + rope]``, ``kv_cache [pages,
+page_size, kv_lora_rank + rope]`` where keys are the whole row and values the
+first ``kv_lora_rank`` features. With ``q_len > 1`` (speculative decode) query
+token ``i`` of a request sees the first ``seq_len - q_len + i + 1`` cached
+tokens (causal). The LSE is the natural-log log-sum-exp of the scaled scores.
+
+Runs on whatever device its inputs are on; allocates its own temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mla_decode_reference"]
+
+
+def mla_decode_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    kv_lora_rank: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute MLA decode attention in fp32.
+
+    Args:
+        query: ``[batch, q_len, heads, kv_lora_rank + rope]``.
+        kv_cache: ``[pages, page_size, kv_lora_rank + rope]``.
+        block_tables: ``[batch, max_pages]`` integer page ids.
+        seq_lens: ``[batch]`` integer cached lengths (the query tokens included).
+        sm_scale: The softmax scale.
+        kv_lora_rank: Width of the latent (value) part of each row.
+
+    Returns:
+        ``(out, lse)``: ``out [batch, q_len, heads, kv_lora_rank]`` in the
+        query's dtype and ``lse [batch, q_len, heads]`` in fp32, natural log.
+    """
+    batch, q_len, heads, _ = query.shape
+    page_size = kv_cache.shape[1]
+    out = torch.empty(batch, q_len, heads, kv_lora_rank, dtype=query.dtype, device=query.device)
+    lse = torch.empty(batch, q_len, heads, dtype=torch.float32, device=query.device)
+    lengths = seq_lens.tolist()
+    tables = block_tables.to(torch.long)
+    for b, length in enumerate(lengths):
+        pages = -(-length // page_size)
+        rows = kv_cache[tables[b, :pages]].reshape(pages * page_size, -1)[:length].float()
+        q = query[b].float()  # [q_len, heads, dim]
+        scores = torch.einsum("qhd,ld->qhl", q, rows) * sm_scale
+        if q_len > 1:
+            visible = torch.arange(length, device=query.device)[None, :] < (
+                length - q_len + 1 + torch.arange(q_len, device=query.device)[:, None]
+            )
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        lse[b] = torch.logsumexp(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("qhl,ld->qhd", probs, rows[:, :kv_lora_rank]).to(query.dtype)
+    return out, lse
