@@ -199,3 +199,17 @@ def test_several_errors_are_reported_together(tmp_path: Path) -> None:
     path = _write(tmp_path, "pools:\n  a:\n    growth: nope\n  b:\n    max_bytes: lots\n")
     with pytest.raises(ConfigError, match=r"\(2 errors\).*pools\.a\.growth.*pools\.b\.max_bytes"):
         load_settings(path)
+
+
+def test_kimi_dcp_lse_rule_scales_with_cp_world() -> None:
+    """configs/kimi_dcp.yaml sizes the LSE workspace by the all-gathered heads: num_heads * cp_world."""
+    from wspool.registry import PoolRegistry
+
+    reg = PoolRegistry.from_config(REPO_ROOT / "configs" / "kimi_dcp.yaml")
+    facts = {"num_heads": 8, "batch_size": 1024, "q_len": 1}
+    slab = 135266304  # the trtllm-gen softmax slab of the original overflow report (64 heads x 1024)
+    assert reg.resolve("flashinfer_mla", rule="lse", cp_world=8, **facts) == slab + 32 * 2**20
+    assert reg.resolve("flashinfer_mla", rule="lse", cp_world=1, **facts) == 8 * 8 * 1024 * 256 + 33 * 2**20
+    assert reg.resolve("flashinfer_mla", rule="default", cp_world=8, **facts) == 128 * 2**20
+    with pytest.raises(ConfigError, match=r"needs fact.*cp_world"):
+        reg.resolve("flashinfer_mla", rule="lse", **facts)

@@ -241,14 +241,27 @@ class PoolRegistry:
         *,
         rule: str = "default",
         lane: str | None = None,
+        agree_group: Any = None,
     ) -> int:
         """Resolve ``rule`` over every shape an engine will capture; grow once, to the largest.
+
+        Args:
+            agree_group: A ``torch.distributed`` process group, e.g.
+                ``torch.distributed.group.WORLD``. Given, the largest size is
+                agreed with :func:`wspool.distributed.agree` (a collective: every
+                rank of the group calls ``warmup`` for the same pools in the same
+                order), so every rank grows once, to the maximum over the ranks,
+                and a rank that cannot grow raises on every rank. ``None``: local only.
 
         Returns:
             The pool's capacity afterwards, in bytes.
         """
         target = self.pool(pool, device, lane=lane)
         largest = max((self.resolve(pool, rule, **facts) for facts in facts_list), default=0)
+        if agree_group is not None:
+            from wspool.distributed import agree
+
+            agree(self, agree_group, device=target.device, reserve={(pool, target.lane): largest})
         if largest:
             target.request(largest, f"warmup of rule {rule}")
         return target.capacity_bytes
