@@ -97,8 +97,11 @@ class WrapperDouble:
         if kwargs["out"] is not None:
             kwargs["out"].copy_(out)
             out = kwargs["out"]
+        # FlashInfer rejects a run whose LSE mode differs from the plan's.
+        run_mode = "basee" if kwargs["return_lse_base_on_e"] else ("base2" if kwargs["return_lse"] else "none")
+        if run_mode != self.planned["lse_mode"]:
+            raise ValueError(f"MLA planned run argument LSE mode mismatch: planned {self.planned['lse_mode']!r}")
         if kwargs["return_lse"]:
-            assert self.planned["lse_mode"] == "basee"
             return out, lse
         return out
 

@@ -61,13 +61,14 @@ def test_wrapper_plan_binds(return_lse: bool) -> None:
     assert bound.arguments["lse_mode"] == ("basee" if return_lse else "none")
 
 
-def test_wrapper_run_binds() -> None:
-    """wrapper.run binds with packed query and KV cache and asks for a natural-log LSE."""
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_wrapper_run_binds(return_lse: bool) -> None:
+    """wrapper.run binds with packed inputs; the natural-log flag matches the plan's LSE mode."""
     kwargs = kernels.wrapper_run_kwargs(
-        query=_t(B, H, 576), kv_cache=_t(PAGES, PAGE, 576), out=None, lse=None, return_lse=True
+        query=_t(B, H, 576), kv_cache=_t(PAGES, PAGE, 576), out=None, lse=None, return_lse=return_lse
     )
     bound = inspect.signature(fi_mla.BatchMLAPagedAttentionWrapper.run).bind(object(), **kwargs)
-    assert bound.arguments["return_lse_base_on_e"] is True
+    assert bound.arguments["return_lse_base_on_e"] is return_lse
 
 
 def test_counter_rule_matches_flashinfer() -> None:

@@ -149,5 +149,6 @@ def wrapper_run_kwargs(
         "out": out,
         "lse": lse,
         "return_lse": return_lse,
-        "return_lse_base_on_e": True,
+        # FlashInfer checks this against the plan's lse_mode: "basee" only when an LSE is planned.
+        "return_lse_base_on_e": return_lse,
     }
