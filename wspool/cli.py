@@ -106,10 +106,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from wspool.demo import run_demo
+
+    registry = PoolRegistry.from_config(args.config)
+    return 0 if run_demo(registry, args.device) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``wspool`` argument parser."""
     parser = _Parser(prog="wspool", description="Configurable GPU workspace pools.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    demo = commands.add_parser("demo", help="run MLA decode through the pool and check the results")
+    demo.add_argument("--device", default=None, help="device (default: CUDA when available, else cpu)")
+    _add_config_option(demo)
+    demo.set_defaults(handler=_cmd_demo)
 
     show = commands.add_parser("show", help="print the effective configuration and where each value came from")
     _add_config_option(show)
