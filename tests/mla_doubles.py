@@ -8,6 +8,7 @@ stale plan or a wrong buffer shows up as a wrong result.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -19,6 +20,16 @@ from wspool.flashinfer.trtllm_layout import carve_trtllm_mla_workspace
 MiB = 1 << 20
 
 
+def bind_to_flashinfer(name: str, *args: Any, **kwargs: Any) -> None:
+    """Check a call against the installed FlashInfer's real signature (``"Class.method"`` or a function)."""
+    import flashinfer.mla as real
+
+    target: Any = real
+    for part in name.split("."):
+        target = getattr(target, part)
+    inspect.signature(target).bind(*args, **kwargs)
+
+
 class TrtllmDouble:
     """``trtllm_batch_decode_with_kv_cache_mla``: carves like the launcher, then computes."""
 
@@ -27,6 +38,7 @@ class TrtllmDouble:
         self.calls: list[dict[str, Any]] = []
 
     def __call__(self, **kwargs: Any) -> Any:
+        bind_to_flashinfer("trtllm_batch_decode_with_kv_cache_mla", **kwargs)
         self.calls.append(kwargs)
         query = kwargs["query"]
         batch, q_len, heads, _ = query.shape
@@ -57,6 +69,9 @@ class WrapperDouble:
     partial_bytes = 17301504  # what FlashInfer's fa3 plan carves on an H200 (mla_partial_o)
 
     def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto", **kwargs: Any) -> None:
+        bind_to_flashinfer(
+            "BatchMLAPagedAttentionWrapper.__init__", self, float_workspace_buffer, backend=backend, **kwargs
+        )
         self.workspace = float_workspace_buffer
         self.backend = backend
         self.init_kwargs = kwargs
@@ -65,6 +80,7 @@ class WrapperDouble:
         WrapperDouble.instances.append(self)
 
     def plan(self, **kwargs: Any) -> None:
+        bind_to_flashinfer("BatchMLAPagedAttentionWrapper.plan", self, **kwargs)
         self.plan_calls += 1
         capacity = self.workspace.numel()
         if capacity < self.partial_bytes:
@@ -78,6 +94,7 @@ class WrapperDouble:
         self.planned = {**kwargs, "csr": tuple(t.clone() for t in meta)}
 
     def run(self, **kwargs: Any) -> Any:
+        bind_to_flashinfer("BatchMLAPagedAttentionWrapper.run", self, **kwargs)
         assert self.planned is not None, "run() before plan()"
         qo_indptr, kv_indptr, kv_indices, kv_lens = self.planned["csr"]
         query, kv_cache = kwargs["query"], kwargs["kv_cache"]

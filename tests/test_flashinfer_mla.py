@@ -273,3 +273,23 @@ def test_plan_object_is_the_explicit_form(hopper: None) -> None:
         _out, lse = plan.run(inputs.query, inputs.kv_cache)  # type: ignore[misc]
     torch.testing.assert_close(lse, _reference(inputs)[1])
     assert plan.plan_calls == 1
+
+
+@pytest.mark.parametrize("path", ["hopper", "reference"])
+def test_packed_query_form(path: str, request: pytest.FixtureRequest) -> None:
+    """A packed [tokens, heads, dim] query returns packed results equal to the 4-D form's."""
+    if path == "hopper":
+        request.getfixturevalue("hopper")
+    inputs = make_inputs(3, 4, [20, 30, 40])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale,
+        page_size=64, return_lse=True,
+    )  # fmt: skip
+    out = torch.empty(3, 4, 512, dtype=torch.bfloat16)
+    got_out, got_lse = plan.run(inputs.query.view(3, 4, 576), inputs.kv_cache, out=out)  # type: ignore[misc]
+    want_out, want_lse = _reference(inputs)
+    assert got_out is out and got_lse.shape == (3, 4)
+    torch.testing.assert_close(got_out, want_out.view(3, 4, 512))
+    torch.testing.assert_close(got_lse, want_lse.view(3, 4))
+    with pytest.raises(ValueError, match=r"or packed \(3, 4, 576\)"):
+        plan.run(inputs.query.view(12, 1, 576), inputs.kv_cache)

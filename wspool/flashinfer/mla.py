@@ -201,7 +201,9 @@ class MLADecodePlan:
             "cp_world": 1,
             **(facts or {}),
         }
-        self._query_shape = (batch_size, q_len, num_heads, kv_lora_rank + qk_rope_head_dim)
+        self._head_dim = kv_lora_rank + qk_rope_head_dim
+        self._query_shape = (batch_size, q_len, num_heads, self._head_dim)
+        self._packed_shape = (batch_size * q_len, num_heads, self._head_dim)
         self._registry = registry if registry is not None else get_registry()
         self._pool = self._registry.pool(pool, device, lane=lane)
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
@@ -250,53 +252,79 @@ class MLADecodePlan:
         """Run MLA decode for one layer.
 
         Args:
-            query: ``[batch, q_len, heads, kv_lora_rank + rope]`` as planned.
+            query: ``[batch, q_len, heads, kv_lora_rank + rope]`` as planned, or the
+                packed ``[batch * q_len, heads, kv_lora_rank + rope]`` form that
+                FlashInfer's wrapper takes natively (no reshapes on the call).
             kv_cache: ``[pages, page_size, kv_lora_rank + rope]``.
-            out: Optional ``[batch, q_len, heads, kv_lora_rank]`` output buffer.
-            lse: Optional ``[batch, q_len, heads]`` fp32 buffer (with LSE plans).
+            out: Optional output buffer, in the query's form with ``kv_lora_rank`` features.
+            lse: Optional fp32 buffer ``[batch, q_len, heads]`` (or ``[tokens, heads]``), with LSE plans.
 
         Returns:
-            ``out``, or ``(out, lse)`` for a plan made with ``return_lse=True``.
+            ``out``, or ``(out, lse)`` for a plan made with ``return_lse=True``, in
+            the query's form.
 
         Raises:
-            ValueError: The query does not match the plan.
+            ValueError: The query or KV cache does not match the plan.
             WorkspaceFrozenError: The pool would have to grow while frozen or capturing.
             WorkspaceOverflowError: FlashInfer still overflowed after recovery.
         """
-        if tuple(query.shape) != self._query_shape or query.dtype != self.q_dtype:
+        packed = query.dim() == 3
+        if query.shape != (self._packed_shape if packed else self._query_shape) or query.dtype != self.q_dtype:
             raise ValueError(
-                f"query is {tuple(query.shape)} {query.dtype}, but the plan is for "
-                f"{self._query_shape} {self.q_dtype}; make a new plan for a new shape"
+                f"query is {tuple(query.shape)} {query.dtype}, but the plan is for {self._query_shape} "
+                f"(or packed {self._packed_shape}) {self.q_dtype}; make a new plan for a new shape"
             )
-        if kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size or kv_cache.shape[2] != query.shape[3]:
+        if kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size or kv_cache.shape[2] != self._head_dim:
             raise ValueError(
-                f"kv_cache must be [pages, {self.page_size}, {query.shape[3]}], got {tuple(kv_cache.shape)}"
+                f"kv_cache must be [pages, {self.page_size}, {self._head_dim}], got {tuple(kv_cache.shape)}"
             )
         workspace = self._pool.workspace(self.rule, self.facts)
-        if self.path == "reference":
-            return self._run_reference(query, kv_cache, out, lse)
-        if self.path == "trtllm-gen":
-            return self._run_trtllm(query, kv_cache, out, lse, workspace)
+        path = self.path
+        if path == "reference" or path == "trtllm-gen":
+            given = (out, lse)
+            if packed:  # these paths take the 4-D form
+                query = query.view(self._query_shape)
+                out = None if out is None else out.view(*self._query_shape[:3], -1)
+                lse = None if lse is None else lse.view(self._query_shape[:3])
+            if path == "reference":
+                result = self._run_reference(query, kv_cache, out, lse)
+            else:
+                result = self._run_trtllm(query, kv_cache, out, lse, workspace)
+            return self._packed_result(result, *given) if packed else result
         if self._pool.generation != self._generation or self._wrapper._wspool_owner is not self._token:
             self._plan_wrapper()
-        tokens = self.batch_size * self.q_len
+        if not packed:
+            tokens = self._packed_shape[0]
+            query = query.view(self._packed_shape)
+            out = None if out is None else out.view(tokens, self.num_heads, -1)
+            lse = None if lse is None else lse.view(tokens, self.num_heads)
+        # kernels.wrapper_run_kwargs's arguments, inlined on the per-layer path (the CPU
+        # doubles bind every call to FlashInfer's real signature).
         result = self._wrapper.run(
-            **kernels.wrapper_run_kwargs(
-                query=query.reshape(tokens, self.num_heads, -1),
-                kv_cache=kv_cache,
-                out=None if out is None else out.view(tokens, self.num_heads, -1),
-                lse=None if lse is None else lse.view(tokens, self.num_heads),
-                return_lse=self.return_lse,
-            )
-        )
-        return self._shape_result(result)
+            query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=self.return_lse,
+            return_lse_base_on_e=self.return_lse,
+        )  # fmt: skip
+        return result if packed else self._shape_result(result)  # type: ignore[no-any-return]
 
     def _shape_result(self, result: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        batch, q_len, heads = self.batch_size, self.q_len, self.num_heads
+        batch, q_len, heads = self._query_shape[:3]
         if self.return_lse:
             out, lse = result
             return out.view(batch, q_len, heads, -1), lse.view(batch, q_len, heads)
         return result.view(batch, q_len, heads, -1)  # type: ignore[no-any-return]
+
+    def _packed_result(
+        self, result: Any, out: torch.Tensor | None, lse: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Return results in the packed form, as the caller's own buffers where it gave them."""
+        tokens, heads = self._packed_shape[:2]
+        if self.return_lse:
+            got_out, got_lse = result
+            return (
+                out if out is not None else got_out.view(tokens, heads, -1),
+                lse if lse is not None else got_lse.view(tokens, heads),
+            )
+        return out if out is not None else result.view(tokens, heads, -1)
 
     def _run_reference(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
@@ -338,7 +366,7 @@ class MLADecodePlan:
                         max_seq_len=self.max_seq_len,
                         sm_scale=self.sm_scale,
                         out=out,
-                        lse=None if lse is None else lse.view(tokens, self.num_heads),
+                        lse=None if lse is None else lse.view(tokens, self.num_heads),  # trtllm's native LSE form
                         return_lse=self.return_lse,
                         kv_lora_rank=self.kv_lora_rank,
                         qk_rope_head_dim=self.qk_rope_head_dim,
