@@ -1,24 +1,50 @@
-"""Benchmarks that print their figures: the per-call path against the seed's bare function.
+"""``wspool bench``: the per-call path against the seed's bare function, and the GPU sections.
 
 The seed (vLLM's FlashInfer MLA backend) kept one module-level buffer and a
 size check: ``_get_workspace_buffer(return_lse)``. wspool replaces it with a
 registry lookup and a rule resolution, which must stay within a small factor
 of it. Figures are medians over many timed batches after warm-up.
+
+:func:`run_benchmarks` runs every section in one process and returns plain
+data (what ``--json`` writes and :mod:`wspool.bench_report` prints and
+plots): ``hot_path`` here, and on a CUDA device ``mla_decode``,
+``decode_step`` and ``memory`` from :mod:`wspool.bench_gpu`. A section that
+cannot run holds ``{"skipped": "<why>"}``; one that raised holds
+``{"failed": "<error>"}`` and the others still run.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from wspool.registry import PoolRegistry
+from wspool.sweep import DEFAULT_SHAPES, MLAShape
 
-__all__ = ["HotPathFigures", "measure_hot_path", "time_per_call_ns"]
+__all__ = [
+    "SECTIONS",
+    "HotPathFigures",
+    "default_rules_file",
+    "machine_info",
+    "measure_hot_path",
+    "run_benchmarks",
+    "time_per_call_ns",
+]
+
+#: The sections of ``wspool bench``, in the order they run and print.
+SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
+_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+_BLACKWELL = ((10, 0), (10, 3), (10, 7))
 
 _SEED_DEFAULT_BYTES = 128 * 1024 * 1024
 _SEED_LSE_BYTES = 256 * 1024 * 1024
@@ -106,3 +132,126 @@ def measure_hot_path(device: str = "cpu", *, repeats: int = 101) -> HotPathFigur
         expression_rule_ns=time_per_call_ns(expression_call, repeats=repeats),
         empty_loop_ns=time_per_call_ns(empty_call, repeats=repeats),
     )
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device | None) -> dict[str, str]:
+    """Describe where the figures came from: CPU, GPU, library versions."""
+    try:
+        flashinfer = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        flashinfer = "not installed"
+    info = {
+        "cpu": f"{_cpu_model()} ({os.cpu_count()} threads)",
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "flashinfer": flashinfer,
+        "gpu": "none",
+    }
+    if device is not None:
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = (
+            f"{props.name} (compute capability {props.major}.{props.minor}, "
+            f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
+        )
+        info["cuda"] = str(torch.version.cuda)
+    return info
+
+
+def default_rules_file(device: torch.device) -> Path:
+    """The shipped rules for ``device``: ``configs/blackwell.yaml`` on SM100/103/107, else ``configs/hopper.yaml``."""
+    blackwell = torch.cuda.get_device_capability(device) in _BLACKWELL
+    return _CONFIGS / ("blackwell.yaml" if blackwell else "hopper.yaml")
+
+
+def run_benchmarks(
+    *,
+    sections: Sequence[str] = SECTIONS,
+    hot_device: str | None = None,
+    repeats: int = 101,
+    runs: int = 100,
+    rules_file: str | os.PathLike[str] | None = None,
+    shapes: Sequence[MLAShape] = DEFAULT_SHAPES,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the chosen sections in one process and return their figures as plain data.
+
+    Args:
+        sections: A subset of :data:`SECTIONS`.
+        hot_device: The device of the hot-path pools; ``None``: the CUDA device when there is one, else the CPU.
+        repeats: Timed batches per hot-path figure.
+        runs: Timed runs (after warm-up) per GPU figure; at least 50 for the issue's acceptance.
+        rules_file: The measured rules for the GPU sections; default :func:`default_rules_file`.
+        shapes: The memory sweep.
+        progress: Called with a line before each section.
+
+    Raises:
+        ConfigError: The rules file is missing or invalid.
+    """
+    say = progress or (lambda line: None)
+    registry = None if rules_file is None else PoolRegistry.from_config(rules_file)  # a bad file fails first
+    gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    figures: dict[str, Any] = {"machine": machine_info(gpu)}
+    if hot_device is None:
+        hot_device = "cpu" if gpu is None else str(gpu)
+    if "hot_path" in sections:
+        say(f"hot path on {hot_device} ...")
+        figures["hot_path"] = measure_hot_path(hot_device, repeats=repeats).as_dict()
+    gpu_sections = [s for s in SECTIONS[1:] if s in sections]
+    if not gpu_sections:
+        return figures
+    why = _gpu_skip_reason(gpu)
+    if why is not None:
+        figures.update({s: {"skipped": why} for s in gpu_sections})
+        return figures
+    assert gpu is not None
+    from wspool import bench_gpu
+    from wspool.flashinfer.mla_probe import MLAWorkspaceProbe
+
+    rules = Path(rules_file) if rules_file is not None else default_rules_file(gpu)
+    if registry is None:
+        registry = PoolRegistry.from_config(rules)
+    common = {"rules_file": str(rules), "runs": runs}
+
+    def mla_decode() -> dict[str, Any]:
+        rows = bench_gpu.measure_mla_decode(registry, gpu, runs=runs)
+        return {**common, "rows": [r.as_dict() for r in rows]}
+
+    def memory() -> dict[str, Any]:
+        rows = bench_gpu.measure_memory(registry, shapes, MLAWorkspaceProbe(gpu))
+        return {"rules_file": str(rules), "rows": [r.as_dict() for r in rows]}
+
+    def decode_step() -> dict[str, Any]:
+        rows = bench_gpu.measure_decode_step(registry, gpu, runs=runs)
+        return {**common, "rows": [r.as_dict() for r in rows]}
+
+    # The step (with its CUDA-graph capture) runs last; a failed section is recorded and the rest still run.
+    for name, measure in (("mla_decode", mla_decode), ("memory", memory), ("decode_step", decode_step)):
+        if name in sections:
+            say(f"{name} ...")
+            try:
+                figures[name] = measure()
+            except Exception as exc:
+                figures[name] = {"failed": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+    return figures
+
+
+def _gpu_skip_reason(gpu: torch.device | None) -> str | None:
+    if gpu is None:
+        return "no CUDA device"
+    if torch.cuda.get_device_capability(gpu) in _BLACKWELL:
+        return (
+            "the direct baseline and the workspace probe cover FlashInfer's planned wrapper "
+            "(Hopper, Ampere); this device takes the trtllm-gen path"
+        )
+    return None

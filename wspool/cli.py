@@ -1,4 +1,4 @@
-"""The ``wspool`` command: show, resolve, bench (and the commands of the FlashInfer ops).
+"""The ``wspool`` command: show, resolve, bench, calibrate (and the commands of the FlashInfer ops).
 
 Bad input exits with status 2 and one line on stderr, never a traceback.
 """
@@ -89,20 +89,90 @@ def _cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from wspool.bench import measure_hot_path
+    from wspool.bench import SECTIONS, run_benchmarks
+    from wspool.bench_report import failed_sections, format_report, load_figures, plot_memory, save_figures
+    from wspool.sweep import DEFAULT_SHAPES, load_shapes
 
-    figures = measure_hot_path(args.device, repeats=args.repeats)
-    if args.json:
-        print(json.dumps({"hot_path": figures.as_dict()}, indent=2))
-        return 0
-    print(f"hot path on {figures.device} (median per call, same run):")
-    print(f"  seed _get_workspace_buffer(True)      {figures.seed_bare_ns:8.1f} ns")
-    print(
-        f"  reg.workspace(..., rule='lse') literal {figures.literal_rule_ns:8.1f} ns  "
-        f"({figures.literal_vs_seed:.2f}x the seed)"
+    if args.runs < 1 or args.repeats < 1:
+        raise UsageError(f"--runs and --repeats must be at least 1, got {args.runs} and {args.repeats}")
+    if args.plot_from:
+        if not args.plot:
+            raise UsageError("--plot-from needs --plot FILE.png")
+        figures = load_figures(args.plot_from)
+    else:
+        sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown or not sections:
+            raise UsageError(f"--sections takes a subset of {','.join(SECTIONS)}; got {args.sections!r}")
+        figures = run_benchmarks(
+            sections=sections, hot_device=args.device, repeats=args.repeats, runs=args.runs, rules_file=args.rules,
+            shapes=load_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
+        )  # fmt: skip
+        if args.json == "-":
+            print(json.dumps(figures, indent=2))
+        else:
+            print(format_report(figures))
+            if args.json:
+                save_figures(figures, args.json)
+                print(f"wrote {args.json}")
+    if args.plot:
+        plot_memory(figures, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    failed = [] if args.plot_from else failed_sections(figures)
+    if failed:
+        print(f"wspool bench: error: section(s) failed: {', '.join(failed)} (see the report)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _shape_arg(text: str) -> object:
+    from wspool.sweep import ShapeError, parse_shape
+
+    try:
+        return parse_shape(text)
+    except ShapeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as file:
+            file.write(text)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from wspool.calibrate import run_calibration
+    from wspool.flashinfer.mla_probe import MLAWorkspaceProbe
+    from wspool.sweep import DEFAULT_SHAPES, load_shapes
+
+    shapes = [*(load_shapes(args.shapes) if args.shapes else []), *(args.shape or [])] or list(DEFAULT_SHAPES)
+    probe = MLAWorkspaceProbe(args.device, backend=args.backend)
+    progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_calibration(
+        shapes, probe, max_ratio=args.max_ratio, granularity=args.granularity, progress=progress
     )
-    print(f"  reg.workspace(..., rule=expr, facts)   {figures.expression_rule_ns:8.1f} ns")
-    print(f"  empty call (loop overhead)             {figures.empty_loop_ns:8.1f} ns")
+    print(report.table())
+    for rule in report.rules.values():
+        print(
+            f"rule {rule.name}: {rule.source}  ({rule.how}; peak minimum {rule.peak_bytes} bytes "
+            f"({format_size(rule.peak_bytes)}); at most {rule.worst_ratio:.3f}x the minimum over {rule.shapes} shapes)"
+        )
+    if args.table:
+        _write(args.table, report.table() + "\n")
+    if args.json:
+        _write(args.json, json.dumps(report.as_dict(), indent=2) + "\n")
+    if args.out:
+        _write(args.out, report.rules_yaml())
+        print(f"wrote {args.out}")
+    else:
+        print()
+        print(report.rules_yaml(), end="")
+    if not report.ok:
+        failed = [m.shape.label for m in report.measurements if not m.ok]
+        print(f"wspool calibrate: error: {len(failed)} shape(s) failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -136,11 +206,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_option(resolve)
     resolve.set_defaults(handler=_cmd_resolve)
 
-    bench = commands.add_parser("bench", help="measure the per-call path")
-    bench.add_argument("--device", default="cpu", help="device of the hot-path pools (default cpu)")
-    bench.add_argument("--repeats", type=int, default=101, help="timed batches per figure")
-    bench.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bench = commands.add_parser("bench", help="measure the per-call path, MLA decode and memory (GPU parts on a GPU)")
+    bench.add_argument("--device", default=None, help="device of the hot-path pools (default: the GPU, else cpu)")
+    bench.add_argument("--repeats", type=int, default=101, help="timed batches per hot-path figure")
+    bench.add_argument("--runs", type=int, default=100, help="timed runs per GPU figure, after warm-up (default 100)")
+    bench.add_argument(
+        "--json", nargs="?", const="-", metavar="FILE", help="write the figures to FILE (no FILE: print JSON only)"
+    )
+    bench.add_argument("--plot", metavar="FILE.png", help="draw reserved against needed bytes (needs matplotlib)")
+    bench.add_argument("--plot-from", metavar="FILE.json", help="plot figures a --json run wrote; measure nothing")
+    bench.add_argument("--rules", metavar="FILE", help="measured rules (default: configs/hopper.yaml, or blackwell)")
+    bench.add_argument("--shapes", metavar="FILE", help="YAML shapes of the memory sweep (default: the built-in sweep)")
+    bench.add_argument("--sections", default="hot_path,mla_decode,decode_step,memory", help="comma-separated subset")
     bench.set_defaults(handler=_cmd_bench)
+
+    calibrate = commands.add_parser("calibrate", help="measure MLA decode's workspace on this GPU; write the rules")
+    calibrate.add_argument("--shapes", metavar="FILE", help="YAML file: shapes: [{batch_size: 1, num_heads: 128, ...}]")
+    calibrate.add_argument(
+        "--shape", action="append", type=_shape_arg, metavar="SPEC",
+        help="a shape, e.g. batch_size=1,num_heads=128,max_seq_len=4096,lse (repeatable)",
+    )  # fmt: skip
+    calibrate.add_argument("--out", metavar="FILE", help="write the rules YAML here (default: print it)")
+    calibrate.add_argument("--table", metavar="FILE", help="also write the Markdown table here")
+    calibrate.add_argument("--json", metavar="FILE", help="also write the measurements as JSON here")
+    calibrate.add_argument("--device", default=None, help="CUDA device (default: the current one)")
+    calibrate.add_argument("--backend", default="auto", choices=("auto", "fa3", "fa2"), help="wrapper backend")
+    calibrate.add_argument("--max-ratio", type=float, default=1.1, help="most a formula may reserve over a minimum")
+    calibrate.add_argument("--granularity", type=int, default=1, help="search resolution in bytes (default exact)")
+    calibrate.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    calibrate.set_defaults(handler=_cmd_calibrate)
     return parser
 
 

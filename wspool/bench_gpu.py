@@ -1,0 +1,334 @@
+"""GPU benchmarks of MLA decode through wspool against the same FlashInfer calls made directly.
+
+Three measurements, each on the current CUDA device with random data:
+
+- :func:`measure_mla_decode`: one ``mla_decode`` call per step (the op plans
+  and runs, as a backend does per step) against the same CSR conversion,
+  ``plan()`` and ``run()`` made directly on a preallocated buffer of the
+  same size;
+- :func:`measure_decode_step`: one decode step of 61 layer calls through an
+  :class:`~wspool.flashinfer.MLADecodePlan` (one plan per step, then
+  ``run()`` per layer) against ``run()`` on a directly pre-planned wrapper,
+  and the step replayed from a CUDA graph;
+- :func:`measure_memory`: per shape, the true minimum float workspace, the
+  measured rule's size and the seed's constant.
+
+Times are medians of host clocks around synchronised calls, after warm-up,
+with the two variants interleaved so drift hits both alike. The planned
+wrapper path only (Hopper, Ampere); Blackwell's trtllm-gen path is not
+compared here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from wspool.calibrate import SEED_CONSTANTS
+from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan
+from wspool.flashinfer.direct import PAGE_SIZE, SM_SCALE, DecodeInputs, DirectMLA
+from wspool.flashinfer.mla_probe import MLAWorkspaceProbe
+from wspool.registry import PoolRegistry
+from wspool.sweep import MLAShape
+
+__all__ = [
+    "DecodeCallFigures",
+    "DecodeStepFigures",
+    "MemoryRow",
+    "added_time_budget_us",
+    "measure_decode_step",
+    "measure_memory",
+    "measure_mla_decode",
+]
+
+
+def added_time_budget_us(direct_us: float) -> float:
+    """wspool's allowed added time: 2% of the direct call or 2 us, whichever is larger."""
+    return max(0.02 * direct_us, 2.0)
+
+
+@dataclass(frozen=True)
+class DecodeCallFigures:
+    """Median time of one step's ``mla_decode`` call (plan + run) through wspool and directly."""
+
+    batch_size: int
+    num_heads: int
+    max_seq_len: int
+    return_lse: bool
+    wspool_us: float
+    direct_us: float
+
+    @property
+    def added_us(self) -> float:
+        """wspool's added time per call."""
+        return self.wspool_us - self.direct_us
+
+    @property
+    def ok(self) -> bool:
+        """Whether the added time is within :func:`added_time_budget_us`."""
+        return self.added_us <= added_time_budget_us(self.direct_us)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the figures as plain data."""
+        return {**asdict(self), "added_us": self.added_us, "ok": self.ok}
+
+
+@dataclass(frozen=True)
+class DecodeStepFigures:
+    """One decode step of ``layers`` calls: plans per step and per-layer times."""
+
+    batch_size: int
+    num_heads: int
+    max_seq_len: int
+    layers: int
+    plans_per_step: float
+    wspool_layer_us: float
+    direct_layer_us: float
+    graph_step_us: float | None
+    graph_note: str
+
+    @property
+    def added_us(self) -> float:
+        """wspool's added time per layer."""
+        return self.wspool_layer_us - self.direct_layer_us
+
+    @property
+    def ok(self) -> bool:
+        """Whether one plan per step and the added time per layer is within budget."""
+        return self.plans_per_step == 1 and self.added_us <= added_time_budget_us(self.direct_layer_us)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the figures as plain data."""
+        return {**asdict(self), "added_us": self.added_us, "ok": self.ok}
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """What one shape needs and what each sizing reserves for it."""
+
+    shape: MLAShape
+    minimum_bytes: int
+    rule_bytes: int
+    run_at_rule: str | None
+
+    @property
+    def constant_bytes(self) -> int:
+        """The seed's fixed size for this call (128 MiB, or 256 MiB with the LSE)."""
+        return SEED_CONSTANTS[self.shape.rule]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the row as plain data."""
+        return {
+            "shape": self.shape.label,
+            **self.shape.as_dict(),
+            "minimum_bytes": self.minimum_bytes,
+            "rule_bytes": self.rule_bytes,
+            "constant_bytes": self.constant_bytes,
+            "rule_over_minimum": self.rule_bytes / self.minimum_bytes,
+            "run_at_rule": self.run_at_rule or "ok",
+        }
+
+
+def _interleaved_medians_ns(
+    a: Callable[[], object], b: Callable[[], object], runs: int, warmup: int
+) -> tuple[float, float]:
+    """Median wall time of ``a()`` and of ``b()``, each synchronised, alternating a and b."""
+    for _ in range(warmup):
+        a()
+        b()
+    torch.cuda.synchronize()
+    clock = time.perf_counter_ns
+    samples: tuple[list[int], list[int]] = ([], [])
+    for _ in range(runs):
+        for fn, out in ((a, samples[0]), (b, samples[1])):
+            start = clock()
+            fn()
+            torch.cuda.synchronize()
+            out.append(clock() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+def _first(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result  # type: ignore[no-any-return]
+
+
+def _close(a: Any, b: Any, what: str) -> None:
+    """Check two outputs agree (the op returns ``[batch, q_len, heads, dim]``, FlashInfer ``[tokens, heads, dim]``)."""
+    x, y = _first(a).reshape(-1).float(), _first(b).reshape(-1).float()
+    if x.numel() != y.numel():
+        raise RuntimeError(f"{what}: outputs have {x.numel()} and {y.numel()} elements")
+    diff = float((x - y).abs().max())
+    if diff > 1e-2:
+        raise RuntimeError(f"{what}: wspool and the direct call disagree by {diff:.3g}")
+
+
+# -- the measurements ------------------------------------------------------------------
+
+
+def _decode_calls(
+    registry: PoolRegistry, inputs: DecodeInputs, direct: DirectMLA, return_lse: bool
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """One step's call through ``mla_decode`` and the same work done directly."""
+    query, flat, kv, tables, lens = (
+        inputs.queries[0], inputs.flat_queries[0], inputs.kv[0], inputs.block_tables, inputs.seq_lens
+    )  # fmt: skip
+
+    def through_wspool() -> object:
+        lens.add_(0)  # the step's in-place metadata update: the op sees new metadata and plans
+        return mla_decode(
+            query, kv, tables, lens, inputs.max_seq_len, sm_scale=SM_SCALE, return_lse=return_lse, registry=registry
+        )
+
+    def directly() -> object:
+        lens.add_(0)
+        direct.plan(tables, lens)
+        return direct.run(flat, kv)
+
+    return through_wspool, directly
+
+
+def measure_mla_decode(
+    registry: PoolRegistry,
+    device: torch.device,
+    *,
+    batches: Sequence[int] = (1, 128),
+    num_heads: int = 128,
+    max_seq_len: int = 4096,
+    runs: int = 100,
+    warmup: int = 10,
+) -> list[DecodeCallFigures]:
+    """Time one decode step's ``mla_decode`` (plan + run) through wspool and directly, with and without LSE."""
+    rows = []
+    for batch in batches:
+        inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=1)
+        for return_lse in (False, True):
+            shape = MLAShape(batch, num_heads, max_seq_len, return_lse=return_lse)
+            nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(_sm_count(device)))
+            direct = DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), "auto", num_heads, return_lse)
+            through_wspool, directly = _decode_calls(registry, inputs, direct, return_lse)
+            _close(through_wspool(), directly(), "mla_decode")
+            a, b = _interleaved_medians_ns(through_wspool, directly, runs, warmup)
+            rows.append(DecodeCallFigures(batch, num_heads, max_seq_len, return_lse, a / 1e3, b / 1e3))
+    return rows
+
+
+def _layer_calls(
+    plan: MLADecodePlan, direct: DirectMLA, inputs: DecodeInputs, layers: int
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """A step's ``layers`` calls through the plan, and the same ``run()`` calls on the direct wrapper."""
+    n = inputs.distinct
+
+    def through_wspool() -> object:
+        for layer in range(layers):
+            plan.run(inputs.queries[layer % n], inputs.kv[layer % n])
+        return None
+
+    def directly() -> object:
+        for layer in range(layers):
+            direct.run(inputs.flat_queries[layer % n], inputs.kv[layer % n])
+        return None
+
+    return through_wspool, directly
+
+
+def measure_decode_step(
+    registry: PoolRegistry,
+    device: torch.device,
+    *,
+    batches: Sequence[int] = (1, 32, 128),
+    num_heads: int = 128,
+    max_seq_len: int = 4096,
+    layers: int = 61,
+    runs: int = 50,
+    warmup: int = 5,
+) -> list[DecodeStepFigures]:
+    """Time a decode step of ``layers`` calls (with LSE) per layer, through a plan and directly, and replayed."""
+    measured = []
+    for batch in batches:
+        inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=layers)
+        tables, lens = inputs.block_tables, inputs.seq_lens
+        plan = mla_decode_plan(
+            tables, lens, max_seq_len, num_heads=num_heads, sm_scale=SM_SCALE, page_size=PAGE_SIZE,
+            return_lse=True, registry=registry,
+        )  # fmt: skip
+        nbytes = registry.resolve("flashinfer_mla", "lse", **plan.facts)
+        direct = DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), plan.path, num_heads, True)
+        direct.plan(tables, lens)
+        _close(plan.run(inputs.queries[0], inputs.kv[0]), direct.run(inputs.flat_queries[0], inputs.kv[0]), "step")
+        through_wspool, directly = _layer_calls(plan, direct, inputs, layers)
+        plans = []
+        for _ in range(3):  # whole steps: new metadata, the step's plan, then its layers
+            before = plan.plan_calls
+            lens.add_(0)
+            plan.replan()
+            through_wspool()
+            plans.append(plan.plan_calls - before)
+        a, b = _interleaved_medians_ns(through_wspool, directly, runs, warmup)
+        measured.append((batch, statistics.mean(plans), a / 1e3 / layers, b / 1e3 / layers))
+        del inputs, plan, direct, through_wspool, directly
+    # Graph capture last, once the eager figures are in: a failed capture may leave the device unusable.
+    rows = []
+    failed = False
+    for batch, plans_per_step, wspool_us, direct_us in measured:
+        graph_us: float | None = None
+        note = "skipped: graph mode failed for an earlier batch"
+        if not failed:
+            inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=layers)
+            graph_us, note = _graph_step_us(inputs, registry, num_heads, layers, runs)
+            failed = graph_us is None
+            del inputs
+        figures = (plans_per_step, wspool_us, direct_us, graph_us, note)
+        rows.append(DecodeStepFigures(batch, num_heads, max_seq_len, layers, *figures))
+    return rows
+
+
+def _graph_step_us(
+    inputs: DecodeInputs, registry: PoolRegistry, heads: int, layers: int, runs: int
+) -> tuple[float | None, str]:
+    """Capture a step's layer calls of a ``use_cuda_graph=True`` plan and time its replay."""
+    try:
+        plan = mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=heads, sm_scale=SM_SCALE,
+            page_size=PAGE_SIZE, return_lse=True, registry=registry, use_cuda_graph=True,
+        )  # fmt: skip
+        n = inputs.distinct
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager = [plan.run(inputs.queries[i % n], inputs.kv[i % n]) for i in range(layers)]
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = [plan.run(inputs.queries[i % n], inputs.kv[i % n]) for i in range(layers)]
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(captured[-1], eager[-1], "graph replay")
+        samples = []
+        for i in range(runs + 3):
+            start = time.perf_counter_ns()
+            graph.replay()
+            torch.cuda.synchronize()
+            if i >= 3:
+                samples.append(time.perf_counter_ns() - start)
+        return statistics.median(samples) / 1e3, "replayed"
+    except Exception as exc:  # graph mode is optional: report why it did not run
+        return None, f"skipped: graph mode failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+
+
+def measure_memory(registry: PoolRegistry, shapes: Sequence[MLAShape], probe: MLAWorkspaceProbe) -> list[MemoryRow]:
+    """Per shape: the true minimum (searched), the rule's size (run and checked), the seed's constant."""
+    rows = []
+    for shape in shapes:
+        minimum = probe.search(shape).min_bytes
+        rule = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(probe.sm_count))
+        rows.append(MemoryRow(shape, minimum, rule, probe.verify(shape, rule)))
+    return rows
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

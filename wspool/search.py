@@ -1,0 +1,100 @@
+"""Finding the smallest workspace a kernel accepts, by probing sizes.
+
+:func:`search_min_bytes` is a bisection that also jumps to the sizes a
+failure names: FlashInfer's overflow message (``... with size S ... but only
+N bytes available``) gives, for a probe of ``n`` bytes, the lower bound
+``n - N + S`` on the need. With the messages it finds an exact minimum in a
+handful of probes; without them it still converges, in about 30.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from wspool.errors import WspoolError
+from wspool.units import format_size
+
+__all__ = ["CalibrationError", "Probe", "SearchResult", "search_min_bytes"]
+
+MiB = 1 << 20
+
+#: Probe a size: ``None`` when the kernel accepts it, else a lower bound on the
+#: size it needs (from its overflow message; 0 when the failure says nothing).
+Probe = Callable[[int], "int | None"]
+
+
+class CalibrationError(WspoolError):
+    """Calibration cannot run here, or a measurement failed."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The smallest accepted size and every probe that led to it."""
+
+    min_bytes: int
+    probes: tuple[tuple[int, bool], ...]
+
+    @property
+    def probe_count(self) -> int:
+        """How many sizes were tried."""
+        return len(self.probes)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def search_min_bytes(
+    probe: Probe, *, start_bytes: int = 64 * MiB, limit_bytes: int = 1 << 40, granularity: int = 1
+) -> SearchResult:
+    """Find the smallest size ``probe`` accepts, to within ``granularity`` bytes.
+
+    A bisection that jumps to the size a failure names: FlashInfer's overflow
+    message gives the capacity its failed carve needed, so a probe there
+    either fits (then the size just below is checked) or fails on a later
+    carve with a new, larger bound. Acceptance must be monotone in the size.
+
+    Args:
+        probe: Tries a size; see :data:`Probe`.
+        start_bytes: The first upper probe; doubled until it is accepted.
+        limit_bytes: Give up above this size.
+        granularity: The resolution; 1 finds the exact minimum.
+
+    Raises:
+        CalibrationError: Nothing up to ``limit_bytes`` is accepted.
+    """
+    if granularity < 1:
+        raise ValueError(f"granularity must be a positive number of bytes, got {granularity}")
+    tried: list[tuple[int, bool]] = []
+
+    def attempt(nbytes: int) -> int | None:
+        need = probe(nbytes)
+        tried.append((nbytes, need is None))
+        return need
+
+    lo, hi = 0, _round_up(max(start_bytes, granularity), granularity)
+    hint = granularity  # the next size worth trying (0: none); the smallest first, for its message
+    while (need := attempt(hi)) is not None:
+        if hi >= limit_bytes:
+            raise CalibrationError(f"the kernel still overflows a {hi}-byte ({format_size(hi)}) workspace")
+        hint = _round_up(need, granularity) if need > hi else 0
+        lo, hi = hi, min(max(2 * hi, hint), _round_up(limit_bytes, granularity))
+    edge = False  # whether ``hint`` checks just below a size a message named
+    while hi - lo > granularity:
+        if hint >= hi and not edge:
+            hint, edge = hi - granularity, True  # a message named hi (or more): check just below it
+        from_hint = lo < hint < hi
+        nbytes = hint if from_hint else _round_up(lo + (hi - lo) // 2, granularity)
+        checked_edge = from_hint and edge
+        hint, edge = 0, False
+        need = attempt(nbytes)
+        if need is None:
+            hi = nbytes
+            if from_hint and not checked_edge:
+                hint, edge = nbytes - granularity, True  # a message's bound is usually exact: check below it
+        else:
+            lo = nbytes
+            if need > nbytes:
+                hint = _round_up(need, granularity)
+    return SearchResult(hi, tuple(tried))
