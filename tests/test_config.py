@@ -194,6 +194,39 @@ def test_each_kind_of_bad_value(tmp_path: Path, yaml_text: str, match: str) -> N
         load_settings(_write(tmp_path, yaml_text))
 
 
+def test_literal_rule_above_max_bytes_is_rejected_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed-size rule above its pool's max_bytes could never be served: loading names both keys and sources."""
+    path = _write(tmp_path, "pools:\n  flashinfer_mla:\n    max_bytes: 200MiB\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"pools\.flashinfer_mla\.rules\.lse = '256MiB' \(256MiB, from default\) is above "
+        r"pools\.flashinfer_mla\.max_bytes = 200MiB \(from YAML file .*wspool\.yaml\), so it could never be "
+        r"served; lower pools\.flashinfer_mla\.rules\.lse / WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE or raise "
+        r"pools\.flashinfer_mla\.max_bytes / WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES",
+    ) as info:
+        load_settings(path)
+    assert info.value.key == "pools.flashinfer_mla"
+    monkeypatch.setenv(LSE_ENV, "192MiB")  # lowering the rule fixes it
+    assert load_settings(path).pools["flashinfer_mla"].max_bytes == 200 * 2**20
+
+
+def test_expression_rule_is_checked_against_max_bytes_per_call() -> None:
+    """An expression rule may exceed max_bytes only for some calls: it loads, and such a call is refused."""
+    from wspool.errors import WorkspaceLimitError
+    from wspool.registry import PoolRegistry
+
+    reg = PoolRegistry.from_config(pools={"p": {"rules": {"default": "x * 1MiB"}, "max_bytes": "2MiB"}})
+    assert reg.workspace("p", device="cpu", x=2).numel() == 2 * 2**20
+    with pytest.raises(WorkspaceLimitError, match=r"needs 3145728 bytes \(3MiB\) for rule default, above max_bytes"):
+        reg.workspace("p", device="cpu", x=3)
+
+
+def test_max_bytes_must_be_positive(tmp_path: Path) -> None:
+    """max_bytes: 0 would refuse every request: it is an error; leaving it out means no limit."""
+    with pytest.raises(ConfigError, match=r"pools\.p\.max_bytes = 0 .*must be positive \(leave it out for no limit\)"):
+        load_settings(_write(tmp_path, "pools:\n  p:\n    max_bytes: 0\n"))
+
+
 def test_several_errors_are_reported_together(tmp_path: Path) -> None:
     """All invalid values are listed, not just the first."""
     path = _write(tmp_path, "pools:\n  a:\n    growth: nope\n  b:\n    max_bytes: lots\n")

@@ -155,11 +155,14 @@ def test_expression_rule_uses_facts() -> None:
 
 def test_retired_buffers_are_dropped_unless_captured() -> None:
     """Growth drops an uncaptured buffer, but keeps one marked as captured until release_retired()."""
-    pool = _pool()
+    capturing = [False]
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB", "big": "3MiB"}), CPU, capture_probe=lambda: capturing[0])
     pool.workspace("default", {})
     pool.workspace("big", {})
     assert pool.stats().retired_bytes == 0
-    pool._captured = True  # as if handed out during a CUDA-graph capture
+    capturing[0] = True
+    pool.workspace("default", {})  # handed out during a (simulated) CUDA-graph capture
+    capturing[0] = False
     pool.request(4 * MiB)
     assert pool.stats().retired_bytes == 3 * MiB
     assert pool.release_retired() == 3 * MiB

@@ -8,8 +8,8 @@ Three measurements, each on the current CUDA device with random data:
   same size;
 - :func:`measure_decode_step`: one decode step of 61 layer calls through an
   :class:`~wspool.flashinfer.MLADecodePlan` (one plan per step, then
-  ``run()`` per layer) against ``run()`` on a directly pre-planned wrapper,
-  and the step replayed from a CUDA graph;
+  ``run()`` per layer, packed queries) against ``run()`` on a directly
+  pre-planned wrapper, and the step replayed from a CUDA graph;
 - :func:`measure_memory`: per shape, the true minimum float workspace, the
   measured rule's size and the seed's constant.
 
@@ -220,12 +220,16 @@ def measure_mla_decode(
 def _layer_calls(
     plan: MLADecodePlan, direct: DirectMLA, inputs: DecodeInputs, layers: int
 ) -> tuple[Callable[[], object], Callable[[], object]]:
-    """A step's ``layers`` calls through the plan, and the same ``run()`` calls on the direct wrapper."""
+    """A step's ``layers`` calls through the plan, and the same ``run()`` calls on the direct wrapper.
+
+    Both take the packed ``[tokens, heads, 576]`` query, the form an engine holds
+    and the one :meth:`MLADecodePlan.run` passes to FlashInfer without reshapes.
+    """
     n = inputs.distinct
 
     def through_wspool() -> object:
         for layer in range(layers):
-            plan.run(inputs.queries[layer % n], inputs.kv[layer % n])
+            plan.run(inputs.flat_queries[layer % n], inputs.kv[layer % n])
         return None
 
     def directly() -> object:
@@ -259,7 +263,8 @@ def measure_decode_step(
         nbytes = registry.resolve("flashinfer_mla", "lse", **plan.facts)
         direct = DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), plan.path, num_heads, True)
         direct.plan(tables, lens)
-        _close(plan.run(inputs.queries[0], inputs.kv[0]), direct.run(inputs.flat_queries[0], inputs.kv[0]), "step")
+        flat, kv = inputs.flat_queries[0], inputs.kv[0]
+        _close(plan.run(flat, kv), direct.run(flat, kv), "decode step")
         through_wspool, directly = _layer_calls(plan, direct, inputs, layers)
         plans = []
         for _ in range(3):  # whole steps: new metadata, the step's plan, then its layers
@@ -270,7 +275,7 @@ def measure_decode_step(
             plans.append(plan.plan_calls - before)
         a, b = _interleaved_medians_ns(through_wspool, directly, runs, warmup)
         measured.append((batch, statistics.mean(plans), a / 1e3 / layers, b / 1e3 / layers))
-        del inputs, plan, direct, through_wspool, directly
+        del inputs, plan, direct, through_wspool, directly, flat, kv
     # Graph capture last, once the eager figures are in: a failed capture may leave the device unusable.
     rows = []
     failed = False
@@ -300,11 +305,11 @@ def _graph_step_us(
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            eager = [plan.run(inputs.queries[i % n], inputs.kv[i % n]) for i in range(layers)]
+            eager = [plan.run(inputs.flat_queries[i % n], inputs.kv[i % n]) for i in range(layers)]
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = [plan.run(inputs.queries[i % n], inputs.kv[i % n]) for i in range(layers)]
+            captured = [plan.run(inputs.flat_queries[i % n], inputs.kv[i % n]) for i in range(layers)]
         graph.replay()
         torch.cuda.synchronize()
         _close(captured[-1], eager[-1], "graph replay")

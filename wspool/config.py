@@ -8,18 +8,28 @@ overrides that one rule and keeps every other value of the file.
 Every value is validated before anything is allocated; a bad value raises
 :class:`~wspool.errors.ConfigError` naming the YAML key, the environment
 variable, the value, where it came from and what was expected.
+
+Hostile input: the YAML file is read with the safe loader, must be at most
+:data:`MAX_CONFIG_FILE_BYTES`, and may hold at most :data:`MAX_CONFIG_VALUES`
+values nested at most :data:`MAX_CONFIG_DEPTH` deep after expanding aliases
+(so an alias bomb is refused before validation walks it). Values quoted back
+in errors are shortened. Whatever the file or the environment holds, loading
+raises nothing but :class:`~wspool.errors.ConfigError`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import reprlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -30,14 +40,17 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, setting_names
-from wspool.rules import compile_rule
-from wspool.units import parse_size
+from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, setting_names
+from wspool.rules import LiteralRule, compile_rule
+from wspool.units import format_size, parse_size
 
 __all__ = [
     "BUILTIN_DEFAULTS",
     "CONFIG_ENV_VAR",
     "GROWTH_POLICIES",
+    "MAX_CONFIG_DEPTH",
+    "MAX_CONFIG_FILE_BYTES",
+    "MAX_CONFIG_VALUES",
     "PoolConfig",
     "Provenance",
     "WspoolSettings",
@@ -59,6 +72,20 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
 }
 
 GROWTH_POLICIES = ("exact", "power_of_two")
+
+#: The largest YAML file read; a real configuration is a few hundred bytes. The bound keeps
+#: parsing (pure-Python PyYAML, about 10 us per value) well under a second.
+MAX_CONFIG_FILE_BYTES = 64 << 10
+#: The most values (mappings, lists and scalars) a file may hold once its aliases are expanded.
+MAX_CONFIG_VALUES = 10_000
+#: The deepest nesting a file may have; the schema itself is four levels deep.
+MAX_CONFIG_DEPTH = 32
+
+# Values quoted back in errors are shortened, so a hostile value cannot make a huge message.
+_quote = reprlib.Repr()
+_quote.maxlevel = 3
+_quote.maxstring = 80
+_quote.maxother = 80
 
 
 def _rule_value(value: object) -> str:
@@ -88,9 +115,16 @@ def _size_value(value: object) -> int | None:
     return parse_size(value)
 
 
+def _limit_value(value: object) -> int | None:
+    nbytes = _size_value(value)
+    if nbytes == 0:
+        raise ValueError("max_bytes must be positive (leave it out for no limit)")
+    return nbytes
+
+
 RuleSource = Annotated[str, BeforeValidator(_rule_value)]
 GrowthPolicy = Annotated[str, BeforeValidator(_growth_value)]
-OptionalSize = Annotated[int | None, BeforeValidator(_size_value)]
+OptionalLimit = Annotated[int | None, BeforeValidator(_limit_value)]
 
 
 class PoolConfig(BaseModel):
@@ -108,8 +142,29 @@ class PoolConfig(BaseModel):
 
     rules: dict[str, RuleSource] = Field(default_factory=dict)
     growth: GrowthPolicy = "exact"
-    max_bytes: OptionalSize = None
+    max_bytes: OptionalLimit = None
     description: str = ""
+
+    @model_validator(mode="after")
+    def _literal_rules_fit_max_bytes(self) -> PoolConfig:
+        """Refuse a fixed-size rule above ``max_bytes``: it could never be served."""
+        if self.max_bytes is None:
+            return self
+        for name, source in self.rules.items():
+            rule = compile_rule(source)
+            if isinstance(rule, LiteralRule) and rule.nbytes > self.max_bytes:
+                # The pool's name is not known here: _config_error names both full keys.
+                raise PydanticCustomError(
+                    "rule_above_max_bytes",
+                    "rule {rule} = {source} ({size}) is above max_bytes = {limit}",
+                    {
+                        "rule": name,
+                        "source": source,
+                        "size": format_size(rule.nbytes),
+                        "limit": format_size(self.max_bytes),
+                    },
+                )
+        return self
 
 
 class WspoolSettings(BaseSettings):
@@ -171,9 +226,13 @@ class Provenance:
         for label, data in self._layers:
             node: Any = data
             for part in path:
-                if not isinstance(node, Mapping) or part not in node:
+                if not isinstance(node, Mapping):
                     break
-                node = node[part]
+                # YAML keys need not be strings (``1:``), while error paths are.
+                found = part if part in node else next((k for k in node if str(k) == part), None)
+                if found is None:
+                    break
+                node = node[found]
             else:
                 if label == "env":
                     return f"environment variable {setting_names(path)[1]}"
@@ -197,19 +256,54 @@ def _read_yaml(path: Path, how: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} ({how}) does not exist or is not a file")
     try:
         with path.open(encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            text = handle.read(MAX_CONFIG_FILE_BYTES + 1)
+        if len(text) > MAX_CONFIG_FILE_BYTES:
+            raise ConfigError(
+                f"config file {path} ({how}) is larger than {format_size(MAX_CONFIG_FILE_BYTES)}; "
+                f"a wspool configuration is a few hundred bytes"
+            )
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"invalid YAML in config file {where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"invalid YAML in config file {path}: it nests too deeply") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path} ({how}): {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"config file {path}: top-level key {_quote.repr(key)} is not a string "
+                f"(the keys are {', '.join(WspoolSettings.model_fields)})"
+            )
+    _check_size_and_depth(data, path)
     return data
+
+
+def _check_size_and_depth(data: object, path: Path) -> None:
+    """Refuse a document too large or too deep once aliases are expanded (iteratively: no recursion)."""
+    stack: list[tuple[object, int]] = [(data, 0)]
+    count = 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"config file {path} holds more than {MAX_CONFIG_VALUES} values once its YAML aliases "
+                f"are expanded; a wspool configuration holds a few dozen"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((child, depth + 1) for child in node.values())
+        elif isinstance(node, (list, tuple, set)):
+            stack.extend((child, depth + 1) for child in node)
 
 
 def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> WspoolSettings:
@@ -247,48 +341,93 @@ def load_settings_with_provenance(
         )
     try:
         env_data = EnvSettingsSource(settings_cls)()
-    except SettingsError as exc:
+    except (SettingsError, RecursionError) as exc:
         raise _env_error(exc) from None
     provenance = Provenance(
         [("code", overrides), ("env", env_data), ("yaml", yaml_data), ("default", BUILTIN_DEFAULTS)], path
     )
     try:
         settings = settings_cls(**overrides)
-    except SettingsError as exc:
+    except (SettingsError, RecursionError) as exc:
         raise _env_error(exc) from None
     except ValidationError as exc:
         raise _config_error(exc, provenance) from None
     return settings, provenance
 
 
-def _env_error(exc: SettingsError) -> ConfigError:
+def _env_error(exc: Exception) -> ConfigError:
+    """Name the variable whose value could not be decoded as the JSON its key needs."""
     match = re.search(r'field "(\w+)"', str(exc))
-    field = match.group(1) if match else "?"
-    key, env = setting_names((field,))
+    field = match.group(1) if match else ""
+    cause = exc.__cause__
+    why = "nests too deeply" if isinstance(exc, RecursionError) else "is not valid JSON"
+    if isinstance(cause, json.JSONDecodeError):
+        why = f"is not valid JSON ({cause.msg} at char {cause.pos})"
+    name = _undecodable_env_var(field, getattr(cause, "doc", None))
+    path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_DELIMITER)) if name else (field or "?",)
+    key, env = setting_names(path)
+    value = _quote.repr(os.environ.get(env, "")) if name else "its value"
     return ConfigError(
-        f"invalid environment variable {env}: its value is not valid JSON for {key} "
-        f"(set single values through nested variables such as {env}__<NAME>__RULES__DEFAULT=256MiB)",
-        path=(field,),
+        f"invalid environment variable {env} = {value}: {why}, and {key} takes a mapping; "
+        f"give a JSON object, or set single values through nested variables such as {env}__<KEY>=...",
+        path=path,
     )
+
+
+def _undecodable_env_var(field: str, doc: object) -> str | None:
+    """Find the ``WSPOOL_*`` variable whose value failed to decode (``doc``: that value, if known)."""
+    prefix = (ENV_PREFIX + field).upper()
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(prefix):
+            continue
+        value = os.environ[name]
+        if doc is not None:
+            if value == doc:
+                return upper
+            continue
+        try:
+            json.loads(value)
+        except RecursionError:
+            return upper
+        except ValueError:
+            continue
+    return None
 
 
 def _config_error(exc: ValidationError, provenance: Provenance) -> ConfigError:
     lines = []
     first_path: tuple[str, ...] | None = None
     for error in exc.errors(include_url=False):
-        path = tuple(str(p) for p in error["loc"] if not str(p).startswith("function-"))
+        loc = [str(p) for p in error["loc"] if not str(p).startswith("function-")]
+        path = tuple(p for p in loc if p != "[key]")
         if first_path is None:
             first_path = path
         key, env = setting_names(path)
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and nesting)"
+        if "[key]" in loc:
+            message = f"a key must be a string, not {type(error.get('input')).__name__}"
+        if error["type"] == "rule_above_max_bytes":
+            lines.append(_rule_above_max_bytes(path, error.get("ctx") or {}, provenance))
+            continue
         value = error.get("input")
-        shown = f" = {value!r}" if not isinstance(value, Mapping) else ""
+        shown = f" = {_quote.repr(value)}" if not isinstance(value, Mapping) else ""
         lines.append(f"{key}{shown} (from {provenance.source_of(path)}): {message}; set {key} / {env}")
     count = len(lines)
     header = "invalid wspool configuration" + (f" ({count} errors)" if count > 1 else "")
     return ConfigError(header + ": " + "; ".join(lines), path=first_path)
+
+
+def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provenance: Provenance) -> str:
+    rule, limit = (*pool, "rules", str(ctx.get("rule"))), (*pool, "max_bytes")
+    return (
+        f"{setting_names(rule)[0]} = {_quote.repr(ctx.get('source'))} ({ctx.get('size')}, from "
+        f"{provenance.source_of(rule)}) is above {setting_names(limit)[0]} = {ctx.get('limit')} (from "
+        f"{provenance.source_of(limit)}), so it could never be served; lower {describe_setting(rule)} "
+        f"or raise {describe_setting(limit)}"
+    )
 
 
 def iter_settings(settings: WspoolSettings) -> Iterator[tuple[tuple[str, ...], Any]]:

@@ -10,16 +10,23 @@ capped by ``max_bytes``). The pool never shrinks by itself and never calls
 ``torch.cuda.empty_cache()``.
 
 Capture semantics: a pool never allocates while the current CUDA stream is
-capturing a graph; such a request raises :class:`WorkspaceFrozenError`. A
-buffer that was handed out during a capture is referenced by that graph, so
-when the pool later grows, that buffer is *retired* (kept alive) rather than
-freed, until :meth:`WorkspacePool.release_retired` says the graphs are gone.
-Buffers never handed out during a capture are dropped on growth and freed by
-PyTorch once the caller's last reference goes.
+capturing a graph; such a request raises :class:`WorkspaceFrozenError`, and
+the buffer is left exactly as it was.
+
+Old buffers: a captured graph holds raw addresses, not references, so when a
+pool grows, its previous buffer is *retired* (kept alive, counted in
+``retired_bytes``) rather than dropped if a graph may still replay into it:
+if it was handed out during a capture, or if the registry was frozen while it
+was current (freezing is how an engine says "graphs are being captured now").
+Retired buffers live until :meth:`WorkspacePool.release_retired`, which the
+engine calls once those graphs are gone. Any other previous buffer is dropped
+by the pool and freed by PyTorch when the caller's last reference to it goes
+(a kernel wrapper that keeps the tensor keeps its memory). Pools never call
+``torch.cuda.empty_cache()``.
 
 Thread semantics: every method is thread-safe; concurrent first requests
-allocate once. Using one buffer from two CUDA streams at once is a data race
-that wspool cannot see: give each stream its own lane.
+allocate once. Using one buffer from two CUDA streams at once is a data race:
+give each stream its own lane; :mod:`wspool.streams` can watch for it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 
 from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError, describe_setting
 from wspool.rules import LiteralRule, SizeRule, compile_rule
+from wspool.streams import StreamOrderWatch
 from wspool.units import format_size
 
 __all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool"]
@@ -146,16 +154,27 @@ class _RuleSlot:
 
 
 class _FreezeState:
-    """Shared by a registry's pools: growth is refused while ``frozen``."""
+    """Shared by a registry's pools: growth is refused while ``frozen``.
 
-    __slots__ = ("frozen",)
+    ``epoch`` counts the times it was frozen, so a pool can tell at growth
+    whether its buffer was current during a freeze (and so may be in a graph).
+    """
+
+    __slots__ = ("_frozen", "epoch")
 
     def __init__(self) -> None:
-        self.frozen = False
+        self._frozen = False
+        self.epoch = 0
 
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
 
-def _is_capturing() -> bool:
-    return bool(torch.cuda.is_current_stream_capturing())
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        if value and not self._frozen:
+            self.epoch += 1
+        self._frozen = bool(value)
 
 
 class WorkspacePool:
@@ -168,6 +187,12 @@ class WorkspacePool:
         lane: The lane name; distinct lanes never share memory.
         freeze: The registry's freeze flag.
         allocator: Makes zero-filled buffers; the default is ``torch.zeros``.
+        capture_probe: Says whether the calling thread's current stream is
+            capturing a CUDA graph. Default: ``torch.cuda.is_current_stream_capturing``
+            on CUDA devices, none (never capturing) elsewhere. Engines that
+            track capture themselves, and tests, may pass their own.
+        debug_streams: On CUDA devices, watch for the buffer being handed to
+            two streams without ordering (see :mod:`wspool.streams`).
     """
 
     def __init__(
@@ -178,13 +203,21 @@ class WorkspacePool:
         *,
         freeze: _FreezeState | None = None,
         allocator: Allocator | None = None,
+        capture_probe: Callable[[], bool] | None = None,
+        debug_streams: bool = False,
     ) -> None:
         self.spec = spec
         self.device = device
         self.lane = lane
         self._freeze = freeze if freeze is not None else _FreezeState()
         self._allocate: Allocator = allocator or zeros_allocator
-        self._is_cuda = device.type == "cuda"
+        if capture_probe is None and device.type == "cuda":
+            capture_probe = torch.cuda.is_current_stream_capturing
+        # None off CUDA: the per-call path then pays one attribute test for capture and streams.
+        self._capture_probe = capture_probe
+        self._watch: StreamOrderWatch | None = None
+        if debug_streams and device.type == "cuda":
+            self._watch = StreamOrderWatch(f"pool {spec.name!r} on {device} (lane {lane})", device)
         self._lock = threading.Lock()
         # (buffer, capacity) replaced as one object, so unlocked readers never see a
         # new capacity with the old, smaller buffer.
@@ -194,6 +227,7 @@ class WorkspacePool:
         self._refused = 0
         self._last_reason: str | None = None
         self._captured = False
+        self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
         self._retired: list[torch.Tensor] = []
         self._slots: dict[str, _RuleSlot] = {
             name: _RuleSlot(rule, f"rule {name}", spec.setting("rules", name)) for name, rule in spec.rules.items()
@@ -224,8 +258,11 @@ class WorkspacePool:
         nbytes = slot.nbytes
         if nbytes is None:
             nbytes = slot.rule.resolve(facts)
-        if self._is_cuda and _is_capturing():
-            self._captured = True
+        if self._capture_probe is not None:
+            if self._capture_probe():
+                self._captured = True
+            elif self._watch is not None:
+                self._watch.observe()
         buffer, capacity = self._state
         if nbytes <= capacity:
             next(slot.counter)
@@ -240,8 +277,11 @@ class WorkspacePool:
         if slot is None:
             with self._lock:
                 slot = self._slots.setdefault(reason, _RuleSlot(None, reason, self.spec.setting("rules", "<rule>")))
-        if self._is_cuda and _is_capturing():
-            self._captured = True
+        if self._capture_probe is not None:
+            if self._capture_probe():
+                self._captured = True
+            elif self._watch is not None:
+                self._watch.observe()
         buffer, capacity = self._state
         if nbytes <= capacity:
             next(slot.counter)
@@ -304,7 +344,7 @@ class WorkspacePool:
                 f"({format_size(nbytes)}) for {reason}, above max_bytes = {spec.max_bytes} bytes "
                 f"({format_size(spec.max_bytes)}); raise {spec.setting('max_bytes')}"
             )
-        capturing = self._is_cuda and _is_capturing()
+        capturing = self._capture_probe is not None and bool(self._capture_probe())
         if self._freeze.frozen or capturing:
             self._refused += 1
             why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
@@ -343,10 +383,11 @@ class WorkspacePool:
                 f"the pool keeps its {format_size(old) if old else 'empty'} buffer. Lower {setting} "
                 f"or free device memory"
             ) from exc
-        if previous is not None and self._captured:
-            self._retired.append(previous)
+        if previous is not None and (self._captured or self._buffer_epoch != self._freeze.epoch):
+            self._retired.append(previous)  # a graph may replay into it: keep it until release_retired()
         self._state = (buffer, capacity)
         self._captured = False
+        self._buffer_epoch = self._freeze.epoch
         self._grows += 1
         self.generation += 1
         self._last_reason = f"{reason}: {format_size(nbytes)}"

@@ -148,7 +148,12 @@ class PoolRegistry:
                 found = self._pools.get(key)
                 if found is None:
                     found = WorkspacePool(
-                        self.spec(name), resolved, lane, freeze=self._freeze, allocator=self._allocator
+                        self.spec(name),
+                        resolved,
+                        lane,
+                        freeze=self._freeze,
+                        allocator=self._allocator,
+                        debug_streams=self.settings.debug_streams,
                     )
                     self._pools[key] = found
         if not is_dynamic(device):

@@ -19,6 +19,7 @@ Not thread-safe; one probe per process is the intended use.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from typing import Any
 
@@ -48,7 +49,7 @@ def device_description(device: torch.device, path: str) -> dict[str, str]:
     try:
         flashinfer = importlib.metadata.version("flashinfer-python")
     except importlib.metadata.PackageNotFoundError:
-        flashinfer = "not installed"
+        flashinfer = str(getattr(importlib.import_module("flashinfer"), "__version__", "unknown"))
     return {
         "device": f"{props.name} (compute capability {props.major}.{props.minor}, {props.multi_processor_count} SMs, "
         f"{props.total_memory / 2**30:.0f} GiB)",
