@@ -22,9 +22,12 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 @pytest.fixture(autouse=True)
 def clean_wspool_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Remove WSPOOL_* variables and forget the default registry around each test."""
+    """Remove WSPOOL_* variables and engine knobs, and forget the default registry around each test."""
+    from wspool.engine_knobs import ENGINE_KNOBS
+
+    knobs = {name for name, _, _ in ENGINE_KNOBS}
     for name in list(os.environ):
-        if name.startswith("WSPOOL_"):
+        if name.startswith("WSPOOL_") or name in knobs:
             monkeypatch.delenv(name)
     wspool.reset_registry()
     yield

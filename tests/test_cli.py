@@ -75,8 +75,8 @@ def test_show_names_sources(
     assert main(["show", "--config", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"config file: {path}"
-    by_key = {line.split()[0]: line for line in lines[1:]}
-    assert by_key["pools.flashinfer_mla.rules.lse"].endswith(f"512MiB  environment variable {LSE_ENV}")
+    by_key = {line.split()[0]: " ".join(line.split()) for line in lines[1:]}  # columns are padded to the widest
+    assert by_key["pools.flashinfer_mla.rules.lse"].endswith(f"512MiB environment variable {LSE_ENV}")
     assert by_key["pools.flashinfer_mla.rules.default"].endswith(f"YAML file {path}")
     assert by_key["pools.flashinfer_mla.growth"].endswith("default")
 

@@ -183,6 +183,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(registry, args.device) else 1
 
 
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from wspool.accounting import dry_run, memory_summary
+
+    registry = PoolRegistry.from_config(args.config)
+    data = dry_run(registry, dict(args.fact or []), device="meta")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print("every rule requested once with these facts, on the meta device (nothing is allocated):")
+    print(memory_summary(registry))
+    print(
+        f"held: {format_size(data['held_bytes'])}; with a buffer per pool (no shared_with): "
+        f"{format_size(data['separate_bytes'])}"
+    )
+    for key, why in data["skipped"].items():
+        print(f"skipped {key} (give its facts with --fact NAME=VALUE): {why}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``wspool`` argument parser."""
     parser = _Parser(prog="wspool", description="Configurable GPU workspace pools.")
@@ -235,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--granularity", type=int, default=1, help="search resolution in bytes (default exact)")
     calibrate.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     calibrate.set_defaults(handler=_cmd_calibrate)
+    stats = commands.add_parser("stats", help="what the pools would hold for given facts (a dry run; see --help)")
+    stats.description = (
+        "Request every configured rule once with the given facts on the meta device, which allocates nothing, "
+        "and print what each buffer would hold and which backends share it. A running process reports its own "
+        "pools with PoolRegistry.memory_summary() / memory_stats()."
+    )
+    stats.add_argument("--fact", action="append", type=_fact, metavar="NAME=VALUE", help="a fact of the calls")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_config_option(stats)
+    stats.set_defaults(handler=_cmd_stats)
     return parser
 
 

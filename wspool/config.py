@@ -1,7 +1,8 @@
 """Configuration: pydantic-settings over built-in defaults, a YAML file and ``WSPOOL_*``.
 
 Precedence, highest first: values passed in code, environment variables, the
-YAML file (named in code or by ``WSPOOL_CONFIG``), built-in defaults. Sources
+YAML file (named in code or by ``WSPOOL_CONFIG``), the engines' own workspace
+variables (:mod:`wspool.engine_knobs`), built-in defaults. Sources
 are deep-merged, so ``WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE=512MiB``
 overrides that one rule and keeps every other value of the file.
 
@@ -40,6 +41,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from wspool.engine_knobs import engine_knob_layers, engine_knob_settings
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, setting_names
 from wspool.rules import LiteralRule, compile_rule
 from wspool.units import format_size, parse_size
@@ -62,11 +64,21 @@ __all__ = [
 CONFIG_ENV_VAR = "WSPOOL_CONFIG"
 
 #: The seed's sizes: 128 MiB for plain MLA decode, 256 MiB when the LSE is returned.
+#: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
+#: two one after another on one stream. Its rules bound the split-KV partial outputs that
+#: FlashInfer's eager plans carve (``wspool.flashinfer.paged`` derives them).
 #: ``configs/default.yaml`` carries the same values (a test keeps them equal).
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "pools": {
         "flashinfer_mla": {
             "rules": {"default": "128MiB", "lse": "256MiB"},
+        },
+        "flashinfer": {
+            "shared_with": "flashinfer_mla",
+            "rules": {
+                "decode": "(512 * sm_count + num_qo_heads) * (head_dim + 1) * 4 + 1MiB",
+                "prefill": "(256 * sm_count + num_qo_heads) * (head_dim + 1) * 4 + 1MiB",
+            },
         },
     },
 }
@@ -122,9 +134,18 @@ def _limit_value(value: object) -> int | None:
     return nbytes
 
 
+def _pool_name_value(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None  # empty: the pool has its own buffer
+    if not isinstance(value, str):
+        raise ValueError(f"expected the name of another pool, got {type(value).__name__}")
+    return value.strip()
+
+
 RuleSource = Annotated[str, BeforeValidator(_rule_value)]
 GrowthPolicy = Annotated[str, BeforeValidator(_growth_value)]
 OptionalLimit = Annotated[int | None, BeforeValidator(_limit_value)]
+PoolName = Annotated[str | None, BeforeValidator(_pool_name_value)]
 
 
 class PoolConfig(BaseModel):
@@ -135,6 +156,10 @@ class PoolConfig(BaseModel):
         growth: ``exact`` (grow to the request), ``power_of_two``, or a
             granularity such as ``32MiB`` that capacities are rounded up to.
         max_bytes: The most the pool may hold on one device and lane.
+        shared_with: Another pool whose buffer this pool's rules draw from (on the
+            same device and lane), so backends that run one after another on one
+            stream hold one buffer; that pool's growth and max_bytes apply. Empty
+            or ``null``: the pool has its own buffer.
         description: Free text shown by ``wspool show``.
     """
 
@@ -143,6 +168,7 @@ class PoolConfig(BaseModel):
     rules: dict[str, RuleSource] = Field(default_factory=dict)
     growth: GrowthPolicy = "exact"
     max_bytes: OptionalLimit = None
+    shared_with: PoolName = None
     description: str = ""
 
     @model_validator(mode="after")
@@ -200,6 +226,9 @@ class WspoolSettings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if yaml_file is not None:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        knobs = engine_knob_settings()
+        if knobs:
+            sources.append(InitSettingsSource(settings_cls, init_kwargs=knobs))
         sources.append(InitSettingsSource(settings_cls, init_kwargs=_deep_copy(BUILTIN_DEFAULTS)))
         return tuple(sources)
 
@@ -343,16 +372,46 @@ def load_settings_with_provenance(
         env_data = EnvSettingsSource(settings_cls)()
     except (SettingsError, RecursionError) as exc:
         raise _env_error(exc) from None
-    provenance = Provenance(
-        [("code", overrides), ("env", env_data), ("yaml", yaml_data), ("default", BUILTIN_DEFAULTS)], path
-    )
+    layers = [("code", overrides), ("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
+    provenance = Provenance([*layers, ("default", BUILTIN_DEFAULTS)], path)
     try:
         settings = settings_cls(**overrides)
     except (SettingsError, RecursionError) as exc:
         raise _env_error(exc) from None
     except ValidationError as exc:
         raise _config_error(exc, provenance) from None
+    _check_shared_pools(settings, provenance)
     return settings, provenance
+
+
+def _check_shared_pools(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
+    """Refuse a ``shared_with`` that names no pool, itself, or a pool that shares yet another's buffer."""
+    pools = settings.pools
+    for name, pool in pools.items():
+        host = pool.shared_with
+        if host is None:
+            continue
+        target = pools.get(host)
+        clash = sorted(set(pool.rules) & set(target.rules)) if target is not None else []
+        if host == name:
+            problem = "a pool cannot share its own buffer"
+        elif target is None:
+            problem = f"there is no pool {host!r} (configured: {', '.join(sorted(pools))})"
+        elif target.shared_with is not None:
+            problem = f"pool {host!r} itself draws from {target.shared_with!r}; name {target.shared_with!r}"
+        elif {"growth", "max_bytes"} & pool.model_fields_set:
+            problem = f"its buffer is {host!r}'s, so set growth and max_bytes under pools.{host}"
+        elif clash:
+            problem = f"both pools have a rule {clash[0]!r}, and rule names on one buffer must differ"
+        else:
+            continue
+        path = ("pools", name, "shared_with")
+        source = f" (from {provenance.source_of(path)})" if provenance is not None else ""
+        raise ConfigError(
+            f"invalid wspool configuration: {setting_names(path)[0]} = {host!r}{source}: {problem}; "
+            f"set {describe_setting(path)} (empty: its own buffer)",
+            path=path,
+        )
 
 
 def _env_error(exc: Exception) -> ConfigError:

@@ -80,7 +80,9 @@ def run_demo(
         echo: Where lines are printed.
     """
     registry = registry if registry is not None else get_registry()
-    target = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     sm_scale = 1.0 / (128 + 64) ** 0.5
     ok = True
     echo(f"wspool demo: MLA decode on {target}, batch {batch}, {heads} heads, lengths up to {max_len}, "

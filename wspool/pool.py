@@ -34,9 +34,10 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -97,6 +98,8 @@ class PoolSpec:
         rules: Rule name -> rule source (size or expression).
         growth: ``"exact"``, ``"power_of_two"`` or a granularity size string.
         max_bytes: Largest capacity allowed, or ``None``.
+        rule_pools: For rules that another pool brought to this one's buffer
+            (``shared_with``), the pool whose key sets them; others are this pool's.
     """
 
     def __init__(
@@ -105,12 +108,16 @@ class PoolSpec:
         rules: Mapping[str, str | int],
         growth: str = "exact",
         max_bytes: int | None = None,
+        rule_pools: Mapping[str, str] | None = None,
     ) -> None:
         from wspool.units import parse_size  # the one place sizes are parsed
 
         self.name = name
+        self.rule_pools: dict[str, str] = {rule: (rule_pools or {}).get(rule, name) for rule in rules}
+        """Rule name -> the pool whose ``pools.<pool>.rules.<rule>`` key sets it."""
         self.rules: dict[str, SizeRule] = {
-            rule: compile_rule(source, ("pools", name, "rules", rule)) for rule, source in rules.items()
+            rule: compile_rule(source, ("pools", self.rule_pools[rule], "rules", rule))
+            for rule, source in rules.items()
         }
         self.growth = growth
         self.granularity = 0 if growth in ("exact", "power_of_two") else parse_size(growth)
@@ -119,6 +126,10 @@ class PoolSpec:
     def setting(self, *parts: str) -> str:
         """Name a setting of this pool as ``"key / ENV_VAR"``."""
         return describe_setting(("pools", self.name, *parts))
+
+    def rule_setting(self, rule: str) -> str:
+        """Name the key that sets ``rule`` (in the pool that brought it, for shared buffers)."""
+        return describe_setting(("pools", self.rule_pools.get(rule, self.name), "rules", rule))
 
     def capacity_for(self, nbytes: int) -> int:
         """Return the capacity to allocate for a request of ``nbytes``."""
@@ -230,10 +241,13 @@ class WorkspacePool:
         self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
         self._retired: list[torch.Tensor] = []
         self._slots: dict[str, _RuleSlot] = {
-            name: _RuleSlot(rule, f"rule {name}", spec.setting("rules", name)) for name, rule in spec.rules.items()
+            name: _RuleSlot(rule, f"rule {name}", spec.rule_setting(name)) for name, rule in spec.rules.items()
         }
         self.generation = 0
         """Increments each time the buffer is replaced; caches keyed on it go stale."""
+        self.buffer_cache: dict[Hashable, Any] = {}
+        """Objects built on the current buffer (kernel wrappers); replaced by an empty dict
+        whenever the buffer is, so nothing cached here outlives the buffer it was built on."""
 
     # -- the per-call path -------------------------------------------------
 
@@ -385,6 +399,7 @@ class WorkspacePool:
             ) from exc
         if previous is not None and (self._captured or self._buffer_epoch != self._freeze.epoch):
             self._retired.append(previous)  # a graph may replay into it: keep it until release_retired()
+        self.buffer_cache = {}  # before the new state: a reader that sees the new buffer sees the new cache
         self._state = (buffer, capacity)
         self._captured = False
         self._buffer_epoch = self._freeze.epoch

@@ -1,9 +1,12 @@
 """The registry: pool name + device + lane -> one shared workspace pool.
 
 Several backends embed one registry: each names the pool it draws from, and
-pools with the same name on the same device and lane are the same memory.
-That is safe for sequential use on one stream; concurrent streams need
-separate pools or lanes (see :mod:`wspool.lanes`).
+pools with the same name on the same device and lane are the same memory, as
+are pools configured to share a buffer (``pools.<pool>.shared_with``): their
+rules are served by one buffer, which grows to the largest. That is safe for
+sequential use on one stream; concurrent streams need separate pools or lanes
+(see :mod:`wspool.lanes`). :meth:`PoolRegistry.memory_summary` shows what each
+buffer holds and which backends drew from it.
 
 Thread semantics: all methods are thread-safe. Device semantics: see
 :func:`wspool.devices.resolve_device`; ``"cuda"`` and ``None`` are resolved
@@ -21,9 +24,9 @@ from typing import Any
 
 import torch
 
-from wspool.config import WspoolSettings, load_settings
+from wspool.config import WspoolSettings, _check_shared_pools, load_settings
 from wspool.devices import DeviceLike, is_dynamic, resolve_device
-from wspool.errors import ConfigError
+from wspool.errors import ConfigError, describe_setting
 from wspool.lanes import current_lane
 from wspool.pool import Allocator, PoolSpec, PoolStats, WorkspacePool, _FreezeState
 
@@ -40,10 +43,23 @@ class PoolRegistry:
             the environment and the built-in defaults.
         allocator: Makes zero-filled ``uint8`` buffers (for tests and custom
             memory pools); default ``torch.zeros``.
+        mem_pool: A :class:`torch.cuda.MemPool` that CUDA buffers are allocated
+            in (under :func:`torch.cuda.use_mem_pool`), for engines that manage
+            a pool's memory as a whole (sleep and offload modes).
     """
 
-    def __init__(self, settings: WspoolSettings | None = None, *, allocator: Allocator | None = None) -> None:
+    def __init__(
+        self,
+        settings: WspoolSettings | None = None,
+        *,
+        allocator: Allocator | None = None,
+        mem_pool: Any = None,
+    ) -> None:
         self.settings = settings if settings is not None else load_settings()
+        if mem_pool is not None:
+            from wspool.accounting import mem_pool_allocator
+
+            allocator = mem_pool_allocator(mem_pool, allocator)
         self._allocator = allocator
         self._lock = threading.RLock()
         self._freeze = _FreezeState()
@@ -53,6 +69,13 @@ class PoolRegistry:
         self._fast: dict[tuple[str, DeviceLike, str], WorkspacePool] = {}
         for name, pool in self.settings.pools.items():
             self._specs[name] = PoolSpec(name, pool.rules, pool.growth, pool.max_bytes)
+        _check_shared_pools(self.settings)
+        # A pool configured with shared_with draws from its host's buffer, whose spec
+        # carries the rules of both (self._specs keeps each pool's own).
+        self._hosts = {name: p.shared_with for name, p in self.settings.pools.items() if p.shared_with}
+        self._buffer_specs: dict[str, PoolSpec] = {}
+        for host in sorted(set(self._hosts.values())):
+            self._link(host)
 
     @classmethod
     def from_config(cls, config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> PoolRegistry:
@@ -137,18 +160,23 @@ class PoolRegistry:
         return spec
 
     def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool:
-        """Return (creating, without allocating) the pool for ``name`` on ``device`` and ``lane``."""
+        """Return (creating, without allocating) the pool for ``name`` on ``device`` and ``lane``.
+
+        For a pool configured with ``shared_with``, this is its host's pool: the
+        one buffer that serves the rules of both.
+        """
         if lane is None:
             lane = current_lane()
         resolved = resolve_device(device)
-        key = (name, resolved, lane)
+        host = self._hosts.get(name, name)
+        key = (host, resolved, lane)
         found = self._pools.get(key)
         if found is None:
             with self._lock:
                 found = self._pools.get(key)
                 if found is None:
                     found = WorkspacePool(
-                        self.spec(name),
+                        self._buffer_specs.get(host) or self.spec(host),
                         resolved,
                         lane,
                         freeze=self._freeze,
@@ -190,13 +218,38 @@ class PoolRegistry:
 
             limit = None if max_bytes is None else parse_size(max_bytes, setting=("pools", name, "max_bytes"))
             spec = PoolSpec(name, merged_rules, growth, limit)
-            if any(key[0] == name for key in self._pools):
+            host = self._hosts.get(name, name)
+            if any(key[0] == host for key in self._pools):
                 current = self._specs[name]
                 if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
                     raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
                 return current
             self._specs[name] = spec
+            if host in self._buffer_specs:
+                self._link(host)
             return spec
+
+    def _link(self, host: str) -> None:
+        """Build the spec of ``host``'s buffer: its own rules and those of the pools that share it."""
+        own = self.spec(host)
+        rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
+        owners: dict[str, str] = {}
+        for guest in sorted(g for g, h in self._hosts.items() if h == host):
+            for rule, compiled in self.spec(guest).rules.items():
+                if rule in rules:
+                    raise ConfigError(
+                        f"pools {guest!r} and {host!r} share one buffer (pools.{guest}.shared_with) and both "
+                        f"have a rule {rule!r}; rename one, or set {describe_setting(('pools', guest, 'shared_with'))} "
+                        f"empty to give {guest!r} its own buffer",
+                        path=("pools", guest, "rules", rule),
+                    )
+                rules[rule] = compiled.source
+                owners[rule] = guest
+        self._buffer_specs[host] = PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners)
+
+    def buffer_pool(self, name: str) -> str:
+        """Return the pool whose buffer ``name`` draws from: its ``shared_with`` host, else itself."""
+        return self._hosts.get(name, name)
 
     def pools(self) -> Iterator[WorkspacePool]:
         """Iterate over every pool instance created so far."""
@@ -211,6 +264,21 @@ class PoolRegistry:
     def all_stats(self) -> list[PoolStats]:
         """Return the statistics of every pool instance, sorted by pool, device and lane."""
         return sorted((p.stats() for p in self.pools()), key=lambda s: (s.pool, s.device, s.lane))
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Return what every buffer holds, per backend, with PyTorch's figures on CUDA (JSON-able).
+
+        See :func:`wspool.accounting.memory_stats`; reading it has no side effects.
+        """
+        from wspool.accounting import memory_stats
+
+        return memory_stats(self)
+
+    def memory_summary(self) -> str:
+        """Return a table: pool, device, lane, capacity, peak request, grows, backends; then totals per device."""
+        from wspool.accounting import memory_summary
+
+        return memory_summary(self)
 
     # -- reserve, warm up, freeze --------------------------------------------
 
