@@ -94,3 +94,72 @@ def test_missing_flashinfer_has_an_install_hint(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(importlib, "import_module", fail)
     with pytest.raises(ImportError, match=r"pip install 'flashinfer-python"):
         kernels.load_flashinfer_mla()
+
+
+# -- paged attention ----------------------------------------------------------------
+
+
+def _paged_csr() -> dict[str, torch.Tensor]:
+    return {
+        "kv_indptr": _t(B + 1, dtype=torch.int32),
+        "kv_indices": _t(PAGES, dtype=torch.int32),
+        "kv_last_page_len": _t(B, dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_paged_decode_calls_bind(tensor_cores: bool) -> None:
+    """BatchDecodeWithPagedKVCacheWrapper's constructor, plan (and its keyword-only _plan_impl) and run bind."""
+    import flashinfer
+
+    cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+    init = kernels.paged_decode_init_kwargs(
+        workspace=_t(1024, dtype=torch.uint8), backend="auto", use_tensor_cores=tensor_cores
+    )
+    assert inspect.signature(cls.__init__).bind(object(), **init).arguments["kv_layout"] == "NHD"
+    plan = kernels.paged_decode_plan_kwargs(
+        **_paged_csr(), num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, sm_scale=0.1,
+        q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+    )  # fmt: skip
+    inspect.signature(cls.plan).bind(object(), **plan)
+    bound = inspect.signature(cls._plan_impl).bind(object(), **plan)  # plan() passes **kwargs through to it
+    assert bound.arguments["q_data_type"] is torch.bfloat16
+    run = kernels.paged_decode_run_kwargs(
+        query=_t(B, 32, 128), kv_cache=_t(PAGES, 2, 16, 8, 128), out=None, lse=None, return_lse=True
+    )
+    assert inspect.signature(cls.run).bind(object(), **run).arguments["return_lse"] is True
+    assert "lse_base" not in inspect.signature(cls.run).parameters  # so wspool converts decode's base-2 LSE
+
+
+def test_paged_prefill_calls_bind() -> None:
+    """BatchPrefillWithPagedKVCacheWrapper's constructor, plan and run bind; run asks for the natural-log LSE."""
+    import flashinfer
+
+    cls = flashinfer.BatchPrefillWithPagedKVCacheWrapper
+    init = kernels.paged_prefill_init_kwargs(workspace=_t(1024, dtype=torch.uint8), backend="auto")
+    inspect.signature(cls.__init__).bind(object(), **init)
+    plan = kernels.paged_prefill_plan_kwargs(
+        qo_indptr=_t(B + 1, dtype=torch.int32), **_paged_csr(), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+        page_size=16, causal=True, sm_scale=0.1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+    )  # fmt: skip
+    assert inspect.signature(cls.plan).bind(object(), **plan).arguments["causal"] is True
+    run = kernels.paged_prefill_run_kwargs(
+        query=_t(10, 32, 128), kv_cache=_t(PAGES, 2, 16, 8, 128), out=None, lse=None, return_lse=True
+    )
+    assert inspect.signature(cls.run).bind(object(), **run).arguments["lse_base"] == "ln"
+
+
+def test_paged_float_carves_are_flashinfers() -> None:
+    """The carve names wspool recovers from are the float-workspace carves in FlashInfer's scheduler."""
+    from pathlib import Path
+
+    import flashinfer
+
+    from wspool.flashinfer.paged import FLOAT_CARVES
+
+    scheduler = Path(flashinfer.__file__).parent / "data" / "include" / "flashinfer" / "attention" / "scheduler.cuh"
+    if not scheduler.is_file():
+        pytest.skip("this FlashInfer build ships no scheduler source")
+    text = scheduler.read_text()
+    for name in FLOAT_CARVES:
+        assert f'"{name}"' in text

@@ -13,16 +13,23 @@ from wspool.flashinfer.mla import (
     select_path,
 )
 from wspool.flashinfer.overflow import WorkspaceOverflow, parse_overflow
+from wspool.flashinfer.paged import PAGED_POOL, PagedAttentionPlan, paged_decode_plan, paged_prefill_plan
+from wspool.flashinfer.paged_reference import paged_attention_reference
 from wspool.flashinfer.reference import mla_decode_reference
 
 __all__ = [
     "COUNTER_POOL",
     "MLA_POOL",
+    "PAGED_POOL",
     "MLADecodePlan",
+    "PagedAttentionPlan",
     "WorkspaceOverflow",
     "mla_decode",
     "mla_decode_plan",
     "mla_decode_reference",
+    "paged_attention_reference",
+    "paged_decode_plan",
+    "paged_prefill_plan",
     "parse_overflow",
     "select_path",
 ]

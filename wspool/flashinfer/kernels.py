@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 __all__ = [
+    "load_flashinfer_attention",
     "load_flashinfer_mla",
+    "paged_decode_init_kwargs",
+    "paged_decode_plan_kwargs",
+    "paged_decode_run_kwargs",
+    "paged_prefill_init_kwargs",
+    "paged_prefill_plan_kwargs",
+    "paged_prefill_run_kwargs",
     "trtllm_decode_kwargs",
     "wrapper_init_kwargs",
     "wrapper_plan_kwargs",
@@ -151,4 +158,119 @@ def wrapper_run_kwargs(
         "return_lse": return_lse,
         # FlashInfer checks this against the plan's lse_mode: "basee" only when an LSE is planned.
         "return_lse_base_on_e": return_lse,
+    }
+
+
+# -- paged attention (GQA decode and prefill) ------------------------------------
+
+
+def load_flashinfer_attention() -> ModuleType:
+    """Import ``flashinfer`` (its paged decode and prefill wrappers).
+
+    Raises:
+        ImportError: FlashInfer is not installed, with an install hint.
+    """
+    try:
+        return importlib.import_module("flashinfer")
+    except ImportError as exc:
+        raise ImportError(f"wspool's paged attention kernels need FlashInfer ({exc}); {_INSTALL_HINT}") from exc
+
+
+def paged_decode_init_kwargs(*, workspace: torch.Tensor, backend: str, use_tensor_cores: bool) -> dict[str, Any]:
+    """Arguments of ``BatchDecodeWithPagedKVCacheWrapper(...)`` (eager, NHD paged KV cache)."""
+    return {
+        "float_workspace_buffer": workspace,
+        "kv_layout": "NHD",
+        "use_tensor_cores": use_tensor_cores,
+        "backend": backend,
+    }
+
+
+def paged_decode_plan_kwargs(
+    *,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    sm_scale: float,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> dict[str, Any]:
+    """Arguments of ``BatchDecodeWithPagedKVCacheWrapper.plan`` (CSR page table, all by keyword)."""
+    return {
+        "indptr": kv_indptr,
+        "indices": kv_indices,
+        "last_page_len": kv_last_page_len,
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "sm_scale": sm_scale,
+        "q_data_type": q_dtype,
+        "kv_data_type": kv_dtype,
+    }
+
+
+def paged_decode_run_kwargs(
+    *, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool
+) -> dict[str, Any]:
+    """Arguments of ``BatchDecodeWithPagedKVCacheWrapper.run``.
+
+    Its LSE is base 2 (FlashInfer's convention; the decode wrapper has no
+    ``lse_base``): the op converts it to the natural log.
+    """
+    return {"q": query, "paged_kv_cache": kv_cache, "out": out, "lse": lse, "return_lse": return_lse}
+
+
+def paged_prefill_init_kwargs(*, workspace: torch.Tensor, backend: str) -> dict[str, Any]:
+    """Arguments of ``BatchPrefillWithPagedKVCacheWrapper(...)`` (eager, NHD paged KV cache)."""
+    return {"float_workspace_buffer": workspace, "kv_layout": "NHD", "backend": backend}
+
+
+def paged_prefill_plan_kwargs(
+    *,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    causal: bool,
+    sm_scale: float,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> dict[str, Any]:
+    """Arguments of ``BatchPrefillWithPagedKVCacheWrapper.plan`` (CSR query and page table)."""
+    return {
+        "qo_indptr": qo_indptr,
+        "paged_kv_indptr": kv_indptr,
+        "paged_kv_indices": kv_indices,
+        "paged_kv_last_page_len": kv_last_page_len,
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim_qk": head_dim,
+        "page_size": page_size,
+        "causal": causal,
+        "sm_scale": sm_scale,
+        "q_data_type": q_dtype,
+        "kv_data_type": kv_dtype,
+    }
+
+
+def paged_prefill_run_kwargs(
+    *, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool
+) -> dict[str, Any]:
+    """Arguments of ``BatchPrefillWithPagedKVCacheWrapper.run``, asking for the natural-log LSE."""
+    return {
+        "q": query,
+        "paged_kv_cache": kv_cache,
+        "out": out,
+        "lse": lse,
+        "return_lse": return_lse,
+        "lse_base": "ln",
     }

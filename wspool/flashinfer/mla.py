@@ -39,13 +39,13 @@ from typing import Any
 import torch
 
 from wspool.devices import resolve_device
-from wspool.errors import WorkspaceOverflowError, describe_setting
+from wspool.errors import describe_setting
 from wspool.flashinfer import kernels
-from wspool.flashinfer.overflow import parse_overflow
+from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
+from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
 from wspool.pool import WorkspacePool
 from wspool.registry import PoolRegistry, get_registry
-from wspool.units import format_size
 
 __all__ = [
     "BACKENDS",
@@ -65,9 +65,6 @@ COUNTER_POOL = "flashinfer_mla_counters"
 COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
 BACKENDS = ("auto", "reference", "trtllm-gen", "fa3", "fa2")
 _BLACKWELL = ((10, 0), (10, 3), (10, 7))
-_MiB = 1 << 20
-#: Growths tried for one call before an overflow is reported (each grows past the last need).
-_MAX_RECOVERIES = 3
 
 _capabilities: dict[torch.device, tuple[int, int]] = {}
 _sm_counts: dict[torch.device, int] = {}
@@ -441,40 +438,16 @@ class MLADecodePlan:
                 torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
             )
             return _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
-        return _shared_wrapper(self._pool, workspace, generation, self.path, self.return_lse)
+        return _shared_wrapper(self._pool, workspace, self.path, self.return_lse)
 
     # -- overflow recovery -----------------------------------------------------
 
     def _recover(self, exc: RuntimeError, capacity: int, attempt: int) -> torch.Tensor:
         """Grow the pool past what a FlashInfer overflow needed; re-raise anything else."""
-        overflow = parse_overflow(exc)
-        if overflow is None:
-            raise exc
-        needed = overflow.needed_capacity(capacity)
-        if attempt >= _MAX_RECOVERIES:
-            raise WorkspaceOverflowError(
-                f"FlashInfer MLA decode still overflowed pool {self._pool.spec.name!r} on {self.device} after "
-                f"{attempt} growth(s): {overflow.name} needs {overflow.size_bytes} bytes with "
-                f"{overflow.available_bytes} of {capacity} available; raise {self._setting}"
-            ) from exc
-        # Headroom for the carves after the one that failed, so one retry normally suffices.
-        target = -(-(needed + max(needed // 8, _MiB)) // _MiB) * _MiB
-        if attempt == 0:
-            logger.warning(
-                "wspool: FlashInfer MLA decode overflowed pool %s on %s (rule %s): %s needed %d bytes, %d "
-                "available of %s; growing to %s and retrying. Raise %s to at least %s to avoid this",
-                self._pool.spec.name,
-                self.device,
-                self.rule,
-                overflow.name,
-                overflow.size_bytes,
-                overflow.available_bytes,
-                format_size(capacity),
-                format_size(target),
-                self._setting,
-                format_size(needed),
-            )
-        return self._pool.grow_to(target, f"overflow recovery ({overflow.name})", self._setting)
+        return grow_after_overflow(
+            exc, pool=self._pool, capacity=capacity, attempt=attempt, op="MLA decode", rule=self.rule,
+            setting=self._setting,
+        )  # fmt: skip
 
 
 def _make_wrapper(
@@ -490,19 +463,19 @@ def _make_wrapper(
     return wrapper
 
 
-# One eager wrapper per (pool instance, generation, backend, LSE mode): each wrapper
-# holds 16 MiB of FlashInfer's own buffers, so plans of successive steps share it.
-_wrappers: weakref.WeakKeyDictionary[WorkspacePool, dict[tuple[int, str, bool], Any]] = weakref.WeakKeyDictionary()
+def _shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, lse: bool) -> Any:
+    """One eager wrapper per (pool instance, buffer, backend, LSE mode), shared by the plans of successive steps.
 
-
-def _shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, generation: int, backend: str, lse: bool) -> Any:
-    cache = _wrappers.setdefault(pool, {})
-    key = (generation, backend, lse)
-    wrapper = cache.get(key)
+    Each wrapper holds 16 MiB of FlashInfer's own buffers. It lives in the pool's
+    ``buffer_cache``, which the pool empties when it replaces the buffer, so no
+    cached wrapper outlives the buffer it was built on.
+    """
+    key = ("mla", backend, lse)
+    wrapper = pool.buffer_cache.get(key)
     if wrapper is None:
-        for stale in [k for k in cache if k[0] != generation]:
-            del cache[stale]  # built on a buffer the pool has replaced
-        wrapper = cache[key] = _make_wrapper(workspace, backend)
+        wrapper = _make_wrapper(workspace, backend)
+        if pool.buffer is workspace:  # not replaced meanwhile by another thread
+            pool.buffer_cache[key] = wrapper
     return wrapper
 
 

@@ -1,0 +1,384 @@
+"""FlashInfer paged attention (GQA decode and prefill) with its float workspace from a wspool pool.
+
+An engine plans once per step and runs once per layer: :func:`paged_decode_plan`
+and :func:`paged_prefill_plan` make a :class:`PagedAttentionPlan` (FlashInfer's
+``plan()`` copies the page table to the host and schedules the split-KV work);
+:meth:`PagedAttentionPlan.run` is the per-layer call.
+
+Pool: rules ``decode`` and ``prefill`` of pool ``flashinfer``. By default
+``pools.flashinfer.shared_with`` is ``flashinfer_mla``: paged attention and MLA
+decode hold one buffer of the larger need, which is safe because an engine runs
+its attention backends one after another on one stream. Backends that run
+concurrently take their own buffer (``shared_with`` empty) or a lane each.
+
+Sizing: an eager plan carves the float workspace only for split-KV partial
+outputs (``head_dim + 1`` floats per row): at most 256 rows per SM for the
+prefill and tensor-core decode kernels, 512 for the CUDA-core decode kernel,
+plus one per query head (Hopper's fa3 prefill carves none). Rules may read
+``batch_size``, ``num_tokens``, ``num_qo_heads``, ``num_kv_heads``,
+``head_dim``, ``page_size``, ``dtype_bytes``, ``sm_count`` and the caller's
+``facts``. A plan that still overflows grows the pool and plans again.
+
+Kernel paths: on CUDA, FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
+(tensor cores by default for GQA groups above 4) and
+``BatchPrefillWithPagedKVCacheWrapper``, backend as FlashInfer picks for
+``"auto"``. On the CPU, or with ``backend="reference"``:
+:func:`~wspool.flashinfer.paged_reference.paged_attention_reference`, which
+requests the workspace like the kernels. The KV cache is NHD
+(``[pages, 2, page_size, kv_heads, head_dim]``). The LSE is the natural log on
+every path (prefill asks for ``lse_base="ln"``; decode's base-2 LSE is
+multiplied by ln 2 in place).
+
+Wrappers live in the pool's ``buffer_cache`` (one per kind, backend and
+tensor-core mode), which the pool empties when it replaces its buffer, so no
+wrapper outlives the buffer it was built on; a plan holds none and plans again
+when its wrapper is gone or another plan has planned it since.
+
+Device semantics: everything runs on the device of ``block_tables``. Thread and
+stream semantics: a plan and its lane's buffer serve one stream at a time.
+Capture semantics: planning never runs during capture; these wrappers are eager
+(an engine that captures builds graph-mode wrappers on
+``reg.workspace("flashinfer", rule=...)``, then freezes the registry).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from wspool.errors import describe_setting
+from wspool.flashinfer import kernels
+from wspool.flashinfer.mla import _check_int_tensor, _sm_count
+from wspool.flashinfer.paged_reference import paged_attention_reference
+from wspool.flashinfer.recovery import MAX_RECOVERIES, grow_after_overflow
+from wspool.registry import PoolRegistry, get_registry
+
+__all__ = ["BACKENDS", "FLOAT_CARVES", "PAGED_POOL", "PagedAttentionPlan", "paged_decode_plan", "paged_prefill_plan"]
+
+PAGED_POOL = "flashinfer"
+BACKENDS = ("auto", "reference", "fa2", "fa3")
+#: The carves these plans make in the float workspace; others are FlashInfer's own int workspace.
+FLOAT_CARVES = frozenset({"batch_decode_tmp_v", "batch_decode_tmp_s", "batch_prefill_tmp_v", "batch_prefill_tmp_s"})
+_LN2 = math.log(2.0)
+
+
+def _has_kernels(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _paged_csr(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Convert the page table to FlashInfer's CSR form on its device: (indptr, indices, last_page_len)."""
+    lengths = seq_lens.to(torch.int32)
+    pages = (lengths + page_size - 1) // page_size
+    kv_indptr = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    live = torch.arange(block_tables.shape[1], device=lengths.device)[None, :] < pages[:, None]
+    return kv_indptr, block_tables[live].to(torch.int32), lengths - (pages - 1) * page_size
+
+
+class PagedAttentionPlan:
+    """Paged attention planned for one page table (and query layout): one step of an engine.
+
+    Build with :func:`paged_decode_plan` or :func:`paged_prefill_plan`. Mutating
+    ``block_tables``, ``seq_lens`` or ``qo_indptr`` after planning must be
+    followed by :meth:`replan`.
+
+    Attributes:
+        kind: ``"decode"`` or ``"prefill"``; also the pool rule that sizes the workspace.
+        path: ``"reference"`` or the FlashInfer backend asked for.
+        facts: The facts the rule is resolved with.
+        use_tensor_cores: Whether decode runs FlashInfer's tensor-core kernel.
+        plan_calls: How many times this plan called FlashInfer's ``plan()``.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        qo_indptr: torch.Tensor | None,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        causal: bool,
+        sm_scale: float | None,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype | None,
+        use_tensor_cores: bool | None,
+        registry: PoolRegistry | None,
+        pool: str,
+        backend: str,
+        lane: str | None,
+        facts: Mapping[str, int] | None,
+    ) -> None:
+        device = block_tables.device if isinstance(block_tables, torch.Tensor) else torch.device("cpu")
+        _check_int_tensor("block_tables", block_tables, 2, device)
+        _check_int_tensor("seq_lens", seq_lens, 1, device)
+        batch = seq_lens.shape[0]
+        if block_tables.shape[0] != batch:
+            raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch} entries")
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("page_size", page_size)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown paged attention backend {backend!r} (choose one of {', '.join(BACKENDS)})")
+        on_cpu = not _has_kernels(device)
+        self.path = "reference" if backend == "reference" or (on_cpu and backend == "auto") else backend
+        if self.path != "reference" and on_cpu:
+            raise ValueError(f"paged attention backend {backend!r} needs a CUDA device, got {device}; "
+                             f"use backend='reference'")  # fmt: skip
+        if batch and int(seq_lens.min()) < 1:
+            raise ValueError("seq_lens must be at least 1 for every request (the new tokens are in the cache)")
+        widest = int((seq_lens.max() + page_size - 1) // page_size) if batch else 0
+        if widest > block_tables.shape[1]:
+            raise ValueError(f"seq_lens needs {widest} pages for its longest request, but block_tables has "
+                             f"{block_tables.shape[1]} columns")  # fmt: skip
+        if qo_indptr is None:
+            qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        _check_int_tensor("qo_indptr", qo_indptr, 1, device)
+        if qo_indptr.numel() != batch + 1:
+            raise ValueError(f"qo_indptr must have batch + 1 = {batch + 1} entries, got {qo_indptr.numel()}")
+        rows = qo_indptr[1:] - qo_indptr[:-1]
+        if batch and (int(rows.min()) < 0 or (causal and bool((rows > seq_lens).any()))):
+            raise ValueError("qo_indptr must not decrease, and with causal no request may have more query "
+                             "rows than its seq_lens (the new tokens are the last cached ones)")  # fmt: skip
+        self.kind = kind
+        self.device = device
+        self.block_tables, self.seq_lens, self.qo_indptr = block_tables, seq_lens, qo_indptr
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.causal = causal
+        self.sm_scale = float(sm_scale) if sm_scale is not None else head_dim**-0.5
+        self.q_dtype = q_dtype
+        self.kv_dtype = kv_dtype or q_dtype
+        group = num_qo_heads // num_kv_heads
+        self.use_tensor_cores = group > 4 if use_tensor_cores is None else bool(use_tensor_cores)
+        tokens = int(qo_indptr[-1]) if batch else 0
+        self._query_shape = (tokens, num_qo_heads, head_dim)
+        self._kv_shape = (2, page_size, num_kv_heads, head_dim)
+        self.facts: dict[str, int] = {
+            "batch_size": batch,
+            "num_tokens": tokens,
+            "num_qo_heads": num_qo_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "page_size": page_size,
+            "dtype_bytes": torch.empty((), dtype=q_dtype).element_size(),
+            "sm_count": _sm_count(device),
+            **(facts or {}),
+        }
+        self._registry = registry if registry is not None else get_registry()
+        self._pool = self._registry.pool(pool, device, lane=lane)
+        self._setting = describe_setting(("pools", pool, "rules", kind))
+        self._key = (f"paged_{kind}", self.path, self.use_tensor_cores if kind == "decode" else None)
+        self._token = object()  # identifies this plan as a shared wrapper's current owner
+        self.plan_calls = 0
+        self._pool.ensure(kind, self.facts)  # grow now, outside the per-layer path
+        self.replan()
+
+    def replan(self) -> None:
+        """Plan again for the current contents of the page table, lengths and ``qo_indptr`` (same shapes)."""
+        if self.path != "reference":
+            self._csr = _paged_csr(self.block_tables, self.seq_lens, self.page_size)
+            self._plan_wrapper()
+
+    # -- the per-layer call ----------------------------------------------------
+
+    def run(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run paged attention for one layer.
+
+        Args:
+            query: ``[tokens, num_qo_heads, head_dim]`` (decode: one token per request).
+            kv_cache: ``[pages, 2, page_size, num_kv_heads, head_dim]`` (NHD).
+            out: Optional output buffer shaped like ``query``.
+            lse: Optional fp32 ``[tokens, num_qo_heads]`` buffer.
+            return_lse: Also return the natural-log LSE.
+
+        Returns:
+            ``out``, or ``(out, lse)`` with ``return_lse``.
+
+        Raises:
+            ValueError: The query or KV cache does not match the plan.
+            WorkspaceFrozenError: The pool would have to grow while frozen or capturing.
+            WorkspaceOverflowError: FlashInfer still overflowed after recovery.
+        """
+        if query.shape != self._query_shape or query.dtype != self.q_dtype:
+            raise ValueError(f"query is {tuple(query.shape)} {query.dtype}, but the plan is for "
+                             f"{self._query_shape} {self.q_dtype}; make a new plan for a new shape")  # fmt: skip
+        if kv_cache.dim() != 5 or kv_cache.shape[1:] != self._kv_shape:
+            raise ValueError(f"kv_cache must be [pages, {', '.join(map(str, self._kv_shape))}] (NHD), "
+                             f"got {tuple(kv_cache.shape)}")  # fmt: skip
+        self._pool.workspace(self.kind, self.facts)  # counts the request; grows only if the pool was reset
+        if self.path == "reference":
+            ref_out, ref_lse = paged_attention_reference(
+                query, kv_cache, self.qo_indptr, self.block_tables, self.seq_lens, sm_scale=self.sm_scale,
+                causal=self.causal,
+            )  # fmt: skip
+            if out is not None:
+                ref_out = out.copy_(ref_out)
+            if not return_lse:
+                return ref_out
+            return ref_out, (ref_lse if lse is None else lse.copy_(ref_lse))
+        wrapper = self._pool.buffer_cache.get(self._key)
+        if wrapper is None or wrapper._wspool_owner is not self._token:
+            wrapper = self._plan_wrapper()
+        run_kwargs: dict[str, Any] = {
+            "query": query,
+            "kv_cache": kv_cache,
+            "out": out,
+            "lse": lse,
+            "return_lse": return_lse,
+        }
+        if self.kind == "prefill":
+            return wrapper.run(**kernels.paged_prefill_run_kwargs(**run_kwargs))  # type: ignore[no-any-return]
+        result = wrapper.run(**kernels.paged_decode_run_kwargs(**run_kwargs))
+        if return_lse:
+            result[1].mul_(_LN2)  # FlashInfer's decode LSE is base 2
+        return result  # type: ignore[no-any-return]
+
+    # -- planning (wrapper path) ----------------------------------------------
+
+    def _plan_wrapper(self) -> Any:
+        kv_indptr, kv_indices, last_page_len = self._csr
+        common: dict[str, Any] = {
+            "kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": last_page_len,
+            "num_qo_heads": self.num_qo_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "page_size": self.page_size, "sm_scale": self.sm_scale, "q_dtype": self.q_dtype,
+            "kv_dtype": self.kv_dtype,
+        }  # fmt: skip
+        if self.kind == "decode":
+            plan_kwargs = kernels.paged_decode_plan_kwargs(**common)
+        else:
+            plan_kwargs = kernels.paged_prefill_plan_kwargs(qo_indptr=self.qo_indptr, causal=self.causal, **common)
+        for attempt in range(MAX_RECOVERIES + 1):
+            workspace = self._pool.ensure(self.kind, self.facts)
+            cache = self._pool.buffer_cache
+            wrapper = cache.get(self._key)
+            if wrapper is None:
+                wrapper = self._make_wrapper(workspace)
+                if self._pool.buffer is workspace:  # not replaced meanwhile by another thread
+                    cache[self._key] = wrapper
+            wrapper._wspool_owner = None  # no plan may run it while it is being planned
+            try:
+                self.plan_calls += 1
+                wrapper.plan(**plan_kwargs)
+            except RuntimeError as exc:
+                grow_after_overflow(
+                    exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt, op=f"paged {self.kind}",
+                    rule=self.kind, setting=self._setting, float_carves=FLOAT_CARVES,
+                )  # fmt: skip
+                continue
+            wrapper._wspool_owner = self._token
+            return wrapper
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _make_wrapper(self, workspace: torch.Tensor) -> Any:
+        flashinfer = kernels.load_flashinfer_attention()
+        if self.kind == "decode":
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                **kernels.paged_decode_init_kwargs(
+                    workspace=workspace, backend=self.path, use_tensor_cores=self.use_tensor_cores
+                )
+            )
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                **kernels.paged_prefill_init_kwargs(workspace=workspace, backend=self.path)
+            )
+        wrapper._wspool_owner = None
+        return wrapper
+
+
+def paged_decode_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    sm_scale: float | None = None,
+    q_dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+    use_tensor_cores: bool | None = None,
+    registry: PoolRegistry | None = None,
+    pool: str = PAGED_POOL,
+    backend: str = "auto",
+    lane: str | None = None,
+    facts: Mapping[str, int] | None = None,
+) -> PagedAttentionPlan:
+    """Plan paged decode (one query token per request) for one step; ``plan.run(query, kv_cache)`` per layer.
+
+    Args:
+        block_tables: ``[batch, max_pages]`` int32 page ids, on the decode device.
+        seq_lens: ``[batch]`` int32 cached lengths (the new token included), each at least 1.
+        num_qo_heads: Query heads; a multiple of ``num_kv_heads``.
+        num_kv_heads: KV heads.
+        head_dim: Features per head.
+        page_size: Tokens per KV-cache page.
+        sm_scale: Softmax scale; default ``1 / sqrt(head_dim)``.
+        q_dtype: Query dtype; ``kv_dtype`` defaults to it.
+        use_tensor_cores: FlashInfer's tensor-core decode; default for GQA groups above 4.
+        registry: The registry; default :func:`wspool.get_registry`.
+        pool: The pool to draw from (rule ``decode``).
+        backend: ``"auto"``, ``"reference"``, ``"fa2"`` or ``"fa3"``.
+        lane: The pool lane (for concurrent streams).
+        facts: Extra facts for the rules.
+    """
+    return PagedAttentionPlan(
+        "decode", block_tables, seq_lens, None, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, causal=False, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        use_tensor_cores=use_tensor_cores, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
+    )  # fmt: skip
+
+
+def paged_prefill_plan(
+    qo_indptr: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+    registry: PoolRegistry | None = None,
+    pool: str = PAGED_POOL,
+    backend: str = "auto",
+    lane: str | None = None,
+    facts: Mapping[str, int] | None = None,
+) -> PagedAttentionPlan:
+    """Plan paged prefill (ragged query rows per request, appended to the cache) for one step.
+
+    Args:
+        qo_indptr: ``[batch + 1]`` int32 offsets of each request's query rows in ``query``.
+        block_tables: ``[batch, max_pages]`` int32 page ids.
+        seq_lens: ``[batch]`` int32 cached lengths, the new query tokens included.
+        causal: Each query row sees the cache up to its own position.
+        Others: As for :func:`paged_decode_plan` (rule ``prefill``).
+    """
+    return PagedAttentionPlan(
+        "prefill", block_tables, seq_lens, qo_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        use_tensor_cores=None, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
+    )  # fmt: skip
