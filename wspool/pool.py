@@ -285,6 +285,17 @@ class WorkspacePool:
             return buffer  # type: ignore[return-value]
         return self._serve_growing(slot, nbytes)
 
+    def ensure(self, rule: str, facts: Mapping[str, object]) -> torch.Tensor:
+        """Grow to what ``rule`` resolves to, without counting a request (for planning ahead).
+
+        Raises:
+            The same errors as :meth:`workspace`.
+        """
+        slot = self._slots.get(rule)
+        if slot is None or slot.rule is None:
+            raise self._unknown_rule(rule)
+        return self.grow_to(slot.rule.resolve(facts), slot.label, slot.setting)
+
     def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
         """Return the buffer for an explicit size in bytes, grown first if needed."""
         slot = self._slots.get(reason)
@@ -321,8 +332,13 @@ class WorkspacePool:
 
     # -- growth ------------------------------------------------------------
 
-    def grow_to(self, nbytes: int, reason: str) -> torch.Tensor:
+    def grow_to(self, nbytes: int, reason: str, setting: str | None = None) -> torch.Tensor:
         """Grow to hold at least ``nbytes`` (used by overflow recovery and reserve).
+
+        Args:
+            nbytes: The capacity needed.
+            reason: Why, for the statistics and the log.
+            setting: The key to raise, named in errors (default: the pool's rules).
 
         Returns:
             The (possibly new) buffer.
@@ -335,7 +351,7 @@ class WorkspacePool:
             buffer, capacity = self._state
             if nbytes <= capacity:
                 return buffer  # type: ignore[return-value]
-            return self._grow_locked(nbytes, reason)
+            return self._grow_locked(nbytes, reason, setting)
 
     def _grow_locked(self, nbytes: int, reason: str, setting: str | None = None) -> torch.Tensor:
         spec = self.spec

@@ -126,7 +126,11 @@ class PoolRegistry:
             device = resolve_device(device)
         found = self._fast.get((pool, device, lane))
         if found is None:
-            found = self.pool(pool, device, lane=lane)
+            if is_dynamic(device):  # torch.device("cuda"): look up by the current index instead
+                device = resolve_device(device)
+                found = self._fast.get((pool, device, lane))
+            if found is None:
+                found = self.pool(pool, device, lane=lane)
         return found.workspace(rule, facts)
 
     def resolve(self, pool: str, rule: str = "default", **facts: object) -> int:
