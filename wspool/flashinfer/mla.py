@@ -31,7 +31,6 @@ during capture (reserve or warm up first, then freeze).
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -57,7 +56,6 @@ __all__ = [
     "select_path",
 ]
 
-logger = logging.getLogger("wspool")
 
 MLA_POOL = "flashinfer_mla"
 COUNTER_POOL = "flashinfer_mla_counters"
@@ -193,7 +191,7 @@ class MLADecodePlan:
             "page_size": page_size,
             "kv_lora_rank": kv_lora_rank,
             "qk_rope_head_dim": qk_rope_head_dim,
-            "dtype_bytes": torch.empty((), dtype=q_dtype).element_size(),
+            "dtype_bytes": q_dtype.itemsize,
             "sm_count": _sm_count(device),
             "cp_world": 1,
             **(facts or {}),
@@ -205,6 +203,8 @@ class MLADecodePlan:
         self._pool = self._registry.pool(pool, device, lane=lane)
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
         self._versions = (block_tables._version, seq_lens._version)
+        #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
+        self.planned_shapes = (block_tables.shape, seq_lens.shape)
         self._wrapper: Any = None
         self._generation = -1
         self._token = object()  # identifies this plan as a shared wrapper's current owner
@@ -395,6 +395,8 @@ class MLADecodePlan:
             workspace = self._pool.ensure(self.rule, self.facts)
             generation = self._pool.generation
             wrapper = self._acquire_wrapper(workspace, generation)
+            # Nobody owns a wrapper mid-plan: if plan() fails, no plan may run on it unplanned.
+            wrapper._wspool_owner = None
             try:
                 self.plan_calls += 1
                 wrapper.plan(**plan_kwargs)
@@ -584,7 +586,10 @@ def mla_decode(
     plan = plans.get(key)
     if (
         plan is None
-        or not plan.is_current_for(block_tables, seq_lens)
+        or plan.block_tables is not block_tables
+        or plan.seq_lens is not seq_lens
+        or plan.block_tables.shape != plan.planned_shapes[0]
+        or plan.seq_lens.shape != plan.planned_shapes[1]
         or plan.max_seq_len != max_seq_len
         or plan.q_len != q_len
         or plan.num_heads != heads
@@ -599,4 +604,6 @@ def mla_decode(
             q_len=q_len, q_dtype=query.dtype, kv_dtype=kv_cache.dtype, return_lse=return_lse, registry=registry,
             pool=pool, backend=backend, lane=lane, facts=facts,
         )  # fmt: skip
+    elif not plan.is_current_for(block_tables, seq_lens):
+        plan.replan()  # the same tensors, edited in place (the next step): plan again, keep the rest
     return plan.run(query, kv_cache, out=out, lse=lse)
