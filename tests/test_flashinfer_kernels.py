@@ -92,6 +92,7 @@ def test_missing_flashinfer_has_an_install_hint(monkeypatch: pytest.MonkeyPatch)
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(importlib, "import_module", fail)
+    monkeypatch.setattr(kernels, "_flashinfer_mla", None)  # as in a fresh process
     with pytest.raises(ImportError, match=r"pip install 'flashinfer-python"):
         kernels.load_flashinfer_mla()
 

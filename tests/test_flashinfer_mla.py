@@ -293,3 +293,15 @@ def test_packed_query_form(path: str, request: pytest.FixtureRequest) -> None:
     torch.testing.assert_close(got_lse, want_lse.view(3, 4))
     with pytest.raises(ValueError, match=r"or packed \(3, 4, 576\)"):
         plan.run(inputs.query.view(12, 1, 576), inputs.kv_cache)
+
+
+def test_bad_kv_cache_on_the_fast_path(hopper: None) -> None:
+    """A packed query with a KV cache of the wrong rank or page size gets a clear ValueError."""
+    inputs = make_inputs(2, 4, [10, 20])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    packed = inputs.query.view(2, 4, 576)
+    for bad in (inputs.kv_cache.view(-1), inputs.kv_cache.view(-1, 32, 576)):
+        with pytest.raises(ValueError, match=r"kv_cache must be \[pages, 64, 576\]"):
+            plan.run(packed, bad)

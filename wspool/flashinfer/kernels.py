@@ -32,16 +32,22 @@ __all__ = [
 _INSTALL_HINT = "install it with: pip install 'flashinfer-python>=0.7.2,<0.8' (or choose backend='reference')"
 
 
+_flashinfer_mla: ModuleType | None = None
+
+
 def load_flashinfer_mla() -> ModuleType:
-    """Import ``flashinfer.mla``.
+    """Import ``flashinfer.mla`` (once; planning calls this every step).
 
     Raises:
         ImportError: FlashInfer is not installed, with an install hint.
     """
-    try:
-        return importlib.import_module("flashinfer.mla")
-    except ImportError as exc:
-        raise ImportError(f"wspool's MLA decode kernels need FlashInfer ({exc}); {_INSTALL_HINT}") from exc
+    global _flashinfer_mla
+    if _flashinfer_mla is None:
+        try:
+            _flashinfer_mla = importlib.import_module("flashinfer.mla")
+        except ImportError as exc:
+            raise ImportError(f"wspool's MLA decode kernels need FlashInfer ({exc}); {_INSTALL_HINT}") from exc
+    return _flashinfer_mla
 
 
 def trtllm_decode_kwargs(

@@ -199,6 +199,10 @@ class MLADecodePlan:
         self._head_dim = kv_lora_rank + qk_rope_head_dim
         self._query_shape = (batch_size, q_len, num_heads, self._head_dim)
         self._packed_shape = (batch_size * q_len, num_heads, self._head_dim)
+        # Packed queries on the wrapper path take run()'s fast path; None matches no query.
+        self._fast_shape = self._packed_shape if self.path not in ("reference", "trtllm-gen") else None
+        self._planned_workspace: torch.Tensor | None = None
+        self._plan_kwargs: dict[str, Any] | None = None  # built once; only the metadata changes per plan
         self._registry = registry if registry is not None else get_registry()
         self._pool = self._registry.pool(pool, device, lane=lane)
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
@@ -212,6 +216,8 @@ class MLADecodePlan:
         self.plan_calls = 0
         # Grow now, outside the per-layer path (and outside any later capture).
         self._pool.ensure(self.rule, self.facts)
+        #: What the rule asks for these facts; a replan checks the pool against it, not the rule.
+        self._nbytes = self._registry.resolve(pool, self.rule, **self.facts)
         if self.path == "trtllm-gen":
             self._registry.declare_pool(COUNTER_POOL, {"default": COUNTER_RULE})
             self._counters = self._registry.pool(COUNTER_POOL, device, lane=lane)
@@ -265,6 +271,32 @@ class MLADecodePlan:
             WorkspaceFrozenError: The pool would have to grow while frozen or capturing.
             WorkspaceOverflowError: FlashInfer still overflowed after recovery.
         """
+        # The per-layer fast path: a packed query on the wrapper path, the form FlashInfer
+        # takes natively. Every check here is one the general path makes too.
+        # (FlashInfer itself checks the KV cache's feature width against the plan.)
+        if (
+            query.shape == self._fast_shape
+            and query.dtype is self.q_dtype
+            and kv_cache.dim() == 3
+            and kv_cache.shape[1] == self.page_size
+        ):
+            workspace = self._pool.workspace(self.rule, self.facts)
+            wrapper = self._wrapper
+            if workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
+                self._plan_wrapper()  # the pool grew, or another plan took the shared wrapper
+                wrapper = self._wrapper
+            # kernels.wrapper_run_kwargs's arguments, inlined (the CPU doubles bind every
+            # call to FlashInfer's real signature).
+            return wrapper.run(  # type: ignore[no-any-return]
+                query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=self.return_lse,
+                return_lse_base_on_e=self.return_lse,
+            )  # fmt: skip
+        return self._run_general(query, kv_cache, out, lse)
+
+    def _run_general(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Validate, then run any path with either query form."""
         packed = query.dim() == 3
         if query.shape != (self._packed_shape if packed else self._query_shape) or query.dtype != self.q_dtype:
             raise ValueError(
@@ -288,7 +320,7 @@ class MLADecodePlan:
             else:
                 result = self._run_trtllm(query, kv_cache, out, lse, workspace)
             return self._packed_result(result, *given) if packed else result
-        if self._pool.generation != self._generation or self._wrapper._wspool_owner is not self._token:
+        if workspace is not self._planned_workspace or self._wrapper._wspool_owner is not self._token:
             self._plan_wrapper()
         if not packed:
             tokens = self._packed_shape[0]
@@ -378,21 +410,25 @@ class MLADecodePlan:
     # -- planning (wrapper path) ----------------------------------------------
 
     def _plan_wrapper(self) -> None:
-        metadata = kernels.load_flashinfer_mla().MLAPlanMetadata.csr(*self._csr_metadata())
-        plan_kwargs = kernels.wrapper_plan_kwargs(
-            metadata=metadata,
-            num_heads=self.num_heads,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            page_size=self.page_size,
-            causal=self.q_len > 1,
-            sm_scale=self.sm_scale,
-            q_dtype=self.q_dtype,
-            kv_dtype=self.kv_dtype,
-            return_lse=self.return_lse,
-        )
+        plan_kwargs = self._plan_kwargs
+        if plan_kwargs is None:
+            plan_kwargs = self._plan_kwargs = kernels.wrapper_plan_kwargs(
+                metadata=None,
+                num_heads=self.num_heads,
+                kv_lora_rank=self.kv_lora_rank,
+                qk_rope_head_dim=self.qk_rope_head_dim,
+                page_size=self.page_size,
+                causal=self.q_len > 1,
+                sm_scale=self.sm_scale,
+                q_dtype=self.q_dtype,
+                kv_dtype=self.kv_dtype,
+                return_lse=self.return_lse,
+            )
+        plan_kwargs["metadata"] = kernels.load_flashinfer_mla().MLAPlanMetadata.csr(*self._csr_metadata())
         for attempt in range(_MAX_RECOVERIES + 1):
-            workspace = self._pool.ensure(self.rule, self.facts)
+            workspace = self._pool.buffer
+            if workspace is None or self._pool.capacity_bytes < self._nbytes:
+                workspace = self._pool.ensure(self.rule, self.facts)
             generation = self._pool.generation
             wrapper = self._acquire_wrapper(workspace, generation)
             # Nobody owns a wrapper mid-plan: if plan() fails, no plan may run on it unplanned.
@@ -405,6 +441,7 @@ class MLADecodePlan:
                 continue
             wrapper._wspool_owner = self._token
             self._wrapper = wrapper
+            self._planned_workspace = workspace
             self._generation = generation
             return
 
