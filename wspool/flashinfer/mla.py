@@ -117,7 +117,8 @@ def _check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.d
 class MLADecodePlan:
     """MLA decode planned for one page table and set of lengths: one step of an engine.
 
-    Build with :func:`mla_decode_plan`. :meth:`run` is the per-layer call; it
+    Build with :func:`mla_decode_plan` (this class), then call ``plan.run(query,
+    kv_cache)`` once per layer. :meth:`run` is the per-layer call; it
     never runs against metadata it was not planned for: a pool that grew, or a
     shared FlashInfer wrapper that another plan took over, makes it replan.
     Mutating ``block_tables`` or ``seq_lens`` after planning is the caller's
@@ -129,6 +130,24 @@ class MLADecodePlan:
         rule: The pool rule that sizes the workspace (``"lse"`` or ``"default"``).
         facts: The facts the rule is resolved with.
         plan_calls: How many times this plan called FlashInfer's ``plan()``.
+
+    Args:
+        block_tables: ``[batch, max_pages]`` int32 page ids, on the decode device.
+        seq_lens: ``[batch]`` int32 cached lengths (the new query tokens included).
+        max_seq_len: An upper bound of ``seq_lens``.
+        num_heads: Query heads.
+        sm_scale: Softmax scale.
+        page_size: Tokens per KV-cache page.
+        q_len: Query tokens per request (1 for plain decode).
+        q_dtype: Query dtype; ``kv_dtype`` defaults to it.
+        return_lse: Also return the natural-log LSE; sizes the workspace with rule ``lse``.
+        registry: The registry; default :func:`wspool.get_registry`.
+        pool: The pool to draw from.
+        backend: ``"auto"``, ``"reference"``, ``"trtllm-gen"``, ``"fa3"`` or ``"fa2"``.
+        lane: The pool lane (for concurrent streams).
+        use_cuda_graph: Build the wrapper with fixed index buffers so ``run`` can be captured.
+        kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim: The MLA geometry (DeepSeek's by default).
+        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``).
     """
 
     def __init__(
@@ -518,49 +537,8 @@ def _shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, 
     return wrapper
 
 
-def mla_decode_plan(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    *,
-    num_heads: int,
-    sm_scale: float,
-    page_size: int,
-    q_len: int = 1,
-    q_dtype: torch.dtype = torch.bfloat16,
-    kv_dtype: torch.dtype | None = None,
-    return_lse: bool = False,
-    registry: PoolRegistry | None = None,
-    pool: str = MLA_POOL,
-    backend: str = "auto",
-    lane: str | None = None,
-    use_cuda_graph: bool = False,
-    facts: Mapping[str, int] | None = None,
-) -> MLADecodePlan:
-    """Plan MLA decode for one step; call ``plan.run(query, kv_cache)`` once per layer.
-
-    Args:
-        block_tables: ``[batch, max_pages]`` int32 page ids, on the decode device.
-        seq_lens: ``[batch]`` int32 cached lengths (the new query tokens included).
-        max_seq_len: An upper bound of ``seq_lens``.
-        num_heads: Query heads.
-        sm_scale: Softmax scale.
-        page_size: Tokens per KV-cache page.
-        q_len: Query tokens per request (1 for plain decode).
-        q_dtype: Query dtype; ``kv_dtype`` defaults to it.
-        return_lse: Also return the natural-log LSE; sizes the workspace with rule ``lse``.
-        registry: The registry; default :func:`wspool.get_registry`.
-        pool: The pool to draw from.
-        backend: ``"auto"``, ``"reference"``, ``"trtllm-gen"``, ``"fa3"`` or ``"fa2"``.
-        lane: The pool lane (for concurrent streams).
-        use_cuda_graph: Build the wrapper with fixed index buffers so ``run`` can be captured.
-        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``).
-    """
-    return MLADecodePlan(
-        block_tables, seq_lens, max_seq_len, num_heads=num_heads, sm_scale=sm_scale, page_size=page_size,
-        q_len=q_len, q_dtype=q_dtype, kv_dtype=kv_dtype, return_lse=return_lse, registry=registry, pool=pool,
-        backend=backend, lane=lane, use_cuda_graph=use_cuda_graph, facts=facts,
-    )  # fmt: skip
+#: Plan MLA decode for one step (the documented entry point; the class is the plan).
+mla_decode_plan = MLADecodePlan
 
 
 # The last plan per (registry, pool, device, lane, backend, LSE mode), reused while
