@@ -40,6 +40,7 @@ import torch
 from wspool.devices import resolve_device
 from wspool.errors import describe_setting
 from wspool.flashinfer import kernels
+from wspool.flashinfer.page_table import page_table_to_csr
 from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
 from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
@@ -466,14 +467,9 @@ class MLADecodePlan:
 
     def _csr_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convert the page table to FlashInfer's CSR form, on the device (one host sync)."""
-        device, batch = self.device, self.batch_size
-        lengths = self.seq_lens.to(torch.int32)
-        pages = (lengths + self.page_size - 1) // self.page_size
-        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-        torch.cumsum(pages, 0, out=kv_indptr[1:])
-        live = torch.arange(self.block_tables.shape[1], device=device)[None, :] < pages[:, None]
-        kv_indices = self.block_tables[live].to(torch.int32)
-        qo_indptr = torch.arange(0, (batch + 1) * self.q_len, self.q_len, dtype=torch.int32, device=device)
+        kv_indptr, kv_indices, lengths, _ = page_table_to_csr(self.block_tables, self.seq_lens, self.page_size)
+        batch = self.batch_size
+        qo_indptr = torch.arange(0, (batch + 1) * self.q_len, self.q_len, dtype=torch.int32, device=self.device)
         if self._graph_buffers is not None:
             # Graph mode: FlashInfer copies the metadata into the fixed buffers at plan time.
             capacity = self._graph_buffers[2].numel()

@@ -52,6 +52,7 @@ import torch
 from wspool.errors import describe_setting
 from wspool.flashinfer import kernels
 from wspool.flashinfer.mla import _check_int_tensor, _sm_count
+from wspool.flashinfer.page_table import page_table_to_csr
 from wspool.flashinfer.paged_reference import paged_attention_reference
 from wspool.flashinfer.recovery import MAX_RECOVERIES, grow_after_overflow
 from wspool.registry import PoolRegistry, get_registry
@@ -72,13 +73,9 @@ def _has_kernels(device: torch.device) -> bool:
 def _paged_csr(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Convert the page table to FlashInfer's CSR form on its device: (indptr, indices, last_page_len)."""
-    lengths = seq_lens.to(torch.int32)
-    pages = (lengths + page_size - 1) // page_size
-    kv_indptr = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    torch.cumsum(pages, 0, out=kv_indptr[1:])
-    live = torch.arange(block_tables.shape[1], device=lengths.device)[None, :] < pages[:, None]
-    return kv_indptr, block_tables[live].to(torch.int32), lengths - (pages - 1) * page_size
+    """The page table in FlashInfer's paged form: (indptr, indices, last_page_len)."""
+    csr = page_table_to_csr(block_tables, seq_lens, page_size)
+    return csr.indptr, csr.indices, csr.lengths - (csr.pages - 1) * page_size
 
 
 class PagedAttentionPlan:
