@@ -57,8 +57,12 @@ class TrtllmDouble:
         if kwargs["out"] is not None:
             kwargs["out"].copy_(out)
             out = kwargs["out"]
+        lse = lse.view(batch * q_len, heads)
+        if kwargs["lse"] is not None:  # FlashInfer writes a given LSE buffer and returns it
+            kwargs["lse"].copy_(lse)
+            lse = kwargs["lse"]
         if kwargs["return_lse"]:
-            return out, lse.view(batch * q_len, heads)
+            return out, lse
         return out
 
 
@@ -114,6 +118,9 @@ class WrapperDouble:
         if kwargs["out"] is not None:
             kwargs["out"].copy_(out)
             out = kwargs["out"]
+        if kwargs["lse"] is not None:  # FlashInfer writes a given LSE buffer and returns it
+            kwargs["lse"].copy_(lse)
+            lse = kwargs["lse"]
         # FlashInfer rejects a run whose LSE mode differs from the plan's.
         run_mode = "basee" if kwargs["return_lse_base_on_e"] else ("base2" if kwargs["return_lse"] else "none")
         if run_mode != self.planned["lse_mode"]:

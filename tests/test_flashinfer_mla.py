@@ -305,3 +305,38 @@ def test_bad_kv_cache_on_the_fast_path(hopper: None) -> None:
     for bad in (inputs.kv_cache.view(-1), inputs.kv_cache.view(-1, 32, 576)):
         with pytest.raises(ValueError, match=r"kv_cache must be \[pages, 64, 576\]"):
             plan.run(packed, bad)
+
+
+def test_mla_decode_returns_the_callers_buffers(hopper: None) -> None:
+    """On the wrapper path, mla_decode fills and returns the caller's 4-D out and lse."""
+    inputs = make_inputs(2, 4, [10, 20])
+    out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 1, 4)
+    for _ in range(2):  # the first call plans, the second takes the reuse path
+        got_out, got_lse = _decode(inputs, return_lse=True, out=out, lse=lse)  # type: ignore[misc]
+        assert got_out is out and got_lse is lse
+        torch.testing.assert_close(lse, _reference(inputs)[1])
+
+
+def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
+    """Tensors resized in place (another batch) get a new plan, never a replan of the old shapes."""
+    inputs = make_inputs(3, 4, [10, 20, 30])
+    _decode(inputs)
+    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", None, "auto", False)]
+    inputs.seq_lens.resize_(2)
+    inputs.block_tables.resize_(2, inputs.block_tables.shape[1])
+    inputs.query = inputs.query[:2].clone()
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", None, "auto", False)]
+    assert second is not first and second.batch_size == 2
+
+
+def test_reset_forgets_the_plans(hopper: None) -> None:
+    """registry.reset() drops mla_decode's remembered plans with the pools."""
+    inputs = make_inputs(2, 4, [10, 20])
+    _decode(inputs)
+    registry = wspool.get_registry()
+    assert registry.op_state["mla_decode"]
+    registry.reset()
+    assert registry.op_state == {}
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])

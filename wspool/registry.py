@@ -67,6 +67,9 @@ class PoolRegistry:
         self._declared: dict[str, dict[str, Any]] = {}
         self._pools: dict[_PoolKey, WorkspacePool] = {}
         self._fast: dict[tuple[str, DeviceLike, str], WorkspacePool] = {}
+        #: Per-registry state of the ops built on it (e.g. the plans ``mla_decode`` reuses),
+        #: keyed by the op; it lives and dies with the registry and :meth:`reset` clears it.
+        self.op_state: dict[str, Any] = {}
         for name, pool in self.settings.pools.items():
             self._specs[name] = PoolSpec(name, pool.rules, pool.growth, pool.max_bytes)
         _check_shared_pools(self.settings)
@@ -379,6 +382,7 @@ class PoolRegistry:
         with self._lock:
             self._pools.clear()
             self._fast.clear()
+            self.op_state.clear()
             self._freeze.frozen = False
 
 

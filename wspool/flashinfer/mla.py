@@ -31,7 +31,6 @@ during capture (reserve or warm up first, then freeze).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -229,6 +228,9 @@ class MLADecodePlan:
         self._versions = (block_tables._version, seq_lens._version)
         #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
         self.planned_shapes = (block_tables.shape, seq_lens.shape)
+        #: ``(query shape, query dtype, KV dtype, max_seq_len, sm_scale)`` of the 4-D calls
+        #: this plan serves; ``mla_decode`` compares it in one step.
+        self.call_signature = (torch.Size(self._query_shape), q_dtype, self.kv_dtype, max_seq_len, self.sm_scale)
         self._wrapper: Any = None
         self._generation = -1
         self._token = object()  # identifies this plan as a shared wrapper's current owner
@@ -313,6 +315,39 @@ class MLADecodePlan:
             )  # fmt: skip
         return self._run_general(query, kv_cache, out, lse)
 
+    def run_matched(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run a 4-D query whose shape and dtype the caller matched to :attr:`call_signature`.
+
+        ``mla_decode``'s per-call path: it skips the query checks that the
+        signature comparison already made, and returns the caller's own
+        ``out``/``lse`` where given.
+        """
+        if self._fast_shape is None or kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size:
+            return self._run_general(query, kv_cache, out, lse)
+        workspace = self._pool.workspace(self.rule, self.facts)
+        wrapper = self._wrapper
+        if workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
+            self._plan_wrapper()
+            wrapper = self._wrapper
+        # view(*sizes) parses faster than view(tuple): each view is a measurable part of this path.
+        tokens, heads, dim = self._packed_shape
+        result = wrapper.run(
+            query=query.view(tokens, heads, dim), kv_cache=kv_cache,
+            out=None if out is None else out.view(tokens, heads, self.kv_lora_rank),
+            lse=None if lse is None else lse.view(tokens, heads),
+            return_lse=self.return_lse, return_lse_base_on_e=self.return_lse,
+        )  # fmt: skip
+        batch, q_len = self.batch_size, self.q_len
+        if self.return_lse:
+            got_out, got_lse = result
+            return (
+                out if out is not None else got_out.view(batch, q_len, heads, self.kv_lora_rank),
+                lse if lse is not None else got_lse.view(batch, q_len, heads),
+            )
+        return out if out is not None else result.view(batch, q_len, heads, self.kv_lora_rank)
+
     def _run_general(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -327,9 +362,9 @@ class MLADecodePlan:
             raise ValueError(
                 f"kv_cache must be [pages, {self.page_size}, {self._head_dim}], got {tuple(kv_cache.shape)}"
             )
-        workspace = self._pool.workspace(self.rule, self.facts)
         path = self.path
         if path == "reference" or path == "trtllm-gen":
+            workspace = self._pool.workspace(self.rule, self.facts)
             given = (out, lse)
             if packed:  # these paths take the 4-D form
                 query = query.view(self._query_shape)
@@ -340,27 +375,30 @@ class MLADecodePlan:
             else:
                 result = self._run_trtllm(query, kv_cache, out, lse, workspace)
             return self._packed_result(result, *given) if packed else result
+        if not packed:
+            return self.run_matched(query, kv_cache, out, lse)  # validated above; it requests the workspace
+        workspace = self._pool.workspace(self.rule, self.facts)
         if workspace is not self._planned_workspace or self._wrapper._wspool_owner is not self._token:
             self._plan_wrapper()
-        if not packed:
-            tokens = self._packed_shape[0]
-            query = query.view(self._packed_shape)
-            out = None if out is None else out.view(tokens, self.num_heads, -1)
-            lse = None if lse is None else lse.view(tokens, self.num_heads)
-        # kernels.wrapper_run_kwargs's arguments, inlined on the per-layer path (the CPU
-        # doubles bind every call to FlashInfer's real signature).
-        result = self._wrapper.run(
+        # kernels.wrapper_run_kwargs's arguments, inlined (the CPU doubles bind every call
+        # to FlashInfer's real signature). FlashInfer returns the caller's buffers as given.
+        return self._wrapper.run(  # type: ignore[no-any-return]
             query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=self.return_lse,
             return_lse_base_on_e=self.return_lse,
         )  # fmt: skip
-        return result if packed else self._shape_result(result)  # type: ignore[no-any-return]
 
-    def _shape_result(self, result: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _shape_result(
+        self, result: Any, out: torch.Tensor | None, lse: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Return results in the 4-D form, as the caller's own buffers where it gave them."""
         batch, q_len, heads = self._query_shape[:3]
         if self.return_lse:
-            out, lse = result
-            return out.view(batch, q_len, heads, -1), lse.view(batch, q_len, heads)
-        return result.view(batch, q_len, heads, -1)  # type: ignore[no-any-return]
+            got_out, got_lse = result
+            return (
+                out if out is not None else got_out.view(batch, q_len, heads, -1),
+                lse if lse is not None else got_lse.view(batch, q_len, heads),
+            )
+        return out if out is not None else result.view(batch, q_len, heads, -1)
 
     def _packed_result(
         self, result: Any, out: torch.Tensor | None, lse: torch.Tensor | None
@@ -422,7 +460,7 @@ class MLADecodePlan:
                         qk_nope_head_dim=self.qk_nope_head_dim,
                     )
                 )
-                return self._shape_result(result)
+                return self._shape_result(result, out, lse)
             except RuntimeError as exc:
                 workspace = self._recover(exc, workspace.numel(), attempt)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -450,7 +488,9 @@ class MLADecodePlan:
             if workspace is None or self._pool.capacity_bytes < self._nbytes:
                 workspace = self._pool.ensure(self.rule, self.facts)
             generation = self._pool.generation
-            wrapper = self._acquire_wrapper(workspace, generation)
+            wrapper = self._wrapper
+            if wrapper is None or workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
+                wrapper = self._acquire_wrapper(workspace, generation)
             # Nobody owns a wrapper mid-plan: if plan() fails, no plan may run on it unplanned.
             wrapper._wspool_owner = None
             try:
@@ -539,11 +579,6 @@ mla_decode_plan = MLADecodePlan
 
 # The last plan per (registry, pool, device, lane, backend, LSE mode), reused while
 # the caller passes the same, unmodified page table and lengths (one plan per step).
-_recent_plans: weakref.WeakKeyDictionary[PoolRegistry, dict[tuple[Any, ...], MLADecodePlan]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def mla_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -588,33 +623,34 @@ def mla_decode(
     kernel that writes them without torch knowing must be followed by a new
     plan: use :func:`mla_decode_plan` for explicit control.
     """
+    registry = registry if registry is not None else get_registry()
+    # The last plan per (pool, lane, backend, LSE mode): one plan per step.
+    plans: dict[tuple[Any, ...], MLADecodePlan] | None = registry.op_state.get("mla_decode")
+    if plans is None:
+        plans = registry.op_state.setdefault("mla_decode", {})
+    key = (pool, lane, backend, return_lse)
+    plan: MLADecodePlan | None = plans.get(key)
+    # Reuse: the same metadata tensors and call signature as the plan was made for.
+    if (
+        plan is not None
+        and plan.block_tables is block_tables
+        and plan.seq_lens is seq_lens
+        and plan.call_signature == (query.shape, query.dtype, kv_cache.dtype, max_seq_len, sm_scale)
+        and (facts is None or all(plan.facts.get(k) == v for k, v in facts.items()))
+    ):
+        if not plan.is_current_for(block_tables, seq_lens):
+            if (block_tables.shape, seq_lens.shape) != plan.planned_shapes:
+                plan = None  # resized in place: a new plan
+            else:
+                plan.replan()  # the same tensors, edited in place (the next step): plan again
+        if plan is not None:
+            return plan.run_matched(query, kv_cache, out, lse)
     if query.dim() != 4:
         raise ValueError(f"query must be [batch, q_len, heads, dim], got {tuple(query.shape)}")
-    registry = registry if registry is not None else get_registry()
     _batch, q_len, heads, _ = query.shape
-    key = (pool, block_tables.device, lane, backend, return_lse)
-    plans = _recent_plans.setdefault(registry, {})
-    plan = plans.get(key)
-    if (
-        plan is None
-        or plan.block_tables is not block_tables
-        or plan.seq_lens is not seq_lens
-        or plan.block_tables.shape != plan.planned_shapes[0]
-        or plan.seq_lens.shape != plan.planned_shapes[1]
-        or plan.max_seq_len != max_seq_len
-        or plan.q_len != q_len
-        or plan.num_heads != heads
-        or plan.sm_scale != sm_scale
-        or plan.q_dtype != query.dtype
-        or plan.kv_dtype != kv_cache.dtype
-        or plan.page_size != kv_cache.shape[1]
-        or (facts is not None and any(plan.facts.get(k) != v for k, v in facts.items()))
-    ):
-        plan = plans[key] = MLADecodePlan(
-            block_tables, seq_lens, max_seq_len, num_heads=heads, sm_scale=sm_scale, page_size=kv_cache.shape[1],
-            q_len=q_len, q_dtype=query.dtype, kv_dtype=kv_cache.dtype, return_lse=return_lse, registry=registry,
-            pool=pool, backend=backend, lane=lane, facts=facts,
-        )  # fmt: skip
-    elif not plan.is_current_for(block_tables, seq_lens):
-        plan.replan()  # the same tensors, edited in place (the next step): plan again, keep the rest
+    plan = plans[key] = MLADecodePlan(
+        block_tables, seq_lens, max_seq_len, num_heads=heads, sm_scale=sm_scale, page_size=kv_cache.shape[1],
+        q_len=q_len, q_dtype=query.dtype, kv_dtype=kv_cache.dtype, return_lse=return_lse, registry=registry,
+        pool=pool, backend=backend, lane=lane, facts=facts,
+    )  # fmt: skip
     return plan.run(query, kv_cache, out=out, lse=lse)
