@@ -150,9 +150,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     shapes = [*(load_shapes(args.shapes) if args.shapes else []), *(args.shape or [])] or list(DEFAULT_SHAPES)
     probe = MLAWorkspaceProbe(args.device, backend=args.backend)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    report = run_calibration(
-        shapes, probe, max_ratio=args.max_ratio, granularity=args.granularity, progress=progress
-    )
+    report = run_calibration(shapes, probe, max_ratio=args.max_ratio, granularity=args.granularity, progress=progress)
     print(report.table())
     for rule in report.rules.values():
         print(
