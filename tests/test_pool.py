@@ -35,6 +35,16 @@ def test_buffer_is_zeroed_uint8_of_the_resolved_size() -> None:
     assert int(buf.count_nonzero()) == 0
 
 
+def test_buffer_grown_under_inference_mode_is_a_normal_tensor() -> None:
+    """A first request under torch.inference_mode still gives a buffer kernels may write in place afterwards."""
+    pool = _pool()
+    with torch.inference_mode():
+        buf = pool.workspace("default", {})
+    assert not buf.is_inference()
+    buf[:16].fill_(7)  # outside inference mode: refused for an inference tensor
+    assert int(pool.workspace("default", {})[:16].sum()) == 7 * 16
+
+
 def test_reuse_and_growth() -> None:
     """Requests that fit reuse the buffer; a larger one grows it; it never shrinks."""
     pool = _pool()

@@ -417,7 +417,10 @@ class WorkspacePool:
             )
         capacity = spec.capacity_for(nbytes)
         try:
-            buffer = self._allocate(capacity, self.device)
+            # Never an inference tensor, even when the first request comes under torch.inference_mode:
+            # the buffer outlives that context, and kernels may write to it in place outside it.
+            with torch.inference_mode(False):
+                buffer = self._allocate(capacity, self.device)
         except torch.OutOfMemoryError as exc:
             self._refused += 1
             logger.warning(

@@ -288,6 +288,11 @@ class PagedAttentionPlan:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _make_wrapper(self, workspace: torch.Tensor) -> Any:
+        # Normal tensors for the wrapper's own buffers, as for the MLA wrapper (see mla._make_wrapper).
+        with torch.inference_mode(False):
+            return self._make_wrapper_now(workspace)
+
+    def _make_wrapper_now(self, workspace: torch.Tensor) -> Any:
         flashinfer = kernels.load_flashinfer_attention()
         if self.kind == "decode":
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
