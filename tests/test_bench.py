@@ -89,7 +89,7 @@ def test_sections_subset_runs_only_those() -> None:
 def test_report_prints_markdown_tables_and_verdicts() -> None:
     """GPU figures print as Markdown tables with the budget verdicts, graph notes and the memory verdict."""
     text = format_report(_gpu_figures())
-    assert "| 1 | 128 | 4096 | yes | 1000.0 | 990.0 | +10.0 | yes |" in text
+    assert "| 1 | 128 | 4096 | yes | 4-D | 1000.0 | 990.0 | +10.0 | yes |" in text
     assert "| 1 | 128 | 4096 | 1 | 81.0 | 80.0 | +1.00 | yes | 4100.0 |" in text
     assert "| 128 | 128 | 4096 | 1 | 254.0 | 250.0 | +4.00 | yes | - |" in text
     assert "batch 128: skipped: graph mode failed: RuntimeError: x" in text
@@ -185,7 +185,9 @@ def test_gpu_measurements_run_against_doubles(monkeypatch: pytest.MonkeyPatch) -
     registry = PoolRegistry.from_config(REPO_ROOT / "configs" / "hopper.yaml")
     cpu = torch.device("cpu")
     calls = bench_gpu.measure_mla_decode(registry, cpu, batches=(1, 2), num_heads=16, max_seq_len=256, runs=2, warmup=1)
-    assert [(c.batch_size, c.return_lse) for c in calls] == [(1, False), (1, True), (2, False), (2, True)]
+    assert [(c.batch_size, c.return_lse, c.query_form) for c in calls] == [
+        (b, lse, form) for b in (1, 2) for lse in (False, True) for form in ("4-D", "packed")
+    ]
     assert all(c.wspool_us > 0 and c.direct_us > 0 for c in calls)
     steps = bench_gpu.measure_decode_step(
         registry, cpu, batches=(2,), num_heads=16, max_seq_len=256, layers=3, runs=2, warmup=1

@@ -340,3 +340,88 @@ def test_reset_forgets_the_plans(hopper: None) -> None:
     registry.reset()
     assert registry.op_state == {}
     torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+
+
+@pytest.mark.parametrize("path", ["hopper", "reference"])
+def test_mla_decode_takes_packed_queries(path: str, request: pytest.FixtureRequest) -> None:
+    """mla_decode accepts [batch * q_len, heads, dim] and answers in that form, sharing the 4-D call's plan."""
+    if path == "hopper":
+        request.getfixturevalue("hopper")
+    inputs = make_inputs(3, 4, [20, 30, 140], q_len=2)
+    want_out, want_lse = _reference(inputs)
+    packed = inputs.query.view(6, 4, 576)
+    got_out, got_lse = mla_decode(  # type: ignore[misc]
+        packed, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+        sm_scale=inputs.sm_scale, return_lse=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got_out, want_out.view(6, 4, 512))
+    torch.testing.assert_close(got_lse, want_lse.view(6, 4))
+    plans = wspool.get_registry().op_state["mla_decode"]
+    (plan,) = plans.values()
+    assert plan.q_len == 2
+    four_d_out, _ = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(four_d_out, want_out)
+    assert list(plans.values()) == [plan]  # the same plan serves both forms
+    if path == "hopper":
+        assert plan.plan_calls == 1
+
+
+def test_packed_query_must_split_evenly_over_the_batch(hopper: None) -> None:
+    """A packed query whose tokens do not divide over the batch is refused before anything is allocated."""
+    inputs = make_inputs(2, 4, [10, 20])
+    registry = wspool.PoolRegistry.from_config()
+    with pytest.raises(ValueError, match=r"packed query has 3 tokens for a batch of 2 \(seq_lens\)"):
+        mla_decode(
+            torch.zeros(3, 4, 576, dtype=torch.bfloat16), inputs.kv_cache, inputs.block_tables, inputs.seq_lens,
+            inputs.max_seq_len, sm_scale=inputs.sm_scale, registry=registry,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"query must be \[batch, q_len, heads, dim\] or packed"):
+        mla_decode(
+            inputs.query[0, 0], inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+            sm_scale=inputs.sm_scale, registry=registry,
+        )  # fmt: skip
+    assert all(s.capacity_bytes == 0 for s in registry.all_stats())
+    assert WrapperDouble.instances == []
+
+
+def test_overflow_on_a_steady_state_replan_recovers(hopper: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A later step whose plan() overflows the buffer it has run on grows the pool once and replans on the new one."""
+    inputs = make_inputs(2, 4, [50, 60])
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "20MiB"}}})
+    _decode(inputs, registry=registry)
+    (first,) = WrapperDouble.instances
+    first.partial_bytes = 24 * MiB  # this step's metadata needs more than the rule gave
+    inputs.seq_lens[0] = 51
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 2 and stats.capacity_bytes >= 24 * MiB
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    second = WrapperDouble.instances[-1]
+    assert second is not first and second.workspace.numel() == stats.capacity_bytes
+    assert first.plan_calls == 2 and second.plan_calls == 1
+
+
+def test_inference_tensor_metadata_plans_every_call(
+    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Metadata made under inference_mode has no write counter: each call replans (right results) and warns once."""
+    monkeypatch.setattr(mla_module, "_warned_unversioned", False)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="wspool"):
+        inputs = make_inputs(2, 4, [50, 60])
+        assert inputs.seq_lens.is_inference()
+        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+        inputs.seq_lens[1] = 61  # an edit torch cannot report
+        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+        plan = mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale,
+            page_size=64,
+        )  # fmt: skip
+        assert not plan.is_current_for(inputs.block_tables, inputs.seq_lens)
+        torch.testing.assert_close(plan.run(inputs.query, inputs.kv_cache), _reference(inputs)[0])
+    (wrapper,) = WrapperDouble.instances
+    assert wrapper.plan_calls == 4  # three mla_decode calls, one explicit plan
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "inference_mode" in warnings[0] and "mla_decode_plan" in warnings[0]

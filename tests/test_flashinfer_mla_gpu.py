@@ -224,3 +224,23 @@ def test_two_lanes_on_two_streams_match_serial() -> None:
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     pointers = {registry.pool("flashinfer_mla", "cuda", lane=lane).buffer.data_ptr() for lane in ("ubatch0", "ubatch1")}  # type: ignore[union-attr]
     assert len(pointers) == 2
+
+
+def test_packed_queries_and_inference_mode() -> None:
+    """Packed queries give the 4-D results; a pool and wrapper made under inference_mode serve calls outside it."""
+    registry = wspool.PoolRegistry.from_config()
+    with torch.inference_mode():
+        inference = _inputs(4, 128, [300, 4096, 1, 2048], seed=5)
+        out, lse = _decode(inference, return_lse=True, registry=registry)  # type: ignore[misc]
+        want_out, want_lse = _reference(inference)
+        assert _rel_err(out, want_out) < 1e-2 and float((lse - want_lse).abs().max()) < 1e-3
+    inputs = _inputs(4, 128, [300, 4096, 1, 2048], seed=5)  # normal tensors, outside inference mode
+    packed = inputs.query.view(4, 128, 576)
+    got_out, got_lse = mla_decode(  # type: ignore[misc]
+        packed, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+        sm_scale=inputs.sm_scale, return_lse=True, registry=registry,
+    )  # fmt: skip
+    assert got_out.shape == (4, 128, 512) and got_lse.shape == (4, 128)
+    assert _rel_err(got_out, want_out.view(4, 128, 512)) < 1e-2
+    assert float((got_lse - want_lse.view(4, 128)).abs().max()) < 1e-3
+    assert registry.stats("flashinfer_mla", device="cuda").grow_count == 1

@@ -5,7 +5,10 @@ Three measurements, each on the current CUDA device with random data:
 - :func:`measure_mla_decode`: one ``mla_decode`` call per step (the op plans
   and runs, as a backend does per step) against the same CSR conversion,
   ``plan()`` and ``run()`` made directly on a preallocated buffer of the
-  same size;
+  same size. The direct calls take the packed ``[tokens, heads, 576]`` query
+  FlashInfer's wrapper takes; ``mla_decode`` is timed with that packed query
+  and with the 4-D ``[batch, q_len, heads, 576]`` one (whose reshapes of the
+  query and results it then pays);
 - :func:`measure_decode_step`: one decode step of 61 layer calls through an
   :class:`~wspool.flashinfer.MLADecodePlan` (one plan per step, then
   ``run()`` per layer, packed queries) against ``run()`` on a directly
@@ -62,6 +65,8 @@ class DecodeCallFigures:
     return_lse: bool
     wspool_us: float
     direct_us: float
+    query_form: str = "4-D"
+    """The query ``mla_decode`` was given: ``"4-D"`` or ``"packed"`` (the direct calls always take it packed)."""
 
     @property
     def added_us(self) -> float:
@@ -171,12 +176,11 @@ def _close(a: Any, b: Any, what: str) -> None:
 
 
 def _decode_calls(
-    registry: PoolRegistry, inputs: DecodeInputs, direct: DirectMLA, return_lse: bool
+    registry: PoolRegistry, inputs: DecodeInputs, direct: DirectMLA, return_lse: bool, query_form: str
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """One step's call through ``mla_decode`` and the same work done directly."""
-    query, flat, kv, tables, lens = (
-        inputs.queries[0], inputs.flat_queries[0], inputs.kv[0], inputs.block_tables, inputs.seq_lens
-    )  # fmt: skip
+    flat, kv, tables, lens = inputs.flat_queries[0], inputs.kv[0], inputs.block_tables, inputs.seq_lens
+    query = flat if query_form == "packed" else inputs.queries[0]
 
     def through_wspool() -> object:
         lens.add_(0)  # the step's in-place metadata update: the op sees new metadata and plans
@@ -201,8 +205,12 @@ def measure_mla_decode(
     max_seq_len: int = 4096,
     runs: int = 100,
     warmup: int = 10,
+    query_forms: Sequence[str] = ("4-D", "packed"),
 ) -> list[DecodeCallFigures]:
-    """Time one decode step's ``mla_decode`` (plan + run) through wspool and directly, with and without LSE."""
+    """Time one decode step's ``mla_decode`` (plan + run) through wspool and directly.
+
+    With and without LSE, for each query form in ``query_forms`` (``"4-D"``, ``"packed"``).
+    """
     rows = []
     for batch in batches:
         inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=1)
@@ -210,10 +218,11 @@ def measure_mla_decode(
             shape = MLAShape(batch, num_heads, max_seq_len, return_lse=return_lse)
             nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(_sm_count(device)))
             direct = DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), "auto", num_heads, return_lse)
-            through_wspool, directly = _decode_calls(registry, inputs, direct, return_lse)
-            _close(through_wspool(), directly(), "mla_decode")
-            a, b = _interleaved_medians_ns(through_wspool, directly, runs, warmup)
-            rows.append(DecodeCallFigures(batch, num_heads, max_seq_len, return_lse, a / 1e3, b / 1e3))
+            for form in query_forms:
+                through_wspool, directly = _decode_calls(registry, inputs, direct, return_lse, form)
+                _close(through_wspool(), directly(), "mla_decode")
+                a, b = _interleaved_medians_ns(through_wspool, directly, runs, warmup)
+                rows.append(DecodeCallFigures(batch, num_heads, max_seq_len, return_lse, a / 1e3, b / 1e3, form))
     return rows
 
 

@@ -31,6 +31,7 @@ during capture (reserve or warm up first, then freeze).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +57,8 @@ __all__ = [
     "select_path",
 ]
 
+
+logger = logging.getLogger("wspool")
 
 MLA_POOL = "flashinfer_mla"
 COUNTER_POOL = "flashinfer_mla_counters"
@@ -225,12 +228,16 @@ class MLADecodePlan:
         self._registry = registry if registry is not None else get_registry()
         self._pool = self._registry.pool(pool, device, lane=lane)
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
-        self._versions = (block_tables._version, seq_lens._version)
+        self._versions = _write_counts(block_tables, seq_lens)
         #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
         self.planned_shapes = (block_tables.shape, seq_lens.shape)
         #: ``(query shape, query dtype, KV dtype, max_seq_len, sm_scale)`` of the 4-D calls
         #: this plan serves; ``mla_decode`` compares it in one step.
         self.call_signature = (torch.Size(self._query_shape), q_dtype, self.kv_dtype, max_seq_len, self.sm_scale)
+        #: The same for packed ``[batch * q_len, heads, dim]`` queries.
+        self.packed_signature = (torch.Size(self._packed_shape), q_dtype, self.kv_dtype, max_seq_len, self.sm_scale)
+        self._out_shape = (batch_size, q_len, num_heads, kv_lora_rank)  # 4-D results, for view(*shape)
+        self._lse_shape = (batch_size, q_len, num_heads)
         self._wrapper: Any = None
         self._generation = -1
         self._token = object()  # identifies this plan as a shared wrapper's current owner
@@ -250,17 +257,21 @@ class MLADecodePlan:
     # -- metadata identity (for mla_decode's reuse) --------------------------
 
     def is_current_for(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
-        """Whether these are the very tensors this plan was made for, unmodified since."""
+        """Whether these are the very tensors this plan was made for, unmodified since.
+
+        Always ``False`` for inference tensors (made under ``torch.inference_mode``):
+        torch counts no writes to them, so an edit cannot be ruled out.
+        """
         return (
             block_tables is self.block_tables
             and seq_lens is self.seq_lens
-            and block_tables._version == self._versions[0]
-            and seq_lens._version == self._versions[1]
+            and self._versions is not None
+            and _write_counts(block_tables, seq_lens) == self._versions
         )
 
     def replan(self) -> None:
         """Plan again for the current contents of ``block_tables`` and ``seq_lens`` (same shapes)."""
-        self._versions = (self.block_tables._version, self.seq_lens._version)
+        self._versions = _write_counts(self.block_tables, self.seq_lens)
         if self.path not in ("reference", "trtllm-gen"):
             self._plan_wrapper()
 
@@ -302,7 +313,8 @@ class MLADecodePlan:
             and kv_cache.dim() == 3
             and kv_cache.shape[1] == self.page_size
         ):
-            workspace = self._pool.workspace(self.rule, self.facts)
+            # The size was resolved at plan time: request it, without resolving the rule again.
+            workspace = self._pool.request(self._nbytes, self.rule)
             wrapper = self._wrapper
             if workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
                 self._plan_wrapper()  # the pool grew, or another plan took the shared wrapper
@@ -326,7 +338,7 @@ class MLADecodePlan:
         """
         if self._fast_shape is None or kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size:
             return self._run_general(query, kv_cache, out, lse)
-        workspace = self._pool.workspace(self.rule, self.facts)
+        workspace = self._pool.request(self._nbytes, self.rule)
         wrapper = self._wrapper
         if workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
             self._plan_wrapper()
@@ -339,14 +351,13 @@ class MLADecodePlan:
             lse=None if lse is None else lse.view(tokens, heads),
             return_lse=self.return_lse, return_lse_base_on_e=self.return_lse,
         )  # fmt: skip
-        batch, q_len = self.batch_size, self.q_len
         if self.return_lse:
             got_out, got_lse = result
             return (
-                out if out is not None else got_out.view(batch, q_len, heads, self.kv_lora_rank),
-                lse if lse is not None else got_lse.view(batch, q_len, heads),
+                out if out is not None else got_out.view(*self._out_shape),
+                lse if lse is not None else got_lse.view(*self._lse_shape),
             )
-        return out if out is not None else result.view(batch, q_len, heads, self.kv_lora_rank)
+        return out if out is not None else result.view(*self._out_shape)
 
     def _run_general(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
@@ -468,6 +479,7 @@ class MLADecodePlan:
     # -- planning (wrapper path) ----------------------------------------------
 
     def _plan_wrapper(self) -> None:
+        """Plan FlashInfer's wrapper for the current metadata, on the pool's current buffer."""
         plan_kwargs = self._plan_kwargs
         if plan_kwargs is None:
             plan_kwargs = self._plan_kwargs = kernels.wrapper_plan_kwargs(
@@ -483,7 +495,23 @@ class MLADecodePlan:
                 return_lse=self.return_lse,
             )
         plan_kwargs["metadata"] = kernels.load_flashinfer_mla().MLAPlanMetadata.csr(*self._csr_metadata())
-        for attempt in range(_MAX_RECOVERIES + 1):
+        wrapper = self._wrapper
+        first_attempt = 0
+        # The steady state of one plan per step: this plan still owns its wrapper, and the
+        # pool still holds the buffer the wrapper was built on (at least this plan's size).
+        owned = wrapper is not None and wrapper._wspool_owner is self._token
+        if owned and self._pool.buffer is self._planned_workspace:
+            wrapper._wspool_owner = None  # nobody owns a wrapper mid-plan (see below)
+            try:
+                self.plan_calls += 1
+                wrapper.plan(**plan_kwargs)
+            except RuntimeError as exc:
+                self._recover(exc, self._planned_workspace.numel(), 0)  # type: ignore[union-attr]
+                first_attempt = 1
+            else:
+                wrapper._wspool_owner = self._token
+                return
+        for attempt in range(first_attempt, _MAX_RECOVERIES + 1):
             workspace = self._pool.buffer
             if workspace is None or self._pool.capacity_bytes < self._nbytes:
                 workspace = self._pool.ensure(self.rule, self.facts)
@@ -525,12 +553,13 @@ class MLADecodePlan:
             if self._wrapper is not None and self._generation == generation:
                 return self._wrapper
             max_pages = self.block_tables.numel()
-            self._graph_buffers = (
-                torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
-                torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
-                torch.empty(max_pages, dtype=torch.int32, device=self.device),
-                torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
-            )
+            with torch.inference_mode(False):  # FlashInfer copies into them at every plan, in any mode
+                self._graph_buffers = (
+                    torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
+                    torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
+                    torch.empty(max_pages, dtype=torch.int32, device=self.device),
+                    torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
+                )
             return _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
         return _shared_wrapper(self._pool, workspace, self.path, self.return_lse)
 
@@ -550,9 +579,12 @@ def _make_wrapper(
     graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Any:
     wrapper_cls = kernels.load_flashinfer_mla().BatchMLAPagedAttentionWrapper
-    wrapper = wrapper_cls(
-        **kernels.wrapper_init_kwargs(workspace=workspace, backend=backend, graph_buffers=graph_buffers)
-    )
+    # The wrapper's own buffers must be normal tensors: it is shared across steps, and its plan()
+    # writes them in place whether or not the caller is under torch.inference_mode.
+    with torch.inference_mode(False):
+        wrapper = wrapper_cls(
+            **kernels.wrapper_init_kwargs(workspace=workspace, backend=backend, graph_buffers=graph_buffers)
+        )
     wrapper._wspool_owner = None
     return wrapper
 
@@ -599,15 +631,18 @@ def mla_decode(
     """MLA decode for one layer, with the workspace from ``pool``.
 
     Args:
-        query: ``[batch, q_len, heads, 576]`` (latent 512 + rope 64).
+        query: ``[batch, q_len, heads, 576]`` (latent 512 + rope 64), or the packed
+            ``[batch * q_len, heads, 576]`` form FlashInfer's wrapper takes (no
+            reshapes on the call; results then come back packed too).
         kv_cache: ``[pages, page_size, 576]``.
         block_tables: ``[batch, max_pages]`` int32.
         seq_lens: ``[batch]`` int32.
         max_seq_len: An upper bound of ``seq_lens``.
         sm_scale: Softmax scale.
-        return_lse: Also return the natural-log LSE ``[batch, q_len, heads]`` fp32.
-        out: Optional output buffer ``[batch, q_len, heads, 512]``.
-        lse: Optional LSE buffer.
+        return_lse: Also return the natural-log LSE ``[batch, q_len, heads]`` fp32
+            (``[batch * q_len, heads]`` for a packed query).
+        out: Optional output buffer ``[batch, q_len, heads, 512]`` (or packed).
+        lse: Optional LSE buffer, in the query's form.
         registry: The registry; default :func:`wspool.get_registry`.
         pool: The pool to draw from (rule ``lse`` with LSE, else ``default``).
         backend: See :func:`mla_decode_plan`.
@@ -615,13 +650,15 @@ def mla_decode(
         facts: Extra facts for the rules.
 
     Returns:
-        ``out``, or ``(out, lse)`` with ``return_lse``.
+        ``out``, or ``(out, lse)`` with ``return_lse``, in the query's form.
 
     The plan of the previous call is reused while ``block_tables`` and
     ``seq_lens`` are the same tensors with unchanged version counters (torch
     bumps them on every in-place write), and the shapes and options match. A
     kernel that writes them without torch knowing must be followed by a new
-    plan: use :func:`mla_decode_plan` for explicit control.
+    plan: use :func:`mla_decode_plan` for explicit control. Inference tensors
+    (made under ``torch.inference_mode``) keep no version counters: with them,
+    every call plans again (correct, but slow; a warning says so once).
     """
     registry = registry if registry is not None else get_registry()
     # The last plan per (pool, lane, backend, LSE mode): one plan per step.
@@ -630,27 +667,79 @@ def mla_decode(
         plans = registry.op_state.setdefault("mla_decode", {})
     key = (pool, lane, backend, return_lse)
     plan: MLADecodePlan | None = plans.get(key)
-    # Reuse: the same metadata tensors and call signature as the plan was made for.
+    # Reuse: the same metadata tensors and a call signature the plan serves.
     if (
         plan is not None
         and plan.block_tables is block_tables
         and plan.seq_lens is seq_lens
-        and plan.call_signature == (query.shape, query.dtype, kv_cache.dtype, max_seq_len, sm_scale)
         and (facts is None or all(plan.facts.get(k) == v for k, v in facts.items()))
     ):
-        if not plan.is_current_for(block_tables, seq_lens):
-            if (block_tables.shape, seq_lens.shape) != plan.planned_shapes:
-                plan = None  # resized in place: a new plan
-            else:
-                plan.replan()  # the same tensors, edited in place (the next step): plan again
-        if plan is not None:
-            return plan.run_matched(query, kv_cache, out, lse)
-    if query.dim() != 4:
-        raise ValueError(f"query must be [batch, q_len, heads, dim], got {tuple(query.shape)}")
-    _batch, q_len, heads, _ = query.shape
+        signature = (query.shape, query.dtype, kv_cache.dtype, max_seq_len, sm_scale)
+        four_d = signature == plan.call_signature
+        if four_d or signature == plan.packed_signature:
+            # torch bumps a tensor's version on every in-place write: a new step's metadata.
+            versions = plan._versions
+            if versions is None or block_tables._version != versions[0] or seq_lens._version != versions[1]:
+                if (block_tables.shape, seq_lens.shape) != plan.planned_shapes:
+                    plan = None  # resized in place: a new plan
+                else:
+                    if versions is None:
+                        _warn_unversioned_metadata()
+                    plan.replan()  # the same tensors, edited in place (the next step): plan again
+            if plan is not None:
+                if four_d:
+                    return plan.run_matched(query, kv_cache, out, lse)
+                return plan.run(query, kv_cache, out=out, lse=lse)
     plan = plans[key] = MLADecodePlan(
-        block_tables, seq_lens, max_seq_len, num_heads=heads, sm_scale=sm_scale, page_size=kv_cache.shape[1],
-        q_len=q_len, q_dtype=query.dtype, kv_dtype=kv_cache.dtype, return_lse=return_lse, registry=registry,
-        pool=pool, backend=backend, lane=lane, facts=facts,
+        block_tables, seq_lens, max_seq_len, num_heads=_query_heads(query), sm_scale=sm_scale,
+        page_size=kv_cache.shape[1], q_len=_query_len(query, seq_lens), q_dtype=query.dtype, kv_dtype=kv_cache.dtype,
+        return_lse=return_lse, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
     )  # fmt: skip
     return plan.run(query, kv_cache, out=out, lse=lse)
+
+
+def _write_counts(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int] | None:
+    """torch's in-place write counters of the metadata; ``None`` for inference tensors, which keep none."""
+    if block_tables.is_inference() or seq_lens.is_inference():
+        return None
+    return block_tables._version, seq_lens._version
+
+
+_warned_unversioned = False
+
+
+def _warn_unversioned_metadata() -> None:
+    """Say once per process why mla_decode plans on every call with inference-tensor metadata."""
+    global _warned_unversioned
+    if not _warned_unversioned:
+        _warned_unversioned = True
+        logger.warning(
+            "wspool: mla_decode got block_tables/seq_lens made under torch.inference_mode; torch counts no "
+            "in-place writes to such tensors, so every call plans again (about a millisecond of host time "
+            "each). Plan once per step with mla_decode_plan(...) and call plan.run() per layer, or allocate "
+            "the metadata outside inference mode"
+        )
+
+
+def _query_heads(query: torch.Tensor) -> int:
+    """The heads of a 4-D or packed query."""
+    if not isinstance(query, torch.Tensor) or query.dim() not in (3, 4):
+        shown = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query must be [batch, q_len, heads, dim] or packed [batch * q_len, heads, dim], got {shown}")
+    return int(query.shape[-2])
+
+
+def _query_len(query: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """Query tokens per request: the 4-D query's second dimension, or packed tokens over the batch."""
+    if query.dim() == 4:
+        return int(query.shape[1])
+    tokens = int(query.shape[0])
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
+        return 1  # the plan rejects seq_lens with its own message
+    batch = seq_lens.shape[0]
+    if batch == 0 or tokens % batch or tokens == 0:
+        raise ValueError(
+            f"packed query has {tokens} tokens for a batch of {batch} (seq_lens): "
+            f"it must hold the same number of query tokens, at least one, for every request"
+        )
+    return tokens // batch
