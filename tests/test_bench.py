@@ -32,9 +32,12 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _gpu_figures() -> dict[str, Any]:
     """Figures shaped like an H200 run's, built from the GPU dataclasses."""
-    calls = [DecodeCallFigures(1, 128, 4096, lse, 1000.0, 990.0) for lse in (False, True)]
+    calls = [
+        DecodeCallFigures(1, 128, 4096, False, 1000.0, 990.0),  # no paired figures: the difference of medians
+        DecodeCallFigures(1, 128, 4096, True, 1000.0, 990.0, "packed", 25.0, 3.0),
+    ]
     steps = [
-        DecodeStepFigures(1, 128, 4096, 61, 1.0, 81.0, 80.0, 4100.0, "replayed"),
+        DecodeStepFigures(1, 128, 4096, 61, 1.0, 81.0, 80.0, 4100.0, "replayed", 0.5),
         DecodeStepFigures(128, 128, 4096, 61, 1.0, 254.0, 250.0, None, "skipped: graph mode failed: RuntimeError: x"),
     ]
     memory = [
@@ -55,6 +58,8 @@ def test_budget_is_2_percent_or_2_us() -> None:
     assert added_time_budget_us(1000.0) == 20.0
     assert DecodeCallFigures(1, 128, 4096, False, 1019.0, 1000.0).ok
     assert not DecodeCallFigures(1, 128, 4096, False, 1021.0, 1000.0).ok
+    assert not DecodeCallFigures(1, 128, 4096, False, 1000.0, 1000.0, "4-D", 20.5).ok  # the paired figure decides
+    assert DecodeCallFigures(1, 128, 4096, False, 1030.0, 1000.0, "4-D", 19.5).ok
     assert not DecodeStepFigures(1, 128, 4096, 61, 2.0, 80.0, 80.0, None, "").ok  # two plans in a step
 
 
@@ -89,8 +94,9 @@ def test_sections_subset_runs_only_those() -> None:
 def test_report_prints_markdown_tables_and_verdicts() -> None:
     """GPU figures print as Markdown tables with the budget verdicts, graph notes and the memory verdict."""
     text = format_report(_gpu_figures())
-    assert "| 1 | 128 | 4096 | yes | 4-D | 1000.0 | 990.0 | +10.0 | yes |" in text
-    assert "| 1 | 128 | 4096 | 1 | 81.0 | 80.0 | +1.00 | yes | 4100.0 |" in text
+    assert "| 1 | 128 | 4096 | no | 4-D | 1000.0 | 990.0 | +10.0 | - | yes |" in text
+    assert "| 1 | 128 | 4096 | yes | packed | 1000.0 | 990.0 | +25.0 | +3.0 | no |" in text
+    assert "| 1 | 128 | 4096 | 1 | 81.0 | 80.0 | +0.50 | yes | 4100.0 |" in text
     assert "| 128 | 128 | 4096 | 1 | 254.0 | 250.0 | +4.00 | yes | - |" in text
     assert "batch 128: skipped: graph mode failed: RuntimeError: x" in text
     assert (

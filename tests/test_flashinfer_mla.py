@@ -425,3 +425,15 @@ def test_inference_tensor_metadata_plans_every_call(
     assert wrapper.plan_calls == 4  # three mla_decode calls, one explicit plan
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "inference_mode" in warnings[0] and "mla_decode_plan" in warnings[0]
+
+
+def test_explicit_replan_refuses_resized_metadata(hopper: None) -> None:
+    """plan.replan() after an in-place resize says to make a new plan instead of planning the wrong shapes."""
+    inputs = make_inputs(3, 4, [10, 20, 30])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    inputs.seq_lens.resize_(2)
+    with pytest.raises(ValueError, match=r"resized to \(3, 1\)/\(2,\) after planning for \(3, 1\)/\(3,\)"):
+        plan.replan()
+    assert plan.plan_calls == 1

@@ -17,13 +17,15 @@ Three measurements, each on the current CUDA device with random data:
   measured rule's size and the seed's constant.
 
 Times are medians of host clocks around synchronised calls, after warm-up,
-with the two variants interleaved so drift hits both alike. The planned
-wrapper path only (Hopper, Ampere); Blackwell's trtllm-gen path is not
-compared here.
+with the two variants run in pairs (alternating which goes first) and the
+garbage collector paused; the added time is the median of the per-pair
+differences, which drift between pairs does not move. The planned wrapper
+path only (Hopper, Ampere); Blackwell's trtllm-gen path is not compared here.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -67,11 +69,15 @@ class DecodeCallFigures:
     direct_us: float
     query_form: str = "4-D"
     """The query ``mla_decode`` was given: ``"4-D"`` or ``"packed"`` (the direct calls always take it packed)."""
+    paired_added_us: float | None = None
+    """The median of the per-pair differences (wspool minus direct); ``None``: not measured."""
+    noise_us: float | None = None
+    """The same statistic for the direct calls against a second, identical direct wrapper (A/A)."""
 
     @property
     def added_us(self) -> float:
-        """wspool's added time per call."""
-        return self.wspool_us - self.direct_us
+        """wspool's added time per call: the paired median where measured, else the difference of medians."""
+        return self.paired_added_us if self.paired_added_us is not None else self.wspool_us - self.direct_us
 
     @property
     def ok(self) -> bool:
@@ -96,10 +102,14 @@ class DecodeStepFigures:
     direct_layer_us: float
     graph_step_us: float | None
     graph_note: str
+    paired_added_layer_us: float | None = None
+    """The median of the per-step differences, per layer; ``None``: not measured."""
 
     @property
     def added_us(self) -> float:
-        """wspool's added time per layer."""
+        """wspool's added time per layer: the paired median where measured, else the difference of medians."""
+        if self.paired_added_layer_us is not None:
+            return self.paired_added_layer_us
         return self.wspool_layer_us - self.direct_layer_us
 
     @property
@@ -139,23 +149,38 @@ class MemoryRow:
         }
 
 
-def _interleaved_medians_ns(
+def _paired_times_ns(
     a: Callable[[], object], b: Callable[[], object], runs: int, warmup: int
-) -> tuple[float, float]:
-    """Median wall time of ``a()`` and of ``b()``, each synchronised, alternating a and b."""
+) -> tuple[float, float, float]:
+    """Median wall times of ``a()`` and ``b()``, each synchronised, and the median of ``a - b`` per pair.
+
+    The host's speed drifts by more than the differences measured here, so the
+    two run in pairs, and the pairs alternate their order (ab, ba, ...) so that
+    neither always follows the other. The garbage collector is paused while
+    timing, as ``timeit`` does, so a collection does not land on one side.
+    """
     for _ in range(warmup):
         a()
         b()
     torch.cuda.synchronize()
     clock = time.perf_counter_ns
-    samples: tuple[list[int], list[int]] = ([], [])
-    for _ in range(runs):
-        for fn, out in ((a, samples[0]), (b, samples[1])):
-            start = clock()
-            fn()
-            torch.cuda.synchronize()
-            out.append(clock() - start)
-    return statistics.median(samples[0]), statistics.median(samples[1])
+    times_a: list[int] = []
+    times_b: list[int] = []
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(runs):
+            for fn, out in ((a, times_a), (b, times_b)) if i % 2 == 0 else ((b, times_b), (a, times_a)):
+                start = clock()
+                fn()
+                torch.cuda.synchronize()
+                out.append(clock() - start)
+    finally:
+        if collecting:
+            gc.enable()
+    paired = statistics.median(x - y for x, y in zip(times_a, times_b, strict=True))
+    return statistics.median(times_a), statistics.median(times_b), paired
 
 
 def _first(result: Any) -> torch.Tensor:
@@ -203,13 +228,15 @@ def measure_mla_decode(
     batches: Sequence[int] = (1, 128),
     num_heads: int = 128,
     max_seq_len: int = 4096,
-    runs: int = 100,
-    warmup: int = 10,
+    runs: int = 1000,
+    warmup: int = 20,
     query_forms: Sequence[str] = ("4-D", "packed"),
 ) -> list[DecodeCallFigures]:
     """Time one decode step's ``mla_decode`` (plan + run) through wspool and directly.
 
-    With and without LSE, for each query form in ``query_forms`` (``"4-D"``, ``"packed"``).
+    With and without LSE, for each query form in ``query_forms`` (``"4-D"``,
+    ``"packed"``); each row also carries the A/A figure of the direct calls
+    against a second, identical direct wrapper: the noise of the measurement.
     """
     rows = []
     for batch in batches:
@@ -217,12 +244,23 @@ def measure_mla_decode(
         for return_lse in (False, True):
             shape = MLAShape(batch, num_heads, max_seq_len, return_lse=return_lse)
             nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(_sm_count(device)))
-            direct = DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), "auto", num_heads, return_lse)
+            direct, twin = (
+                DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), "auto", num_heads, return_lse)
+                for _ in range(2)
+            )
+            _, directly = _decode_calls(registry, inputs, direct, return_lse, "packed")
+            _, twin_directly = _decode_calls(registry, inputs, twin, return_lse, "packed")
+            noise = _paired_times_ns(twin_directly, directly, runs, warmup)[2] / 1e3
             for form in query_forms:
                 through_wspool, directly = _decode_calls(registry, inputs, direct, return_lse, form)
                 _close(through_wspool(), directly(), "mla_decode")
-                a, b = _interleaved_medians_ns(through_wspool, directly, runs, warmup)
-                rows.append(DecodeCallFigures(batch, num_heads, max_seq_len, return_lse, a / 1e3, b / 1e3, form))
+                a, b, added = _paired_times_ns(through_wspool, directly, runs, warmup)
+                rows.append(
+                    DecodeCallFigures(
+                        batch, num_heads, max_seq_len, return_lse, a / 1e3, b / 1e3, form, added / 1e3, noise
+                    )
+                )
+            del direct, twin
     return rows
 
 
@@ -282,13 +320,13 @@ def measure_decode_step(
             plan.replan()
             through_wspool()
             plans.append(plan.plan_calls - before)
-        a, b = _interleaved_medians_ns(through_wspool, directly, runs, warmup)
-        measured.append((batch, statistics.mean(plans), a / 1e3 / layers, b / 1e3 / layers))
+        a, b, added = _paired_times_ns(through_wspool, directly, runs, warmup)
+        measured.append((batch, statistics.mean(plans), a / 1e3 / layers, b / 1e3 / layers, added / 1e3 / layers))
         del inputs, plan, direct, through_wspool, directly, flat, kv
     # Graph capture last, once the eager figures are in: a failed capture may leave the device unusable.
     rows = []
     failed = False
-    for batch, plans_per_step, wspool_us, direct_us in measured:
+    for batch, plans_per_step, wspool_us, direct_us, added_us in measured:
         graph_us: float | None = None
         note = "skipped: graph mode failed for an earlier batch"
         if not failed:
@@ -296,7 +334,7 @@ def measure_decode_step(
             graph_us, note = _graph_step_us(inputs, registry, num_heads, layers, runs)
             failed = graph_us is None
             del inputs
-        figures = (plans_per_step, wspool_us, direct_us, graph_us, note)
+        figures = (plans_per_step, wspool_us, direct_us, graph_us, note, added_us)
         rows.append(DecodeStepFigures(batch, num_heads, max_seq_len, layers, *figures))
     return rows
 

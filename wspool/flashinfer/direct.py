@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from wspool.flashinfer import kernels
+from wspool.flashinfer.page_table import CSRConstants, csr_parts
 from wspool.sweep import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 
 __all__ = ["PAGE_SIZE", "SM_SCALE", "DecodeInputs", "DirectMLA"]
@@ -48,7 +49,14 @@ class DecodeInputs:
 
 
 class DirectMLA:
-    """FlashInfer's planned wrapper called directly, as a backend without wspool would."""
+    """FlashInfer's planned wrapper called directly, as a careful backend without wspool would.
+
+    It converts the page table with the op's own operations
+    (:func:`~wspool.flashinfer.page_table.csr_parts`, what a backend would
+    write inline) and, like the op, makes the index tensors that do not change
+    between steps once, so both do the same device work per step and a
+    comparison measures wspool's own cost.
+    """
 
     def __init__(self, workspace: torch.Tensor, backend: str, heads: int, return_lse: bool):
         self.fi = kernels.load_flashinfer_mla()
@@ -57,17 +65,19 @@ class DirectMLA:
         )
         self.heads = heads
         self.return_lse = return_lse
+        self._constants: dict[tuple[int, int], tuple[torch.Tensor, CSRConstants]] = {}
 
     def plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Convert the page table to CSR on the device (as the op does), then plan."""
-        batch, device = seq_lens.shape[0], seq_lens.device
-        lengths = seq_lens.to(torch.int32)
-        pages = (lengths + PAGE_SIZE - 1) // PAGE_SIZE
-        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-        torch.cumsum(pages, 0, out=kv_indptr[1:])
-        live = torch.arange(block_tables.shape[1], device=device)[None, :] < pages[:, None]
-        kv_indices = block_tables[live].to(torch.int32)
-        qo_indptr = torch.arange(0, batch + 1, dtype=torch.int32, device=device)
+        batch, max_pages = block_tables.shape
+        constants = self._constants.get((batch, max_pages))
+        if constants is None:
+            constants = self._constants[batch, max_pages] = (
+                torch.arange(0, batch + 1, dtype=torch.int32, device=block_tables.device),
+                CSRConstants.for_table(block_tables),
+            )
+        qo_indptr, table_constants = constants
+        kv_indptr, kv_indices, lengths, _ = csr_parts(block_tables, seq_lens, PAGE_SIZE, table_constants)
         self.wrapper.plan(
             **kernels.wrapper_plan_kwargs(
                 metadata=self.fi.MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, lengths),

@@ -40,7 +40,7 @@ import torch
 from wspool.devices import resolve_device
 from wspool.errors import describe_setting
 from wspool.flashinfer import kernels
-from wspool.flashinfer.page_table import page_table_to_csr
+from wspool.flashinfer.page_table import CSRConstants, csr_parts
 from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
 from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
@@ -242,6 +242,8 @@ class MLADecodePlan:
         self._generation = -1
         self._token = object()  # identifies this plan as a shared wrapper's current owner
         self._graph_buffers: tuple[torch.Tensor, ...] | None = None
+        self._csr_constants: tuple[CSRConstants, torch.Tensor] | None = None
+        self._csr_factory: Any = None  # FlashInfer's MLAPlanMetadata.csr, on the wrapper path
         self.plan_calls = 0
         # Grow now, outside the per-layer path (and outside any later capture).
         self._pool.ensure(self.rule, self.facts)
@@ -252,6 +254,7 @@ class MLADecodePlan:
             self._counters = self._registry.pool(COUNTER_POOL, device, lane=lane)
             self._counters.ensure("default", self.facts)
         elif self.path != "reference":
+            self._csr_factory = kernels.load_flashinfer_mla().MLAPlanMetadata.csr
             self._plan_wrapper()
 
     # -- metadata identity (for mla_decode's reuse) --------------------------
@@ -270,9 +273,23 @@ class MLADecodePlan:
         )
 
     def replan(self) -> None:
-        """Plan again for the current contents of ``block_tables`` and ``seq_lens`` (same shapes)."""
-        self._versions = _write_counts(self.block_tables, self.seq_lens)
-        if self.path not in ("reference", "trtllm-gen"):
+        """Plan again for the current contents of ``block_tables`` and ``seq_lens``.
+
+        Raises:
+            ValueError: They were resized in place since planning; make a new plan.
+        """
+        if (self.block_tables.shape, self.seq_lens.shape) != self.planned_shapes:
+            raise ValueError(
+                f"block_tables/seq_lens were resized to {tuple(self.block_tables.shape)}/"
+                f"{tuple(self.seq_lens.shape)} after planning for {tuple(self.planned_shapes[0])}/"
+                f"{tuple(self.planned_shapes[1])}; make a new plan"
+            )
+        self._replan(_write_counts(self.block_tables, self.seq_lens))
+
+    def _replan(self, versions: tuple[int, int] | None) -> None:
+        """:meth:`replan` for metadata whose shapes the caller checked, with its write counts read."""
+        self._versions = versions
+        if self._fast_shape is not None:  # the wrapper path; the others read the metadata at run time
             self._plan_wrapper()
 
     # -- the per-layer call ----------------------------------------------------
@@ -311,7 +328,7 @@ class MLADecodePlan:
             query.shape == self._fast_shape
             and query.dtype is self.q_dtype
             and kv_cache.dim() == 3
-            and kv_cache.shape[1] == self.page_size
+            and kv_cache.size(1) == self.page_size
         ):
             # The size was resolved at plan time: request it, without resolving the rule again.
             workspace = self._pool.request(self._nbytes, self.rule)
@@ -336,7 +353,7 @@ class MLADecodePlan:
         signature comparison already made, and returns the caller's own
         ``out``/``lse`` where given.
         """
-        if self._fast_shape is None or kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size:
+        if self._fast_shape is None or kv_cache.dim() != 3 or kv_cache.size(1) != self.page_size:
             return self._run_general(query, kv_cache, out, lse)
         workspace = self._pool.request(self._nbytes, self.rule)
         wrapper = self._wrapper
@@ -494,7 +511,7 @@ class MLADecodePlan:
                 kv_dtype=self.kv_dtype,
                 return_lse=self.return_lse,
             )
-        plan_kwargs["metadata"] = kernels.load_flashinfer_mla().MLAPlanMetadata.csr(*self._csr_metadata())
+        plan_kwargs["metadata"] = self._csr_factory(*self._csr_metadata())
         wrapper = self._wrapper
         first_attempt = 0
         # The steady state of one plan per step: this plan still owns its wrapper, and the
@@ -535,9 +552,16 @@ class MLADecodePlan:
 
     def _csr_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convert the page table to FlashInfer's CSR form, on the device (one host sync)."""
-        kv_indptr, kv_indices, lengths, _ = page_table_to_csr(self.block_tables, self.seq_lens, self.page_size)
-        batch = self.batch_size
-        qo_indptr = torch.arange(0, (batch + 1) * self.q_len, self.q_len, dtype=torch.int32, device=self.device)
+        constants = self._csr_constants
+        if constants is None:
+            # Fixed by the plan's shapes: made once, never written (FlashInfer may keep a
+            # reference to the query offsets until the step's last run).
+            with torch.inference_mode(False):
+                q_len = self.q_len
+                offsets = torch.arange(0, (self.batch_size + 1) * q_len, q_len, dtype=torch.int32, device=self.device)
+            constants = self._csr_constants = (CSRConstants.for_table(self.block_tables), offsets)
+        kv_indptr, kv_indices, lengths, _ = csr_parts(self.block_tables, self.seq_lens, self.page_size, constants[0])
+        qo_indptr = constants[1]
         if self._graph_buffers is not None:
             # Graph mode: FlashInfer copies the metadata into the fixed buffers at plan time.
             capacity = self._graph_buffers[2].numel()
@@ -678,14 +702,16 @@ def mla_decode(
         four_d = signature == plan.call_signature
         if four_d or signature == plan.packed_signature:
             # torch bumps a tensor's version on every in-place write: a new step's metadata.
-            versions = plan._versions
-            if versions is None or block_tables._version != versions[0] or seq_lens._version != versions[1]:
+            # (Each operation here runs once per layer call: the counters are read once.)
+            versions = plan._versions  # None for inference tensors, which count no writes
+            now = None if versions is None else (block_tables._version, seq_lens._version)
+            if now is None or now != versions:
                 if (block_tables.shape, seq_lens.shape) != plan.planned_shapes:
                     plan = None  # resized in place: a new plan
                 else:
-                    if versions is None:
+                    if now is None:
                         _warn_unversioned_metadata()
-                    plan.replan()  # the same tensors, edited in place (the next step): plan again
+                    plan._replan(now)  # the same tensors, edited in place (the next step): plan again
             if plan is not None:
                 if four_d:
                     return plan.run_matched(query, kv_cache, out, lse)

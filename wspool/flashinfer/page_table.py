@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["CSRPageTable", "page_table_to_csr"]
+__all__ = ["CSRConstants", "CSRPageTable", "csr_parts", "page_table_to_csr"]
 
 
 class CSRPageTable(NamedTuple):
@@ -33,9 +33,46 @@ class CSRPageTable(NamedTuple):
 
 def page_table_to_csr(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> CSRPageTable:
     """Convert a dense page table (``[batch, max_pages]`` ids, ``[batch]`` lengths) to CSR."""
+    return CSRPageTable(*csr_parts(block_tables, seq_lens, page_size, CSRConstants.for_table(block_tables)))
+
+
+class CSRConstants(NamedTuple):
+    """What the conversion needs that depends only on the page table's shape and device.
+
+    Made once per plan: a caller converting every step passes it to
+    :func:`csr_parts` and saves the kernel launches and host work of remaking it.
+
+    Attributes:
+        zero: ``[1]`` int32 zero (the leading ``indptr`` entry).
+        page_positions: ``[1, max_pages]`` page positions ``0 .. max_pages - 1``.
+    """
+
+    zero: torch.Tensor
+    page_positions: torch.Tensor
+
+    @classmethod
+    def for_table(cls, block_tables: torch.Tensor) -> CSRConstants:
+        """The constants for ``block_tables``'s width and device (never inference tensors)."""
+        device = block_tables.device
+        with torch.inference_mode(False):
+            return cls(
+                torch.zeros(1, dtype=torch.int32, device=device),
+                torch.arange(block_tables.shape[1], device=device).unsqueeze(0),
+            )
+
+
+def csr_parts(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, constants: CSRConstants
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conversion, as a plain ``(indptr, indices, lengths, pages)`` tuple (the per-step form).
+
+    Every operation here costs host time once per step, so it uses the fewest
+    tensor operations: one add and one divide for the page counts, a cumulative
+    sum and a concatenation for the offsets, a comparison and a masked select
+    (the host sync) for the live pages.
+    """
     lengths = seq_lens.to(torch.int32)
-    pages = (lengths + page_size - 1) // page_size
-    indptr = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    torch.cumsum(pages, 0, out=indptr[1:])
-    live = torch.arange(block_tables.shape[1], device=lengths.device)[None, :] < pages[:, None]
-    return CSRPageTable(indptr, block_tables[live].to(torch.int32), lengths, pages)
+    pages = torch.floor_divide(lengths + (page_size - 1), page_size)
+    indptr = torch.cat((constants.zero, torch.cumsum(pages, 0, dtype=torch.int32)))
+    live = torch.lt(constants.page_positions, pages.unsqueeze(1))
+    return indptr, torch.masked_select(block_tables, live).to(torch.int32), lengths, pages
