@@ -405,15 +405,8 @@ class MLADecodePlan:
             return self._packed_result(result, *given) if packed else result
         if not packed:
             return self.run_matched(query, kv_cache, out, lse)  # validated above; it requests the workspace
-        workspace = self._pool.workspace(self.rule, self.facts)
-        if workspace is not self._planned_workspace or self._wrapper._wspool_owner is not self._token:
-            self._plan_wrapper()
-        # kernels.wrapper_run_kwargs's arguments, inlined (the CPU doubles bind every call
-        # to FlashInfer's real signature). FlashInfer returns the caller's buffers as given.
-        return self._wrapper.run(  # type: ignore[no-any-return]
-            query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=self.return_lse,
-            return_lse_base_on_e=self.return_lse,
-        )  # fmt: skip
+        # A packed query that passed these checks meets every condition of run()'s fast path.
+        return self.run(query, kv_cache, out=out, lse=lse)
 
     def _shape_result(
         self, result: Any, out: torch.Tensor | None, lse: torch.Tensor | None
@@ -512,29 +505,16 @@ class MLADecodePlan:
                 return_lse=self.return_lse,
             )
         plan_kwargs["metadata"] = self._csr_factory(*self._csr_metadata())
-        wrapper = self._wrapper
-        first_attempt = 0
-        # The steady state of one plan per step: this plan still owns its wrapper, and the
-        # pool still holds the buffer the wrapper was built on (at least this plan's size).
-        owned = wrapper is not None and wrapper._wspool_owner is self._token
-        if owned and self._pool.buffer is self._planned_workspace:
-            wrapper._wspool_owner = None  # nobody owns a wrapper mid-plan (see below)
-            try:
-                self.plan_calls += 1
-                wrapper.plan(**plan_kwargs)
-            except RuntimeError as exc:
-                self._recover(exc, self._planned_workspace.numel(), 0)  # type: ignore[union-attr]
-                first_attempt = 1
-            else:
-                wrapper._wspool_owner = self._token
-                return
-        for attempt in range(first_attempt, _MAX_RECOVERIES + 1):
+        for attempt in range(_MAX_RECOVERIES + 1):
             workspace = self._pool.buffer
-            if workspace is None or self._pool.capacity_bytes < self._nbytes:
-                workspace = self._pool.ensure(self.rule, self.facts)
-            generation = self._pool.generation
             wrapper = self._wrapper
+            generation = self._generation
+            # The steady state of one plan per step skips this: the plan still owns its wrapper,
+            # on the buffer it was built on (which held this plan's size then, and still does).
             if wrapper is None or workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
+                if workspace is None or self._pool.capacity_bytes < self._nbytes:
+                    workspace = self._pool.ensure(self.rule, self.facts)
+                generation = self._pool.generation
                 wrapper = self._acquire_wrapper(workspace, generation)
             # Nobody owns a wrapper mid-plan: if plan() fails, no plan may run on it unplanned.
             wrapper._wspool_owner = None
@@ -542,7 +522,7 @@ class MLADecodePlan:
                 self.plan_calls += 1
                 wrapper.plan(**plan_kwargs)
             except RuntimeError as exc:
-                self._recover(exc, workspace.numel(), attempt)
+                self._recover(exc, workspace.numel(), attempt)  # type: ignore[union-attr]  # the planned buffer
                 continue
             wrapper._wspool_owner = self._token
             self._wrapper = wrapper
