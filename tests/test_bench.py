@@ -34,6 +34,7 @@ def _gpu_figures() -> dict[str, Any]:
     """Figures shaped like an H200 run's, built from the GPU dataclasses."""
     calls = [
         DecodeCallFigures(1, 128, 4096, False, 1000.0, 990.0),  # no paired figures: the difference of medians
+        DecodeCallFigures(128, 128, 4096, False, 1500.0, 1490.0, "4-D", 12.0, -1.0, 7.5),
         DecodeCallFigures(1, 128, 4096, True, 1000.0, 990.0, "packed", 25.0, 3.0),
     ]
     steps = [
@@ -94,8 +95,9 @@ def test_sections_subset_runs_only_those() -> None:
 def test_report_prints_markdown_tables_and_verdicts() -> None:
     """GPU figures print as Markdown tables with the budget verdicts, graph notes and the memory verdict."""
     text = format_report(_gpu_figures())
-    assert "| 1 | 128 | 4096 | no | 4-D | 1000.0 | 990.0 | +10.0 | - | yes |" in text
-    assert "| 1 | 128 | 4096 | yes | packed | 1000.0 | 990.0 | +25.0 | +3.0 | no |" in text
+    assert "| 1 | 128 | 4096 | no | 4-D | 1000.0 | 990.0 | +10.0 | - | yes | - |" in text
+    assert "| 128 | 128 | 4096 | no | 4-D | 1500.0 | 1490.0 | +12.0 | -1.0 | yes | +7.5 |" in text
+    assert "| 1 | 128 | 4096 | yes | packed | 1000.0 | 990.0 | +25.0 | +3.0 | no | - |" in text
     assert "| 1 | 128 | 4096 | 1 | 81.0 | 80.0 | +0.50 | yes | 4100.0 |" in text
     assert "| 128 | 128 | 4096 | 1 | 254.0 | 250.0 | +4.00 | yes | - |" in text
     assert "batch 128: skipped: graph mode failed: RuntimeError: x" in text
@@ -195,6 +197,7 @@ def test_gpu_measurements_run_against_doubles(monkeypatch: pytest.MonkeyPatch) -
         (b, lse, form) for b in (1, 2) for lse in (False, True) for form in ("4-D", "packed")
     ]
     assert all(c.wspool_us > 0 and c.direct_us > 0 for c in calls)
+    assert all((c.reshape_us is None) == (c.query_form == "packed") for c in calls)
     steps = bench_gpu.measure_decode_step(
         registry, cpu, batches=(2,), num_heads=16, max_seq_len=256, layers=3, runs=2, warmup=1
     )

@@ -5,10 +5,10 @@ Three measurements, each on the current CUDA device with random data:
 - :func:`measure_mla_decode`: one ``mla_decode`` call per step (the op plans
   and runs, as a backend does per step) against the same CSR conversion,
   ``plan()`` and ``run()`` made directly on a preallocated buffer of the
-  same size. The direct calls take the packed ``[tokens, heads, 576]`` query
-  FlashInfer's wrapper takes; ``mla_decode`` is timed with that packed query
-  and with the 4-D ``[batch, q_len, heads, 576]`` one (whose reshapes of the
-  query and results it then pays);
+  same size, for each query form: the packed ``[tokens, heads, 576]`` one
+  FlashInfer's wrapper takes, and the 4-D ``[batch, q_len, heads, 576]`` one,
+  which the op and a direct backend alike reshape to FlashInfer's form and
+  back (the rows also give what those reshapes cost the direct calls);
 - :func:`measure_decode_step`: one decode step of 61 layer calls through an
   :class:`~wspool.flashinfer.MLADecodePlan` (one plan per step, then
   ``run()`` per layer, packed queries) against ``run()`` on a directly
@@ -68,11 +68,14 @@ class DecodeCallFigures:
     wspool_us: float
     direct_us: float
     query_form: str = "4-D"
-    """The query ``mla_decode`` was given: ``"4-D"`` or ``"packed"`` (the direct calls always take it packed)."""
+    """The query both sides were given: ``"4-D"`` or ``"packed"`` (FlashInfer's own form)."""
     paired_added_us: float | None = None
     """The median of the per-pair differences (wspool minus direct); ``None``: not measured."""
     noise_us: float | None = None
     """The same statistic for the direct calls against a second, identical direct wrapper (A/A)."""
+    reshape_us: float | None = None
+    """4-D rows: what the reshapes to and from FlashInfer's packed form cost the direct calls
+    (direct 4-D minus direct packed, paired), which any backend holding 4-D tensors pays."""
 
     @property
     def added_us(self) -> float:
@@ -206,6 +209,7 @@ def _decode_calls(
     """One step's call through ``mla_decode`` and the same work done directly."""
     flat, kv, tables, lens = inputs.flat_queries[0], inputs.kv[0], inputs.block_tables, inputs.seq_lens
     query = flat if query_form == "packed" else inputs.queries[0]
+    run_directly = direct.run if query_form == "packed" else direct.run_4d
 
     def through_wspool() -> object:
         lens.add_(0)  # the step's in-place metadata update: the op sees new metadata and plans
@@ -216,7 +220,7 @@ def _decode_calls(
     def directly() -> object:
         lens.add_(0)
         direct.plan(tables, lens)
-        return direct.run(flat, kv)
+        return run_directly(query, kv)
 
     return through_wspool, directly
 
@@ -235,8 +239,10 @@ def measure_mla_decode(
     """Time one decode step's ``mla_decode`` (plan + run) through wspool and directly.
 
     With and without LSE, for each query form in ``query_forms`` (``"4-D"``,
-    ``"packed"``); each row also carries the A/A figure of the direct calls
-    against a second, identical direct wrapper: the noise of the measurement.
+    ``"packed"``), both sides given the same query; each row also carries the
+    A/A figure of the direct calls against a second, identical direct
+    wrapper (the noise of the measurement), and 4-D rows what the reshapes
+    cost the direct calls.
     """
     rows = []
     for batch in batches:
@@ -248,18 +254,18 @@ def measure_mla_decode(
                 DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), "auto", num_heads, return_lse)
                 for _ in range(2)
             )
-            _, directly = _decode_calls(registry, inputs, direct, return_lse, "packed")
+            _, packed_directly = _decode_calls(registry, inputs, direct, return_lse, "packed")
             _, twin_directly = _decode_calls(registry, inputs, twin, return_lse, "packed")
-            noise = _paired_times_ns(twin_directly, directly, runs, warmup)[2] / 1e3
+            noise = _paired_times_ns(twin_directly, packed_directly, runs, warmup)[2] / 1e3
             for form in query_forms:
                 through_wspool, directly = _decode_calls(registry, inputs, direct, return_lse, form)
                 _close(through_wspool(), directly(), "mla_decode")
+                reshape = None
+                if form != "packed":
+                    reshape = _paired_times_ns(directly, packed_directly, runs, warmup)[2] / 1e3
                 a, b, added = _paired_times_ns(through_wspool, directly, runs, warmup)
-                rows.append(
-                    DecodeCallFigures(
-                        batch, num_heads, max_seq_len, return_lse, a / 1e3, b / 1e3, form, added / 1e3, noise
-                    )
-                )
+                figures = (a / 1e3, b / 1e3, form, added / 1e3, noise, reshape)
+                rows.append(DecodeCallFigures(batch, num_heads, max_seq_len, return_lse, *figures))
             del direct, twin
     return rows
 

@@ -3,7 +3,9 @@
 :class:`DirectMLA` makes the calls a backend without wspool would make, with
 the exact arguments wspool's op passes (from :mod:`wspool.flashinfer.kernels`)
 and the same on-device page-table-to-CSR conversion, on a preallocated
-buffer. :class:`DecodeInputs` holds one batch's random decode inputs.
+buffer, and for 4-D queries the reshapes such a backend must make around
+FlashInfer's packed form. :class:`DecodeInputs` holds one batch's random
+decode inputs.
 Both need a CUDA device; nothing here runs at import.
 """
 
@@ -92,3 +94,14 @@ class DirectMLA:
         return self.wrapper.run(
             **kernels.wrapper_run_kwargs(query=flat_query, kv_cache=kv, out=None, lse=None, return_lse=self.return_lse)
         )
+
+    def run_4d(self, query: torch.Tensor, kv: torch.Tensor) -> Any:
+        """:meth:`run` for a backend that holds ``[batch, q_len, heads, 576]`` queries and wants its
+        results in that form: FlashInfer takes and returns the packed form, so the backend reshapes
+        the query and the results, as the op does for a 4-D query."""
+        batch, q_len, heads, dim = query.shape
+        result = self.run(query.view(batch * q_len, heads, dim), kv)
+        if self.return_lse:
+            out, lse = result
+            return out.view(batch, q_len, heads, -1), lse.view(batch, q_len, heads)
+        return result.view(batch, q_len, heads, -1)

@@ -345,9 +345,15 @@ class MLADecodePlan:
         return self._run_general(query, kv_cache, out, lse)
 
     def run_matched(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor | None,
+        lse: torch.Tensor | None,
+        four_d: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run a 4-D query whose shape and dtype the caller matched to :attr:`call_signature`.
+        """Run a query whose shape and dtype the caller matched to :attr:`call_signature`
+        (``four_d``) or :attr:`packed_signature`.
 
         ``mla_decode``'s per-call path: it skips the query checks that the
         signature comparison already made, and returns the caller's own
@@ -360,6 +366,11 @@ class MLADecodePlan:
         if workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
             self._plan_wrapper()
             wrapper = self._wrapper
+        if not four_d:  # FlashInfer's own form: nothing to reshape
+            return wrapper.run(  # type: ignore[no-any-return]
+                query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=self.return_lse,
+                return_lse_base_on_e=self.return_lse,
+            )  # fmt: skip
         # view(*sizes) parses faster than view(tuple): each view is a measurable part of this path.
         tokens, heads, dim = self._packed_shape
         result = wrapper.run(
@@ -693,9 +704,7 @@ def mla_decode(
                         _warn_unversioned_metadata()
                     plan._replan(now)  # the same tensors, edited in place (the next step): plan again
             if plan is not None:
-                if four_d:
-                    return plan.run_matched(query, kv_cache, out, lse)
-                return plan.run(query, kv_cache, out=out, lse=lse)
+                return plan.run_matched(query, kv_cache, out, lse, four_d)
     plan = plans[key] = MLADecodePlan(
         block_tables, seq_lens, max_seq_len, num_heads=_query_heads(query), sm_scale=sm_scale,
         page_size=kv_cache.shape[1], q_len=_query_len(query, seq_lens), q_dtype=query.dtype, kv_dtype=kv_cache.dtype,
