@@ -38,7 +38,7 @@ def _gpu_figures() -> dict[str, Any]:
         DecodeCallFigures(1, 128, 4096, True, 1000.0, 990.0, "packed", 25.0, 3.0),
     ]
     steps = [
-        DecodeStepFigures(1, 128, 4096, 61, 1.0, 81.0, 80.0, 4100.0, "replayed", 0.5),
+        DecodeStepFigures(1, 128, 4096, 61, 1.0, 81.0, 80.0, 4100.0, "replayed", 0.5, -0.25),
         DecodeStepFigures(128, 128, 4096, 61, 1.0, 254.0, 250.0, None, "skipped: graph mode failed: RuntimeError: x"),
     ]
     memory = [
@@ -98,8 +98,8 @@ def test_report_prints_markdown_tables_and_verdicts() -> None:
     assert "| 1 | 128 | 4096 | no | 4-D | 1000.0 | 990.0 | +10.0 | - | yes | - |" in text
     assert "| 128 | 128 | 4096 | no | 4-D | 1500.0 | 1490.0 | +12.0 | -1.0 | yes | +7.5 |" in text
     assert "| 1 | 128 | 4096 | yes | packed | 1000.0 | 990.0 | +25.0 | +3.0 | no | - |" in text
-    assert "| 1 | 128 | 4096 | 1 | 81.0 | 80.0 | +0.50 | yes | 4100.0 |" in text
-    assert "| 128 | 128 | 4096 | 1 | 254.0 | 250.0 | +4.00 | yes | - |" in text
+    assert "| 1 | 128 | 4096 | 1 | 81.0 | 80.0 | +0.50 | -0.25 | yes | 4100.0 |" in text
+    assert "| 128 | 128 | 4096 | 1 | 254.0 | 250.0 | +4.00 | - | yes | - |" in text
     assert "batch 128: skipped: graph mode failed: RuntimeError: x" in text
     assert (
         "| B=512 H=128 L=32768 q=1 lse | 17369088 (16.56MiB) | 17369088 (16.56MiB) | 1.000 | 256MiB | 15.5 | ok |"
@@ -201,7 +201,7 @@ def test_gpu_measurements_run_against_doubles(monkeypatch: pytest.MonkeyPatch) -
     steps = bench_gpu.measure_decode_step(
         registry, cpu, batches=(2,), num_heads=16, max_seq_len=256, layers=3, runs=2, warmup=1
     )
-    assert steps[0].plans_per_step == 1 and steps[0].graph_step_us is None
+    assert steps[0].plans_per_step == 1 and steps[0].graph_step_us is None and steps[0].noise_layer_us is not None
     assert steps[0].graph_note.startswith("skipped: graph mode failed: ")
     memory = bench_gpu.measure_memory(registry, [MLAShape(1, 16, 1024)], FakeProber())  # type: ignore[arg-type]
     assert (memory[0].minimum_bytes, memory[0].rule_bytes, memory[0].run_at_rule) == (H200_NEED, H200_NEED, None)

@@ -107,6 +107,8 @@ class DecodeStepFigures:
     graph_note: str
     paired_added_layer_us: float | None = None
     """The median of the per-step differences, per layer; ``None``: not measured."""
+    noise_layer_us: float | None = None
+    """The same statistic for the direct steps against a second, identical direct wrapper (A/A)."""
 
     @property
     def added_us(self) -> float:
@@ -314,11 +316,16 @@ def measure_decode_step(
             return_lse=True, registry=registry,
         )  # fmt: skip
         nbytes = registry.resolve("flashinfer_mla", "lse", **plan.facts)
-        direct = DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), plan.path, num_heads, True)
+        direct, twin = (
+            DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), plan.path, num_heads, True)
+            for _ in range(2)
+        )
         direct.plan(tables, lens)
+        twin.plan(tables, lens)
         flat, kv = inputs.flat_queries[0], inputs.kv[0]
         _close(plan.run(flat, kv), direct.run(flat, kv), "decode step")
         through_wspool, directly = _layer_calls(plan, direct, inputs, layers)
+        _, twin_directly = _layer_calls(plan, twin, inputs, layers)
         plans = []
         for _ in range(3):  # whole steps: new metadata, the step's plan, then its layers
             before = plan.plan_calls
@@ -326,13 +333,16 @@ def measure_decode_step(
             plan.replan()
             through_wspool()
             plans.append(plan.plan_calls - before)
+        noise = _paired_times_ns(twin_directly, directly, runs, warmup)[2] / 1e3 / layers
         a, b, added = _paired_times_ns(through_wspool, directly, runs, warmup)
-        measured.append((batch, statistics.mean(plans), a / 1e3 / layers, b / 1e3 / layers, added / 1e3 / layers))
-        del inputs, plan, direct, through_wspool, directly, flat, kv
+        measured.append(
+            (batch, statistics.mean(plans), a / 1e3 / layers, b / 1e3 / layers, added / 1e3 / layers, noise)
+        )
+        del inputs, plan, direct, twin, through_wspool, directly, twin_directly, flat, kv
     # Graph capture last, once the eager figures are in: a failed capture may leave the device unusable.
     rows = []
     failed = False
-    for batch, plans_per_step, wspool_us, direct_us, added_us in measured:
+    for batch, plans_per_step, wspool_us, direct_us, added_us, noise_us in measured:
         graph_us: float | None = None
         note = "skipped: graph mode failed for an earlier batch"
         if not failed:
@@ -340,7 +350,7 @@ def measure_decode_step(
             graph_us, note = _graph_step_us(inputs, registry, num_heads, layers, runs)
             failed = graph_us is None
             del inputs
-        figures = (plans_per_step, wspool_us, direct_us, graph_us, note, added_us)
+        figures = (plans_per_step, wspool_us, direct_us, graph_us, note, added_us, noise_us)
         rows.append(DecodeStepFigures(batch, num_heads, max_seq_len, layers, *figures))
     return rows
 

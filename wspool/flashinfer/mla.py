@@ -327,8 +327,8 @@ class MLADecodePlan:
         if (
             query.shape == self._fast_shape
             and query.dtype is self.q_dtype
-            and kv_cache.dim() == 3
-            and kv_cache.size(1) == self.page_size
+            and len(kv_shape := kv_cache.shape) == 3  # one shape read: cheaper than dim() and size(1)
+            and kv_shape[1] == self.page_size
         ):
             # The size was resolved at plan time: request it, without resolving the rule again.
             workspace = self._pool.request(self._nbytes, self.rule)
@@ -359,7 +359,7 @@ class MLADecodePlan:
         signature comparison already made, and returns the caller's own
         ``out``/``lse`` where given.
         """
-        if self._fast_shape is None or kv_cache.dim() != 3 or kv_cache.size(1) != self.page_size:
+        if self._fast_shape is None or len(kv_shape := kv_cache.shape) != 3 or kv_shape[1] != self.page_size:
             return self._run_general(query, kv_cache, out, lse)
         workspace = self._pool.request(self._nbytes, self.rule)
         wrapper = self._wrapper
