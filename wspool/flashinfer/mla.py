@@ -278,13 +278,17 @@ class MLADecodePlan:
         Raises:
             ValueError: They were resized in place since planning; make a new plan.
         """
-        if (self.block_tables.shape, self.seq_lens.shape) != self.planned_shapes:
+        if self.metadata_resized():
             raise ValueError(
                 f"block_tables/seq_lens were resized to {tuple(self.block_tables.shape)}/"
                 f"{tuple(self.seq_lens.shape)} after planning for {tuple(self.planned_shapes[0])}/"
                 f"{tuple(self.planned_shapes[1])}; make a new plan"
             )
         self._replan(_write_counts(self.block_tables, self.seq_lens))
+
+    def metadata_resized(self) -> bool:
+        """Whether ``block_tables`` or ``seq_lens`` were resized in place since planning."""
+        return (self.block_tables.shape, self.seq_lens.shape) != self.planned_shapes
 
     def _replan(self, versions: tuple[int, int] | None) -> None:
         """:meth:`replan` for metadata whose shapes the caller checked, with its write counts read."""
@@ -345,15 +349,9 @@ class MLADecodePlan:
         return self._run_general(query, kv_cache, out, lse)
 
     def run_matched(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        out: torch.Tensor | None,
-        lse: torch.Tensor | None,
-        four_d: bool = True,
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run a query whose shape and dtype the caller matched to :attr:`call_signature`
-        (``four_d``) or :attr:`packed_signature`.
+        """Run a 4-D query whose shape and dtype the caller matched to :attr:`call_signature`.
 
         ``mla_decode``'s per-call path: it skips the query checks that the
         signature comparison already made, and returns the caller's own
@@ -366,11 +364,6 @@ class MLADecodePlan:
         if workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
             self._plan_wrapper()
             wrapper = self._wrapper
-        if not four_d:  # FlashInfer's own form: nothing to reshape
-            return wrapper.run(  # type: ignore[no-any-return]
-                query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=self.return_lse,
-                return_lse_base_on_e=self.return_lse,
-            )  # fmt: skip
         # view(*sizes) parses faster than view(tuple): each view is a measurable part of this path.
         tokens, heads, dim = self._packed_shape
         result = wrapper.run(
@@ -379,13 +372,7 @@ class MLADecodePlan:
             lse=None if lse is None else lse.view(tokens, heads),
             return_lse=self.return_lse, return_lse_base_on_e=self.return_lse,
         )  # fmt: skip
-        if self.return_lse:
-            got_out, got_lse = result
-            return (
-                out if out is not None else got_out.view(*self._out_shape),
-                lse if lse is not None else got_lse.view(*self._lse_shape),
-            )
-        return out if out is not None else result.view(*self._out_shape)
+        return self._shape_result(result, out, lse)
 
     def _run_general(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
@@ -423,14 +410,14 @@ class MLADecodePlan:
         self, result: Any, out: torch.Tensor | None, lse: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Return results in the 4-D form, as the caller's own buffers where it gave them."""
-        batch, q_len, heads = self._query_shape[:3]
+        # view(*sizes), as in run_matched: these views are on the per-call path.
         if self.return_lse:
             got_out, got_lse = result
             return (
-                out if out is not None else got_out.view(batch, q_len, heads, -1),
-                lse if lse is not None else got_lse.view(batch, q_len, heads),
+                out if out is not None else got_out.view(*self._out_shape),
+                lse if lse is not None else got_lse.view(*self._lse_shape),
             )
-        return out if out is not None else result.view(batch, q_len, heads, -1)
+        return out if out is not None else result.view(*self._out_shape)
 
     def _packed_result(
         self, result: Any, out: torch.Tensor | None, lse: torch.Tensor | None
@@ -697,14 +684,16 @@ def mla_decode(
             versions = plan._versions  # None for inference tensors, which count no writes
             now = None if versions is None else (block_tables._version, seq_lens._version)
             if now is None or now != versions:
-                if (block_tables.shape, seq_lens.shape) != plan.planned_shapes:
+                if plan.metadata_resized():
                     plan = None  # resized in place: a new plan
                 else:
                     if now is None:
                         _warn_unversioned_metadata()
                     plan._replan(now)  # the same tensors, edited in place (the next step): plan again
             if plan is not None:
-                return plan.run_matched(query, kv_cache, out, lse, four_d)
+                if four_d:
+                    return plan.run_matched(query, kv_cache, out, lse)
+                return plan.run(query, kv_cache, out=out, lse=lse)
     plan = plans[key] = MLADecodePlan(
         block_tables, seq_lens, max_seq_len, num_heads=_query_heads(query), sm_scale=sm_scale,
         page_size=kv_cache.shape[1], q_len=_query_len(query, seq_lens), q_dtype=query.dtype, kv_dtype=kv_cache.dtype,

@@ -288,22 +288,18 @@ class PagedAttentionPlan:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _make_wrapper(self, workspace: torch.Tensor) -> Any:
-        # Normal tensors for the wrapper's own buffers, as for the MLA wrapper (see mla._make_wrapper).
-        with torch.inference_mode(False):
-            return self._make_wrapper_now(workspace)
-
-    def _make_wrapper_now(self, workspace: torch.Tensor) -> Any:
         flashinfer = kernels.load_flashinfer_attention()
         if self.kind == "decode":
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                **kernels.paged_decode_init_kwargs(
-                    workspace=workspace, backend=self.path, use_tensor_cores=self.use_tensor_cores
-                )
+            wrapper_cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+            init_kwargs = kernels.paged_decode_init_kwargs(
+                workspace=workspace, backend=self.path, use_tensor_cores=self.use_tensor_cores
             )
         else:
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                **kernels.paged_prefill_init_kwargs(workspace=workspace, backend=self.path)
-            )
+            wrapper_cls = flashinfer.BatchPrefillWithPagedKVCacheWrapper
+            init_kwargs = kernels.paged_prefill_init_kwargs(workspace=workspace, backend=self.path)
+        # Normal tensors for the wrapper's own buffers, as for the MLA wrapper (see mla._make_wrapper).
+        with torch.inference_mode(False):
+            wrapper = wrapper_cls(**init_kwargs)
         wrapper._wspool_owner = None
         return wrapper
 
