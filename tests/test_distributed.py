@@ -1,21 +1,16 @@
 """Tests for wspool.distributed: pool sizes agreed across torch.distributed ranks.
 
-Each world (2 and 4 processes, gloo on 127.0.0.1) is spawned once per module and
+Each world (2 and 4 processes over gloo on 127.0.0.1, and one process per CUDA
+device over NCCL where there are at least two) is spawned once per module and
 runs every scenario in order on one process group; the tests then check what
-each rank reported. A rank that hangs fails the test at the join timeout.
+each rank reported. A rank that hangs fails the test at the join timeout
+(``JOIN_TIMEOUT_S``: 90 s for a gloo world, ``NCCL_JOIN_TIMEOUT_S``: 180 s for
+an NCCL one, each above the 45 s collective timeout).
 """
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
-import os
-import queue
-import socket
-import sys
-import time
-import traceback
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import wspool
+from tests.process_world import JOIN_TIMEOUT_S, Outcome, Scenario, cuda_world_skip_reason, run_world
 from wspool.distributed import (
     AgreedChange,
     AgreementConfigError,
@@ -35,11 +31,8 @@ from wspool.distributed import (
 pytestmark = pytest.mark.slow
 
 KiB = 1024
-#: Longer than the collectives' own timeout, so a stuck collective reports before we give up.
-JOIN_TIMEOUT_S = 90.0
-COLLECTIVE_TIMEOUT_S = 45.0
-
-Outcome = dict[str, Any]
+#: NCCL worlds start one CUDA process per device, up to 8: more time to report than gloo's.
+NCCL_JOIN_TIMEOUT_S = 180.0
 
 
 def _registry(pools: dict[str, Any], allocator: Any = None) -> wspool.PoolRegistry:
@@ -152,7 +145,69 @@ def _growth_differs(rank: int, world: int, device: str) -> Outcome:
     return {"changes": _changes(agree(reg, device=device)), "caps": _caps(reg)}
 
 
-SCENARIOS: dict[str, Callable[[int, int, str], Outcome]] = {
+#: An MLA-like pool sized by the batch: with 16 heads, batch 8 needs 8KiB and batch 64 needs 64KiB.
+BATCHED = {"mla": {"rules": {"default": "batch_size * num_heads * 64"}}}
+HEADS, SMALL_BATCH, LARGE_BATCH = 16, 8, 64
+SMALL, LARGE = 8 * KiB, 64 * KiB
+
+
+class _FailingAllocator:
+    """The default allocator, except that requests above ``limit_bytes`` raise ``error`` (and are counted)."""
+
+    def __init__(self, limit_bytes: int, error: type[Exception]) -> None:
+        self.limit_bytes = limit_bytes
+        self.error = error
+        self.failures = 0
+
+    def __call__(self, nbytes: int, where: torch.device) -> torch.Tensor:
+        if nbytes > self.limit_bytes:
+            self.failures += 1
+            raise self.error(f"simulated: cannot allocate {nbytes} bytes on {where}")
+        return torch.zeros(nbytes, dtype=torch.uint8, device=where)
+
+
+def _batched(rank: int, allocator: _FailingAllocator | None, device: str) -> wspool.PoolRegistry:
+    """Rank 0 decodes the larger batch; every other rank the smaller one."""
+    reg = _registry(BATCHED, allocator)
+    reg.workspace("mla", device, batch_size=LARGE_BATCH if rank == 0 else SMALL_BATCH, num_heads=HEADS)
+    return reg
+
+
+def _mixed_frozen(rank: int, world: int, device: str) -> Outcome:
+    # Rank 0: the larger batch; rank 1: frozen; the last rank (rank 1 in a world of 2): out of memory.
+    allocator = _FailingAllocator(SMALL, torch.OutOfMemoryError) if rank == world - 1 else None
+    reg = _batched(rank, allocator, device)
+    if rank == 1:
+        reg.freeze()
+    return {**_refused(reg, device), "failed_allocations": allocator.failures if allocator else 0}
+
+
+def _mixed_oom(rank: int, world: int, device: str) -> Outcome:
+    # Rank 0: the larger batch; the last rank: out of memory; the others grow.
+    allocator = _FailingAllocator(SMALL, torch.OutOfMemoryError) if rank == world - 1 else None
+    reg = _batched(rank, allocator, device)
+    outcomes = []
+    for _ in range(2):  # the same call again: the same error on every rank, no rank left waiting
+        try:
+            agree(reg, device=device)
+            outcomes.append({"error": None})
+        except Exception as exc:
+            outcomes.append(_error(exc))
+    return {**outcomes[0], "again": outcomes[1], "caps": _caps(reg)}
+
+
+def _alloc_error(rank: int, world: int, device: str) -> Outcome:
+    # The last rank's allocator fails with an error that is not about memory.
+    allocator = _FailingAllocator(SMALL, RuntimeError) if rank == world - 1 else None
+    reg = _batched(rank, allocator, device)
+    try:
+        agree(reg, device=device)
+    except Exception as exc:
+        return {**_error(exc), "caps": _caps(reg)}
+    return {"error": None}
+
+
+SCENARIOS: dict[str, Scenario] = {
     "needs": _needs,
     "missing": _missing,
     "frozen": _frozen,
@@ -162,83 +217,52 @@ SCENARIOS: dict[str, Callable[[int, int, str], Outcome]] = {
     "oom": _oom,
     "warmup": _warmup,
     "growth_differs": _growth_differs,
+    "mixed_frozen": _mixed_frozen,
+    "mixed_oom": _mixed_oom,
+    "alloc_error": _alloc_error,
 }
+#: The scenarios in which every rank must raise: the same class and message on every rank.
+REFUSED = ("frozen", "limit", "unconfigured", "oom", "mixed_frozen", "mixed_oom", "alloc_error")
 
 
-def _worker(rank: int, world: int, port: int, backend: str, results: Any) -> None:
-    for name in [n for n in os.environ if n.startswith("WSPOOL_")]:
-        del os.environ[name]
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-    outcomes: dict[str, Outcome] = {}
-    try:
-        device = "cpu"
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = "cuda"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        for name, scenario in SCENARIOS.items():
-            outcomes[name] = scenario(rank, world, device)
-        dist.destroy_process_group()
-    except BaseException:
-        outcomes["crash"] = {"traceback": traceback.format_exc()}
-    results.put((rank, outcomes))
+@dataclass(frozen=True)
+class World:
+    """What every rank of one spawned world reported."""
+
+    size: int
+    backend: str
+    outcomes: dict[int, dict[str, Outcome]]
+
+    @property
+    def device0(self) -> str:
+        """Rank 0's device, as agree() names it in messages."""
+        return "cpu" if self.backend == "gloo" else "cuda:0"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_CUDA_WORLD = max(torch.cuda.device_count(), 2)  # 2, 4 or 8 on a multi-GPU machine; skips below 2
+_NCCL = pytest.param(
+    ("nccl", _CUDA_WORLD),
+    id="nccl",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"NCCL world: {cuda_world_skip_reason(2)}"),
+    ],
+)
 
 
-def run_world(world: int, backend: str = "gloo") -> dict[int, dict[str, Outcome]]:
-    """Spawn ``world`` ranks running every scenario; return each rank's outcomes, failing on a hang."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, results), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    outcomes: dict[int, dict[str, Outcome]] = {}
-    try:
-        while len(outcomes) < world and time.monotonic() < deadline:
-            try:
-                rank, out = results.get(timeout=0.5)
-                outcomes[rank] = out
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-        for proc in procs:
-            proc.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    silent = sorted(set(range(world)) - set(outcomes))
-    codes = [p.exitcode for p in procs]
-    assert not silent, f"ranks {silent} did not report within {JOIN_TIMEOUT_S}s (exit codes {codes}): hang or crash"
-    crashes = {r: o["crash"]["traceback"] for r, o in outcomes.items() if "crash" in o}
-    assert not crashes, f"ranks crashed: {crashes}"
-    return outcomes
+@pytest.fixture(
+    scope="module", params=[pytest.param(("gloo", 2), id="world2"), pytest.param(("gloo", 4), id="world4"), _NCCL]
+)
+def world(request: pytest.FixtureRequest) -> World:
+    """Run every scenario once: gloo worlds of 2 and 4 processes, and NCCL with one process per GPU."""
+    backend, size = request.param
+    timeout = JOIN_TIMEOUT_S if backend == "gloo" else NCCL_JOIN_TIMEOUT_S
+    return World(size, backend, run_world(size, SCENARIOS, backend=backend, join_timeout_s=timeout))
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def world(request: pytest.FixtureRequest) -> tuple[int, dict[int, dict[str, Outcome]]]:
-    """Run every scenario once on a gloo world of 2 and of 4 processes."""
-    return request.param, run_world(request.param)
-
-
-def test_different_needs_end_with_equal_capacities(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_different_needs_end_with_equal_capacities(world: World) -> None:
     """Ranks with different needs all end with the largest capacity of every pool and lane."""
-    size, outcomes = world
+    size, outcomes = world.size, world.outcomes
     for rank, out in outcomes.items():
         needs = out["needs"]
         assert needs["caps"] == {"mla/main": size * KiB, "mla/ubatch1": size * KiB}
@@ -253,20 +277,18 @@ def test_different_needs_end_with_equal_capacities(world: tuple[int, dict[int, d
             assert needs["reason"] == f"agree: max over {size} ranks: {size}KiB"
 
 
-def test_pool_missing_on_a_rank_is_created_there(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_pool_missing_on_a_rank_is_created_there(world: World) -> None:
     """A pool or lane that only one rank uses is created, at the same size, on every other rank."""
-    _, outcomes = world
+    outcomes = world.outcomes
     for out in outcomes.values():
         assert out["missing"]["caps"] == {"mla/spare": 2 * KiB, "paged/main": 3 * KiB}
     assert outcomes[0]["missing"]["changes"] == [("mla", "spare", 0, 2 * KiB)]
     assert outcomes[1]["missing"]["changes"][-1] == ("paged", "main", 0, 3 * KiB)
 
 
-def test_frozen_rank_refuses_on_every_rank_before_allocating(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_frozen_rank_refuses_on_every_rank_before_allocating(world: World) -> None:
     """A frozen rank that would have to grow makes every rank raise the same frozen error, allocating nothing."""
-    size, outcomes = world
-    messages = {out["frozen"]["message"] for out in outcomes.values()}
-    assert len(messages) == 1
+    size, outcomes = world.size, world.outcomes
     for out in outcomes.values():
         frozen = out["frozen"]
         assert frozen["error"] == "AgreementFrozenError"
@@ -275,25 +297,25 @@ def test_frozen_rank_refuses_on_every_rank_before_allocating(world: tuple[int, d
         assert frozen["unchanged"]
     expected = (
         rf"agree over {size} ranks refused by rank 0 \(nothing was allocated on any rank\): rank 0: "
-        rf"pool 'mla' \(lane main\) on cpu needs {size * KiB} bytes \({size}KiB\), 1024 bytes available: "
+        rf"pool 'mla' \(lane main\) on {world.device0} needs {size * KiB} bytes \({size}KiB\), 1024 bytes available: "
         r"the registry is frozen; agree .* before freeze\(\)"
     )
     with pytest.raises(AgreementFrozenError, match=expected):
         _reraise(outcomes[1]["frozen"])
 
 
-def test_frozen_rank_already_at_the_max_does_not_refuse(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_frozen_rank_already_at_the_max_does_not_refuse(world: World) -> None:
     """A frozen rank that already holds the largest capacity lets the others grow to it."""
-    size, outcomes = world
+    size, outcomes = world.size, world.outcomes
     for rank, out in outcomes.items():
         assert out["frozen_at_max"]["caps"] == {"mla/main": size * KiB}
         grown = [] if rank == size - 1 else [("mla", "main", (rank + 1) * KiB, size * KiB)]
         assert out["frozen_at_max"]["changes"] == grown
 
 
-def test_rank_over_max_bytes_refuses_on_every_rank(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_rank_over_max_bytes_refuses_on_every_rank(world: World) -> None:
     """A rank whose max_bytes is below the agreed size makes every rank raise a limit error naming the setting."""
-    size, outcomes = world
+    size, outcomes = world.size, world.outcomes
     for out in outcomes.values():
         limit = out["limit"]
         assert limit["error"] == "AgreementLimitError"
@@ -308,9 +330,9 @@ def test_rank_over_max_bytes_refuses_on_every_rank(world: tuple[int, dict[int, d
         _reraise(outcomes[1]["limit"])
 
 
-def test_unconfigured_pool_refuses_on_every_rank(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_unconfigured_pool_refuses_on_every_rank(world: World) -> None:
     """A pool that one rank uses but others do not configure is a config error on every rank, naming those ranks."""
-    size, outcomes = world
+    size, outcomes = world.size, world.outcomes
     others = ", ".join(str(r) for r in range(1, size))
     for out in outcomes.values():
         unconfigured = out["unconfigured"]
@@ -323,9 +345,9 @@ def test_unconfigured_pool_refuses_on_every_rank(world: tuple[int, dict[int, dic
         _reraise(outcomes[0]["unconfigured"])
 
 
-def test_out_of_memory_while_growing_raises_on_every_rank(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_out_of_memory_while_growing_raises_on_every_rank(world: World) -> None:
     """A rank that runs out of memory while growing makes every rank raise, instead of leaving them waiting."""
-    size, outcomes = world
+    size, outcomes = world.size, world.outcomes
     for rank, out in outcomes.items():
         oom = out["oom"]
         assert oom["error"] == "AgreementLimitError"
@@ -335,19 +357,76 @@ def test_out_of_memory_while_growing_raises_on_every_rank(world: tuple[int, dict
         assert oom["caps"] == {"mla/main": KiB if rank == 0 else size * KiB}
 
 
-def test_warmup_with_agree_group_grows_once_to_the_max(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_warmup_with_agree_group_grows_once_to_the_max(world: World) -> None:
     """warmup(agree_group=WORLD) grows every rank once, straight to the largest size over the ranks."""
-    size, outcomes = world
+    size, outcomes = world.size, world.outcomes
     for rank, out in outcomes.items():
         assert out["warmup"] == {"capacity": size * KiB, "grows": 1, "peak": (rank + 1) * KiB}
 
 
-def test_differing_growth_policies_still_converge(world: tuple[int, dict[int, dict[str, Outcome]]]) -> None:
+def test_differing_growth_policies_still_converge(world: World) -> None:
     """When one rank rounds capacities up (growth: 4KiB), further rounds bring every rank to its capacity."""
-    _, outcomes = world
+    outcomes = world.outcomes
     for rank, out in outcomes.items():
         assert out["growth_differs"]["caps"] == {"mla/main": 8 * KiB}
         assert out["growth_differs"]["changes"] == [("mla", "main", (4 if rank == 0 else rank + 4) * KiB, 8 * KiB)]
+
+
+def test_every_rank_raises_the_same_error(world: World) -> None:
+    """Wherever agree() refuses, every rank raises the same class with the same message (none is left waiting)."""
+    for name in REFUSED:
+        reported = {(out[name]["error"], out[name]["message"]) for out in world.outcomes.values()}
+        assert len(reported) == 1, f"{name}: ranks raised differently: {reported}"
+        assert next(iter(reported))[0] is not None, f"{name}: no rank raised"
+
+
+def test_frozen_rank_among_differing_needs_refuses_before_any_allocation(world: World) -> None:
+    """Larger batch on rank 0, frozen rank 1, failing allocator on the last: the frozen refusal comes first."""
+    size, outcomes = world.size, world.outcomes
+    for out in outcomes.values():
+        mixed = out["mixed_frozen"]
+        assert mixed["error"] == "AgreementFrozenError"
+        assert mixed["refusals"] == [(1, "mla", "main", "frozen", LARGE, SMALL)]
+        assert mixed["unchanged"]
+        assert mixed["failed_allocations"] == 0  # the out-of-memory rank was never asked to allocate
+    expected = (
+        rf"agree over {size} ranks refused by rank 1 \(nothing was allocated on any rank\): rank 1: pool 'mla' "
+        rf"\(lane main\) on \S+ needs {LARGE} bytes \(64KiB\), {SMALL} bytes available: the registry is frozen"
+    )
+    with pytest.raises(AgreementFrozenError, match=expected):
+        _reraise(outcomes[0]["mixed_frozen"])
+
+
+def test_out_of_memory_rank_among_differing_needs_raises_on_every_rank(world: World) -> None:
+    """Larger batch on rank 0, the last rank out of memory: every rank raises, again on a retry; the others grew."""
+    size, outcomes = world.size, world.outcomes
+    last = size - 1
+    for rank, out in outcomes.items():
+        mixed = out["mixed_oom"]
+        assert mixed["error"] == "AgreementLimitError"
+        assert mixed["refusals"] == [(last, "mla", "main", "limit", LARGE, SMALL)]
+        assert mixed["again"]["error"] == "AgreementLimitError"
+        assert mixed["again"]["message"] == mixed["message"]
+        assert mixed["caps"] == {"mla/main": SMALL if rank == last else LARGE}
+    expected = (
+        rf"refused by rank {last} \(ranks without a refusal may have grown already\): rank {last}: pool 'mla' "
+        rf"\(lane main\) on \S+ needs {LARGE} bytes \(64KiB\), {SMALL} bytes available: .*out of memory"
+    )
+    with pytest.raises(AgreementLimitError, match=expected):
+        _reraise(outcomes[0]["mixed_oom"])
+
+
+def test_allocator_error_on_one_rank_raises_on_every_rank(world: World) -> None:
+    """An allocator failing with a non-memory error on one rank raises the base AgreementError on every rank."""
+    size, outcomes = world.size, world.outcomes
+    last = size - 1
+    for rank, out in outcomes.items():
+        failed = out["alloc_error"]
+        assert failed["error"] == "AgreementError"
+        assert failed["refusals"] == [(last, "mla", "main", "error", LARGE, SMALL)]
+        assert failed["caps"] == {"mla/main": SMALL if rank == last else LARGE}
+    with pytest.raises(AgreementError, match=rf"rank {last}: .*simulated: cannot allocate {LARGE} bytes"):
+        _reraise(outcomes[0]["alloc_error"])
 
 
 def _reraise(outcome: Outcome) -> None:
@@ -360,16 +439,3 @@ def test_agree_without_a_process_group_says_so() -> None:
     """agree() before init_process_group is a clear error, not a hang."""
     with pytest.raises(RuntimeError, match=r"call torch\.distributed\.init_process_group\(\) first"):
         agree(_registry(MLA), device="cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for an NCCL world of 2")
-def test_nccl_world_of_two_agrees() -> None:
-    """Over NCCL on two GPUs, agree() runs the same code path: equal capacities and errors on every rank."""
-    outcomes = run_world(2, backend="nccl")
-    for rank, out in outcomes.items():
-        assert out["needs"]["caps"] == {"mla/main": 2 * KiB, "mla/ubatch1": 2 * KiB}
-        assert out["frozen"]["error"] == "AgreementFrozenError"
-        assert out["frozen"]["refusals"] == [(0, "mla", "main", "frozen", 2 * KiB, KiB)]
-        assert out["warmup"]["capacity"] == 2 * KiB
-        assert out["oom"]["caps"] == {"mla/main": KiB if rank == 0 else 2 * KiB}
