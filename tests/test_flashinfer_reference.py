@@ -59,3 +59,18 @@ def test_lse_is_natural_log() -> None:
     keys = inputs.kv_cache[int(inputs.block_tables[0, 0]), :5].float()
     scores = inputs.query[0, 0, 0].float() @ keys.T * inputs.sm_scale
     assert abs(float(torch.exp(scores - lse[0, 0, 0]).sum()) - 1.0) < 1e-5
+
+
+def test_request_without_cached_tokens_gets_the_merge_identity() -> None:
+    """A request of length 0 (an empty context-parallel share) gets output 0 and LSE -inf; the others are unchanged."""
+    inputs = make_inputs(3, 4, [70, 1, 64], page_size=16)
+    inputs.seq_lens[1] = 0
+    out, lse = mla_decode_reference(
+        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, sm_scale=inputs.sm_scale
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert bool((lse[1] == float("-inf")).all())
+    for b in (0, 2):
+        want_out, want_lse = _dense_attention(inputs, b, 1)
+        torch.testing.assert_close(out[b].float(), want_out, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[b], want_lse, atol=1e-4, rtol=1e-5)

@@ -6,6 +6,8 @@ page_size, kv_lora_rank + rope]`` where keys are the whole row and values the
 first ``kv_lora_rank`` features. With ``q_len > 1`` (speculative decode) query
 token ``i`` of a request sees the first ``seq_len - q_len + i + 1`` cached
 tokens (causal). The LSE is the natural-log log-sum-exp of the scaled scores.
+A request with no cached tokens gets output 0 and LSE ``-inf``: the identity
+of an LSE merge.
 
 Runs on whatever device its inputs are on; allocates its own temporaries.
 """
@@ -48,7 +50,8 @@ def mla_decode_reference(
     tables = block_tables.to(torch.long)
     for b, length in enumerate(lengths):
         pages = -(-length // page_size)
-        rows = kv_cache[tables[b, :pages]].reshape(pages * page_size, -1)[:length].float()
+        # The row width is explicit: a request with no cached tokens (an empty context-parallel share) has 0 rows.
+        rows = kv_cache[tables[b, :pages]].reshape(pages * page_size, kv_cache.shape[-1])[:length].float()
         q = query[b].float()  # [q_len, heads, dim]
         scores = torch.einsum("qhd,ld->qhl", q, rows) * sm_scale
         if q_len > 1:
