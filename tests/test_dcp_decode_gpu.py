@@ -25,7 +25,7 @@ import torch
 
 from tests.dcp_shares import RAGGED_LENGTHS, decode_by_shares, split_into_shares
 from tests.mla_inputs import MLAInputs, make_inputs
-from wspool.flashinfer import mla_decode, mla_decode_reference
+from wspool.flashinfer import mla_decode, mla_decode_reference, select_path
 from wspool.lse_merge import merge_lse_partials
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_request_without_tokens_gets_the_merge_identity() -> None:
-    """FlashInfer's decode of a request with no cached tokens (an empty share) gives LSE -inf and output 0."""
+    """FlashInfer's decode of a request with no cached tokens (an empty share) gives LSE -inf (and output 0)."""
     inputs = _inputs([70, 1000, 5])
     inputs.seq_lens[1] = 0
     out, lse = _decode(inputs)
@@ -68,7 +68,8 @@ def test_request_without_tokens_gets_the_merge_identity() -> None:
     torch.cuda.synchronize()
     print(f"\nempty request: LSE {lse[1].unique().tolist()}, output max |x| {float(out[1].abs().max())}", end="")
     assert bool((lse[1] == float("-inf")).all()), "an empty share's LSE must be -inf for the merge to ignore it"
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    if select_path(inputs.block_tables.device) != "trtllm-gen":  # trtllm-gen leaves such output rows unwritten
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = [0, 2]
     assert _rel_err(out[keep], want_out[keep]) < OUT_REL
     assert float((lse[keep] - want_lse[keep]).abs().max()) < LSE_ABS
