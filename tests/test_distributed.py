@@ -233,10 +233,9 @@ class World:
     backend: str
     outcomes: dict[int, dict[str, Outcome]]
 
-    @property
-    def device0(self) -> str:
-        """Rank 0's device, as agree() names it in messages."""
-        return "cpu" if self.backend == "gloo" else "cuda:0"
+    def device(self, rank: int) -> str:
+        """A rank's device, as agree() names it in messages."""
+        return "cpu" if self.backend == "gloo" else f"cuda:{rank}"
 
 
 _CUDA_WORLD = max(torch.cuda.device_count(), 2)  # 2, 4 or 8 on a multi-GPU machine; skips below 2
@@ -297,7 +296,7 @@ def test_frozen_rank_refuses_on_every_rank_before_allocating(world: World) -> No
         assert frozen["unchanged"]
     expected = (
         rf"agree over {size} ranks refused by rank 0 \(nothing was allocated on any rank\): rank 0: "
-        rf"pool 'mla' \(lane main\) on {world.device0} needs {size * KiB} bytes \({size}KiB\), 1024 bytes available: "
+        rf"pool 'mla' \(lane main\) on {world.device(0)} needs {size * KiB} bytes \({size}KiB\), 1024 bytes available: "
         r"the registry is frozen; agree .* before freeze\(\)"
     )
     with pytest.raises(AgreementFrozenError, match=expected):
@@ -391,7 +390,8 @@ def test_frozen_rank_among_differing_needs_refuses_before_any_allocation(world: 
         assert mixed["failed_allocations"] == 0  # the out-of-memory rank was never asked to allocate
     expected = (
         rf"agree over {size} ranks refused by rank 1 \(nothing was allocated on any rank\): rank 1: pool 'mla' "
-        rf"\(lane main\) on \S+ needs {LARGE} bytes \(64KiB\), {SMALL} bytes available: the registry is frozen"
+        rf"\(lane main\) on {world.device(1)} needs {LARGE} bytes \(64KiB\), {SMALL} bytes available: "
+        r"the registry is frozen"
     )
     with pytest.raises(AgreementFrozenError, match=expected):
         _reraise(outcomes[0]["mixed_frozen"])
@@ -410,7 +410,8 @@ def test_out_of_memory_rank_among_differing_needs_raises_on_every_rank(world: Wo
         assert mixed["caps"] == {"mla/main": SMALL if rank == last else LARGE}
     expected = (
         rf"refused by rank {last} \(ranks without a refusal may have grown already\): rank {last}: pool 'mla' "
-        rf"\(lane main\) on \S+ needs {LARGE} bytes \(64KiB\), {SMALL} bytes available: .*out of memory"
+        rf"\(lane main\) on {world.device(last)} needs {LARGE} bytes \(64KiB\), {SMALL} bytes available: "
+        r".*out of memory"
     )
     with pytest.raises(AgreementLimitError, match=expected):
         _reraise(outcomes[0]["mixed_oom"])
