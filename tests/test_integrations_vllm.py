@@ -28,6 +28,7 @@ MiB = 1 << 20
 MLA = "vllm.v1.attention.backends.mla.flashinfer_mla"
 SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 PAGED = "vllm.v1.attention.backends.flashinfer"
+SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 WORKSPACE = "vllm.v1.worker.workspace"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -141,6 +142,8 @@ def test_load_general_plugins_patches_each_function(loaded: None) -> None:
     assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
     assert mla._get_multi_ctas_kv_counter_buffer is ws.get_multi_ctas_kv_counter_buffer
     assert sparse._get_workspace_buffer is ws.get_sparse_workspace_buffer
+    assert _module(SPARSE_SM120)._get_workspace_buffer is ws.get_sparse_workspace_buffer  # a by-name copy
+    assert paged._get_multi_ctas_kv_counter_buffer is ws.get_paged_multi_ctas_kv_counter_buffer
     assert mla.FlashInferMLAImpl.forward_mqa.__wspool__
     assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == plugin.__name__
     assert workspace.WorkspaceManager.lock.__module__ == plugin.__name__
@@ -192,6 +195,34 @@ def test_counters_are_zeroed_once_and_persist(loaded: None) -> None:
     grown = mla._get_multi_ctas_kv_counter_buffer(8192, torch.device("cpu"))
     assert grown.numel() == 8192 and int(grown.count_nonzero()) == 0
     assert wspool.get_registry().buffer_pool("flashinfer_mla_counters") == "flashinfer_mla_counters"
+
+
+def test_paged_counters_have_their_own_buffer(loaded: None) -> None:
+    """The paged backend's counters are uint8, zeroed, persistent, and apart from the MLA counters."""
+    paged, mla = _module(PAGED), _module(MLA)
+    counters = paged._get_multi_ctas_kv_counter_buffer(2048, torch.device("cpu"))
+    assert (counters.dtype, counters.numel(), int(counters.count_nonzero())) == (torch.uint8, 2048, 0)
+    assert paged._get_multi_ctas_kv_counter_buffer(2048, torch.device("cpu")) is counters
+    assert mla._get_multi_ctas_kv_counter_buffer(2048, torch.device("cpu")) is not counters
+
+
+def test_no_module_keeps_a_stale_copy(load: Any) -> None:
+    """After loading, no imported vLLM module holds vLLM's original of a replaced function under its name."""
+    import sys
+
+    originals = {}
+    for target in plugin.TARGETS:
+        if "." not in target.path:  # methods are looked up on their class at each call
+            originals[id(getattr(_module(target.module), target.path))] = target.name
+    load()
+    stale = [
+        f"{name}.{attr}"
+        for name, module in list(sys.modules.items())
+        if name.startswith("vllm.") and module is not None
+        for attr in ("_get_workspace_buffer", "_get_multi_ctas_kv_counter_buffer")
+        if id(getattr(module, attr, None)) in originals
+    ]
+    assert stale == [] and len(originals) == 4  # the sparse function and its by-name copy are one object
 
 
 def test_sparse_workspace_has_the_vllm_size_and_floor(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:

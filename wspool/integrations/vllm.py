@@ -10,8 +10,11 @@ them up at call time:
   ``._get_multi_ctas_kv_counter_buffer`` (module globals that ``forward_mqa``
   reads at each call), and wraps ``FlashInferMLAImpl.forward_mqa`` so the rules
   see the call's heads and DCP size;
-- ``vllm.v1.attention.backends.mla.flashinfer_mla_sparse._get_workspace_buffer``;
-- ``vllm.v1.attention.backends.flashinfer.FlashInferMetadataBuilder._get_workspace_buffer``;
+- ``vllm.v1.attention.backends.mla.flashinfer_mla_sparse._get_workspace_buffer``, and
+  the copy ``flashinfer_mla_sparse_sm120`` imported by name;
+- ``vllm.v1.attention.backends.flashinfer.FlashInferMetadataBuilder._get_workspace_buffer``
+  (a method: its callers look it up on the builder) and that module's
+  ``_get_multi_ctas_kv_counter_buffer`` (trtllm-gen's paged-attention counters);
 - ``vllm.v1.worker.workspace.WorkspaceManager.lock`` / ``.unlock`` (which
   ``lock_workspace()`` / ``unlock_workspace()`` call): vLLM's lock also freezes
   wspool's registry, its unlock unfreezes it.
@@ -51,6 +54,8 @@ logger = logging.getLogger("vllm.wspool")
 
 _MLA = "vllm.v1.attention.backends.mla.flashinfer_mla"
 _SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
+# Imports the sparse function by name: a copy bound at its import, patched on its own.
+_SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 _PAGED = "vllm.v1.attention.backends.flashinfer"
 _WORKSPACE = "vllm.v1.worker.workspace"
 
@@ -136,7 +141,21 @@ TARGETS: tuple[Target, ...] = (
         lambda _: ws.get_sparse_workspace_buffer,
         "pool flashinfer_mla_sparse (int8)",
     ),
+    Target(
+        _SPARSE_SM120,
+        "_get_workspace_buffer",
+        ("device", "min_bytes"),
+        lambda _: ws.get_sparse_workspace_buffer,
+        "pool flashinfer_mla_sparse (int8)",
+    ),
     Target(_PAGED, "FlashInferMetadataBuilder._get_workspace_buffer", ("self",), _paged_method, "pool flashinfer"),
+    Target(
+        _PAGED,
+        "_get_multi_ctas_kv_counter_buffer",
+        ("min_bytes", "device"),
+        lambda _: ws.get_paged_multi_ctas_kv_counter_buffer,
+        "pool flashinfer_counters",
+    ),
     Target(_WORKSPACE, "WorkspaceManager.lock", ("self",), lambda f: _locking(f, True), "also freezes wspool"),
     Target(_WORKSPACE, "WorkspaceManager.unlock", ("self",), lambda f: _locking(f, False), "also unfreezes wspool"),
 )

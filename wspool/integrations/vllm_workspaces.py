@@ -15,6 +15,8 @@ vLLM function                                               pool, rule          
 ``device, min_bytes=None)``                                 ``default``                  ``min_bytes``
 ``FlashInferMetadataBuilder._get_workspace_buffer(self)``   ``flashinfer``, ``vllm`` /   ``uint8``, cached on
                                                             ``vllm_batch_invariant``     ``self``
+``flashinfer._get_multi_ctas_kv_counter_buffer(``           ``flashinfer_counters``,     as the MLA counters
+``min_bytes, device)``                                      ``counters``
 ==========================================================  ===========================  ======================
 
 The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`).
@@ -49,11 +51,13 @@ __all__ = [
     "POOL_COUNTERS",
     "POOL_MLA",
     "POOL_PAGED",
+    "POOL_PAGED_COUNTERS",
     "POOL_SPARSE",
     "VLLM_POOLS",
     "configure",
     "get_mla_workspace_buffer",
     "get_multi_ctas_kv_counter_buffer",
+    "get_paged_multi_ctas_kv_counter_buffer",
     "get_paged_workspace_buffer",
     "get_sparse_workspace_buffer",
     "wrap_forward_mqa",
@@ -61,6 +65,7 @@ __all__ = [
 
 POOL_MLA = "flashinfer_mla"
 POOL_COUNTERS = "flashinfer_mla_counters"
+POOL_PAGED_COUNTERS = "flashinfer_counters"
 POOL_SPARSE = "flashinfer_mla_sparse"
 POOL_PAGED = "flashinfer"
 
@@ -76,6 +81,7 @@ VLLM_POOLS: dict[str, dict[str, str]] = {
     POOL_SPARSE: {"default": "394MiB"},
     # What vLLM asks for its largest batch; the kernel resets the counters after each launch.
     POOL_COUNTERS: {"counters": "min_bytes"},
+    POOL_PAGED_COUNTERS: {"counters": "min_bytes"},
 }
 
 _STATE_KEY = "vllm"
@@ -125,14 +131,15 @@ class _RegistryState:
     def __init__(self, registry: PoolRegistry) -> None:
         for pool, rules in VLLM_POOLS.items():
             registry.declare_pool(pool, rules)
-        host = registry.buffer_pool(POOL_COUNTERS)
-        if host != POOL_COUNTERS:
-            raise ConfigError(
-                f"pool {POOL_COUNTERS!r} must have its own buffer: its counters persist between kernel "
-                f"launches, and pool {host!r} would overwrite them; set pools.{POOL_COUNTERS}.shared_with "
-                f"/ WSPOOL_POOLS__{POOL_COUNTERS.upper()}__SHARED_WITH empty",
-                path=("pools", POOL_COUNTERS, "shared_with"),
-            )
+        for counters in (POOL_COUNTERS, POOL_PAGED_COUNTERS):
+            host = registry.buffer_pool(counters)
+            if host != counters:
+                raise ConfigError(
+                    f"pool {counters!r} must have its own buffer: its counters persist between kernel "
+                    f"launches, and pool {host!r} would overwrite them; set pools.{counters}.shared_with "
+                    f"/ WSPOOL_POOLS__{counters.upper()}__SHARED_WITH empty",
+                    path=("pools", counters, "shared_with"),
+                )
         self.views: dict[tuple[str, object, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -233,10 +240,22 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
     Raises:
         WorkspaceFrozenError: It would have to grow while locked or capturing.
     """
+    return _counters(POOL_COUNTERS, min_bytes, device)
+
+
+def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
+    """Return trtllm-gen's paged-attention counters: pool ``flashinfer_counters``, rule ``counters``.
+
+    Replaces ``vllm.v1.attention.backends.flashinfer._get_multi_ctas_kv_counter_buffer``,
+    with the semantics of :func:`get_multi_ctas_kv_counter_buffer`.
+    """
+    return _counters(POOL_PAGED_COUNTERS, min_bytes, device)
+
+
+def _counters(pool: str, min_bytes: int, device: torch.device) -> torch.Tensor:
     registry = get_registry()
     _state(registry)
-    where = _hooks.device or device
-    return registry.workspace(POOL_COUNTERS, where, rule="counters", lane=_lane(), min_bytes=min_bytes)
+    return registry.workspace(pool, _hooks.device or device, rule="counters", lane=_lane(), min_bytes=min_bytes)
 
 
 def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = None) -> torch.Tensor:
