@@ -20,9 +20,10 @@ def _rules(pool: str) -> dict[str, str]:
 
 
 def test_vllm_knob_sizes_paged_attention_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's variable sets the flashinfer pool's decode and prefill rules; MLA keeps the seed's sizes."""
+    """vLLM's variable sets the paged rules and vLLM's sparse MLA size; MLA and batch-invariant keep theirs."""
     monkeypatch.setenv(VLLM, str(394 * MiB))
-    assert _rules("flashinfer") == {"decode": str(394 * MiB), "prefill": str(394 * MiB)}
+    assert _rules("flashinfer") == {"decode": str(394 * MiB), "prefill": str(394 * MiB), "vllm": str(394 * MiB)}
+    assert _rules("flashinfer_mla_sparse") == {"default": str(394 * MiB)}
     assert _rules("flashinfer_mla") == {"default": "128MiB", "lse": "256MiB"}
     _, provenance = load_settings_with_provenance()
     assert provenance.source_of(("pools", "flashinfer", "rules", "decode")) == f"environment variable {VLLM}"
@@ -34,7 +35,10 @@ def test_sglang_knob_sizes_every_flashinfer_backend(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(SGLANG, str(384 * MiB))
     assert set(_rules("flashinfer_mla").values()) == set(_rules("flashinfer").values()) == {str(384 * MiB)}
     monkeypatch.setenv(VLLM, str(64 * MiB))
-    assert _rules("flashinfer") == {"decode": str(64 * MiB), "prefill": str(64 * MiB)}
+    assert {k: v for k, v in _rules("flashinfer").items() if k in ("decode", "prefill")} == {
+        "decode": str(64 * MiB),
+        "prefill": str(64 * MiB),
+    }
     assert _rules("flashinfer_mla")["lse"] == str(384 * MiB)
 
 
@@ -44,7 +48,8 @@ def test_knob_is_below_yaml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     path = tmp_path / "c.yaml"
     path.write_text("pools:\n  flashinfer:\n    rules:\n      decode: 64MiB\n")
     settings, provenance = load_settings_with_provenance(path)
-    assert dict(settings.pools["flashinfer"].rules) == {"decode": "64MiB", "prefill": str(394 * MiB)}
+    rules = dict(settings.pools["flashinfer"].rules)
+    assert (rules["decode"], rules["prefill"], rules["vllm"]) == ("64MiB", str(394 * MiB), str(394 * MiB))
     assert provenance.source_of(("pools", "flashinfer", "rules", "decode")) == f"YAML file {path}"
 
 

@@ -8,8 +8,10 @@ file and the ``WSPOOL_*`` variables and higher than the built-in defaults:
 =========================================  ==================================================
 variable                                   sets
 =========================================  ==================================================
-``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``  ``pools.flashinfer.rules.decode`` and ``.prefill``
-                                           (vLLM's FlashInfer attention backend)
+``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``  ``pools.flashinfer.rules.decode``, ``.prefill`` and
+                                           ``.vllm`` (vLLM's FlashInfer attention backend), and
+                                           ``pools.flashinfer_mla_sparse.rules.default``
+                                           (vLLM's sparse FlashInfer MLA backend)
 ``SGLANG_FLASHINFER_WORKSPACE_SIZE``       the same, and ``pools.flashinfer_mla.rules.default``
                                            and ``.lse`` (SGLang sizes all its FlashInfer
                                            backends with it)
@@ -37,7 +39,12 @@ ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     (
         "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE",
         "vLLM",
-        (("flashinfer", "decode"), ("flashinfer", "prefill")),
+        (
+            ("flashinfer", "decode"),
+            ("flashinfer", "prefill"),
+            ("flashinfer", "vllm"),
+            ("flashinfer_mla_sparse", "default"),
+        ),
     ),
     (
         "SGLANG_FLASHINFER_WORKSPACE_SIZE",

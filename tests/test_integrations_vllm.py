@@ -1,0 +1,423 @@
+"""Tests for wspool.integrations.vllm: the plugin loaded by the real vLLM 0.33, and its behaviour without vLLM.
+
+The tests that need vLLM skip, with the reason, only where it is not installed;
+``bash .ci/run`` installs it in ``.venv-vllm`` and runs them there. The device
+hook ``WSPOOL_VLLM_DEVICE=cpu`` points every replacement at the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import wspool
+from tests.conftest import REPO_ROOT
+from wspool.errors import RuleError, WorkspaceFrozenError
+from wspool.integrations import vllm as plugin
+from wspool.integrations import vllm_workspaces as ws
+
+MiB = 1 << 20
+MLA = "vllm.v1.attention.backends.mla.flashinfer_mla"
+SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
+PAGED = "vllm.v1.attention.backends.flashinfer"
+SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
+WORKSPACE = "vllm.v1.worker.workspace"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture
+def warnings_seen(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Capture the plugin's log lines (vLLM's logger may not propagate to the root logger)."""
+    log = logging.getLogger("vllm.wspool")
+    log.addHandler(caplog.handler)
+    previous = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        yield caplog
+    finally:
+        log.setLevel(previous)
+        log.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def vllm() -> ModuleType:
+    """The real vLLM package; skips where it is not installed."""
+    return pytest.importorskip(
+        "vllm", reason="vLLM is not installed here; `bash .ci/run` installs vllm==0.33.0 in .venv-vllm"
+    )
+
+
+@pytest.fixture
+def load(vllm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Return a function that loads vLLM's general plugins through vLLM itself; undo every patch after the test."""
+    import vllm.plugins
+
+    monkeypatch.setenv("WSPOOL_VLLM_DEVICE", "cpu")
+
+    def load_plugins() -> None:
+        monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+        vllm.plugins.load_general_plugins()
+
+    try:
+        yield load_plugins
+    finally:
+        plugin.unregister()
+        from vllm.v1.worker.workspace import reset_workspace_manager
+
+        reset_workspace_manager()
+
+
+@pytest.fixture
+def loaded(load: Any) -> None:
+    """vLLM's plugins loaded (wspool's among them)."""
+    load()
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def _builder(**attrs: Any) -> SimpleNamespace:
+    """An object with the attributes vLLM's FlashInferMetadataBuilder._get_workspace_buffer reads."""
+    base = {"_workspace_buffer": None, "device": torch.device("cpu"), "max_num_batched_tokens": 8}
+    return SimpleNamespace(**{**base, "num_qo_heads": 8, "head_dim": 64, **attrs})
+
+
+# -- without vLLM ------------------------------------------------------------
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the behaviour where vLLM is not installed")
+def test_register_without_vllm_warns_and_patches_nothing(warnings_seen: pytest.LogCaptureFixture) -> None:
+    """Without vLLM, register() names every target it could not patch in one warning and raises nothing."""
+    plugin.register()
+    assert plugin.patched() == []
+    (warning,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING}
+    assert "did not patch" in warning
+    assert all(target.name in warning for target in plugin.TARGETS)
+
+
+def test_disabled_by_environment_patches_nothing(
+    monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """WSPOOL_VLLM=0 leaves everything as it is and says so."""
+    monkeypatch.setenv("WSPOOL_VLLM", "0")
+    plugin.register()
+    assert plugin.patched() == []
+    assert "WSPOOL_VLLM=0" in warnings_seen.text
+
+
+def test_entry_point_is_declared() -> None:
+    """pyproject.toml declares the vllm.general_plugins entry point wspool -> register."""
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    assert '[project.entry-points."vllm.general_plugins"]\nwspool = "wspool.integrations.vllm:register"' in text
+
+
+# -- with the real vLLM --------------------------------------------------------
+
+
+def test_entry_point_is_installed(vllm: ModuleType) -> None:
+    """The installed package registers the entry point vLLM looks up."""
+    (found,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "wspool"]
+    assert found.value == "wspool.integrations.vllm:register"
+
+
+def test_vllm_is_the_version_the_plugin_knows(vllm: ModuleType) -> None:
+    """The vLLM tested against is 0.33.0 with FlashInfer 0.7.2.post1."""
+    import flashinfer
+
+    assert vllm.__version__.startswith("0.33.0") and flashinfer.__version__ == "0.7.2.post1"
+
+
+def test_load_general_plugins_patches_each_function(loaded: None) -> None:
+    """After vLLM loads its plugins, each workspace function vLLM's callers look up is wspool's."""
+    mla, sparse, paged, workspace = _module(MLA), _module(SPARSE), _module(PAGED), _module(WORKSPACE)
+    assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
+    assert mla._get_multi_ctas_kv_counter_buffer is ws.get_multi_ctas_kv_counter_buffer
+    assert sparse._get_workspace_buffer is ws.get_sparse_workspace_buffer
+    assert _module(SPARSE_SM120)._get_workspace_buffer is ws.get_sparse_workspace_buffer  # a by-name copy
+    assert paged._get_multi_ctas_kv_counter_buffer is ws.get_paged_multi_ctas_kv_counter_buffer
+    assert mla.FlashInferMLAImpl.forward_mqa.__wspool__
+    assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == plugin.__name__
+    assert workspace.WorkspaceManager.lock.__module__ == plugin.__name__
+    assert workspace.WorkspaceManager.unlock.__module__ == plugin.__name__
+    assert sorted(plugin.patched()) == sorted(t.name for t in plugin.TARGETS)
+
+
+def test_loading_twice_is_harmless(loaded: None, load: Any) -> None:
+    """A second load (vLLM's or a direct register()) patches nothing again and keeps the same functions."""
+    mla = _module(MLA)
+    forward = mla.FlashInferMLAImpl.forward_mqa
+    load()
+    plugin.register()
+    assert mla.FlashInferMLAImpl.forward_mqa is forward and forward.__wrapped__.__module__ == MLA
+    assert len(plugin.patched()) == len(plugin.TARGETS)
+
+
+def test_unregister_restores_vllms_functions(load: Any) -> None:
+    """unregister() puts vLLM's own functions back."""
+    mla = _module(MLA)
+    original = mla._get_workspace_buffer
+    load()
+    assert mla._get_workspace_buffer is not original
+    plugin.unregister()
+    assert mla._get_workspace_buffer is original and plugin.patched() == []
+
+
+def test_mla_workspace_is_int8_sized_and_kept(loaded: None) -> None:
+    """The MLA workspace is an int8 view: 128 MiB, then 256 MiB with the LSE, the same tensor while it suffices."""
+    mla = _module(MLA)
+    plain = mla._get_workspace_buffer(False)
+    assert (plain.dtype, plain.numel(), plain.device.type) == (torch.int8, 128 * MiB, "cpu")
+    assert mla._get_workspace_buffer(False) is plain
+    lse = mla._get_workspace_buffer(True)
+    assert (lse.dtype, lse.numel()) == (torch.int8, 256 * MiB) and int(lse.count_nonzero()) == 0
+    assert mla._get_workspace_buffer(False) is lse
+    stats = wspool.get_registry().stats("flashinfer_mla", "cpu")
+    assert stats.grow_count == 2 and dict(stats.requests_by_rule) == {"default": 3, "lse": 1}
+
+
+def test_counters_are_zeroed_once_and_persist(loaded: None) -> None:
+    """The counter buffer is uint8, zero when allocated, and the same tensor (contents kept) on later calls."""
+    mla = _module(MLA)
+    counters = mla._get_multi_ctas_kv_counter_buffer(4096, torch.device("cpu"))
+    assert (counters.dtype, counters.numel(), int(counters.count_nonzero())) == (torch.uint8, 4096, 0)
+    counters[0] = 1  # a kernel's semaphore; the kernel resets it, wspool never does
+    again = mla._get_multi_ctas_kv_counter_buffer(1024, torch.device("cpu"))
+    assert again is counters and int(again[0]) == 1
+    grown = mla._get_multi_ctas_kv_counter_buffer(8192, torch.device("cpu"))
+    assert grown.numel() == 8192 and int(grown.count_nonzero()) == 0
+    assert wspool.get_registry().buffer_pool("flashinfer_mla_counters") == "flashinfer_mla_counters"
+
+
+def test_paged_counters_have_their_own_buffer(loaded: None) -> None:
+    """The paged backend's counters are uint8, zeroed, persistent, and apart from the MLA counters."""
+    paged, mla = _module(PAGED), _module(MLA)
+    counters = paged._get_multi_ctas_kv_counter_buffer(2048, torch.device("cpu"))
+    assert (counters.dtype, counters.numel(), int(counters.count_nonzero())) == (torch.uint8, 2048, 0)
+    assert paged._get_multi_ctas_kv_counter_buffer(2048, torch.device("cpu")) is counters
+    assert mla._get_multi_ctas_kv_counter_buffer(2048, torch.device("cpu")) is not counters
+
+
+def test_no_module_keeps_a_stale_copy(load: Any) -> None:
+    """After loading, no imported vLLM module holds vLLM's original of a replaced function under its name."""
+    import sys
+
+    originals = {}
+    for target in plugin.TARGETS:
+        if "." not in target.path:  # methods are looked up on their class at each call
+            originals[id(getattr(_module(target.module), target.path))] = target.name
+    load()
+    stale = [
+        f"{name}.{attr}"
+        for name, module in list(sys.modules.items())
+        if name.startswith("vllm.") and module is not None
+        for attr in ("_get_workspace_buffer", "_get_multi_ctas_kv_counter_buffer")
+        if id(getattr(module, attr, None)) in originals
+    ]
+    assert stale == [] and len(originals) == 4  # the sparse function and its by-name copy are one object
+
+
+def test_sparse_workspace_has_the_vllm_size_and_floor(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sparse MLA gets VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE as int8, grown to min_bytes where that is larger."""
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(16 * MiB))
+    wspool.reset_registry()
+    sparse = _module(SPARSE)
+    buffer = sparse._get_workspace_buffer(torch.device("cpu"))
+    assert (buffer.dtype, buffer.numel()) == (torch.int8, 16 * MiB)
+    assert sparse._get_workspace_buffer(torch.device("cpu"), 8 * MiB) is buffer
+    floor = sparse._get_workspace_buffer(torch.device("cpu"), 24 * MiB)
+    assert (floor.dtype, floor.numel()) == (torch.int8, 24 * MiB)
+    assert sparse._get_workspace_buffer(torch.device("cpu")) is floor
+
+
+def test_sparse_default_is_vllms(loaded: None) -> None:
+    """Unset, the sparse workspace is vLLM's default of 394 MiB."""
+    buffer = _module(SPARSE)._get_workspace_buffer(torch.device("cpu"))
+    assert buffer.numel() == 394 * MiB
+
+
+def test_paged_workspace_default_floor_and_cache(loaded: None) -> None:
+    """The builder's workspace is uint8 at 394 MiB, at least vLLM's prefill floor, and kept on the builder."""
+    builder_cls = _module(PAGED).FlashInferMetadataBuilder
+    small = _builder()
+    buffer = builder_cls._get_workspace_buffer(small)
+    assert (buffer.dtype, buffer.numel()) == (torch.uint8, 394 * MiB)
+    assert builder_cls._get_workspace_buffer(small) is buffer and small._workspace_buffer is buffer
+    wide = _builder(max_num_batched_tokens=8192, num_qo_heads=32, head_dim=128)
+    floor = 8192 * 32 * 128 * _module(PAGED).FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM
+    assert builder_cls._get_workspace_buffer(wide).numel() == floor
+
+
+def test_paged_batch_invariant_is_two_gib(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With VLLM_BATCH_INVARIANT=1 the builder asks for rule vllm_batch_invariant: 2 GiB."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    meta = wspool.PoolRegistry(allocator=lambda n, d: torch.empty(n, dtype=torch.uint8, device="meta"))
+    wspool.set_registry(meta)
+    buffer = _module(PAGED).FlashInferMetadataBuilder._get_workspace_buffer(_builder())
+    assert buffer.numel() == 2048 * MiB
+    assert dict(meta.stats("flashinfer_mla", "cpu").requests_by_rule) == {"vllm_batch_invariant": 1}
+
+
+@pytest.mark.parametrize(
+    ("knob", "wspool_value", "expected"),
+    [(None, None, 394 * MiB), (str(20 * MiB), None, 20 * MiB), (str(20 * MiB), "12MiB", 12 * MiB)],
+)
+def test_vllm_knob_and_wspool_variable(
+    loaded: None, monkeypatch: pytest.MonkeyPatch, knob: str | None, wspool_value: str | None, expected: int
+) -> None:
+    """What vLLM sizes with VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE gets it unless WSPOOL_* for that key is set."""
+    if knob is not None:
+        monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", knob)
+    if wspool_value is not None:
+        monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER__RULES__VLLM", wspool_value)
+        monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA_SPARSE__RULES__DEFAULT", wspool_value)
+    wspool.reset_registry()
+    meta = wspool.PoolRegistry(allocator=lambda n, d: torch.empty(n, dtype=torch.uint8, device="meta"))
+    wspool.set_registry(meta)
+    assert _module(PAGED).FlashInferMetadataBuilder._get_workspace_buffer(_builder()).numel() == expected
+    assert _module(SPARSE)._get_workspace_buffer(torch.device("cpu")).numel() == expected
+
+
+def test_lock_workspace_freezes_wspool(loaded: None) -> None:
+    """vLLM's lock_workspace() also freezes wspool (a growth is refused); unlock_workspace() unfreezes it."""
+    workspace = _module(WORKSPACE)
+    mla = _module(MLA)
+    workspace.init_workspace_manager(torch.device("cpu"))
+    mla._get_workspace_buffer(False)
+    workspace.lock_workspace()
+    assert workspace.current_workspace_manager().is_locked() and wspool.get_registry().is_frozen
+    assert mla._get_workspace_buffer(False).numel() == 128 * MiB  # what fits is still served
+    with pytest.raises(WorkspaceFrozenError, match="would have to grow while the registry is frozen"):
+        mla._get_workspace_buffer(True)
+    workspace.unlock_workspace()
+    assert not workspace.current_workspace_manager().is_locked() and not wspool.get_registry().is_frozen
+    assert mla._get_workspace_buffer(True).numel() == 256 * MiB
+
+
+def test_vllm_lanes_map_to_wspool_lanes(loaded: None) -> None:
+    """A buffer asked for in vLLM's workspace lane 1 is separate from lane 0's, in wspool lane vllm-u0-l1."""
+    workspace = _module(WORKSPACE)
+    counters = _module(MLA)._get_multi_ctas_kv_counter_buffer
+    main = counters(64, torch.device("cpu"))
+    with workspace.use_workspace_lane(1):
+        other = counters(64, torch.device("cpu"))
+        assert counters(64, torch.device("cpu")) is other
+    assert other is not main
+    lanes = {s.lane for s in wspool.get_registry().all_stats()}
+    assert lanes == {"main", "vllm-u0-l1"}
+
+
+def _fake_mla_call(mla: Any, monkeypatch: pytest.MonkeyPatch, dcp: int, heads_per_rank: int) -> dict[str, Any]:
+    """Run vLLM's real FlashInferMLAImpl.forward_mqa with the kernel replaced by a recorder (no GPU here)."""
+    seen: dict[str, Any] = {}
+    batch, dim = 4, 8
+
+    def kernel(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.update(kwargs)
+        q = kwargs["query"]
+        return torch.zeros(*q.shape[:-1], 4), torch.zeros(*q.shape[:-1])
+
+    monkeypatch.setattr(mla, "trtllm_batch_decode_with_kv_cache_mla", kernel)
+    impl = SimpleNamespace(
+        bmm1_scale=1.0,
+        bmm2_scale=1.0,
+        need_to_return_lse_for_decode=True,
+        dcp_world_size=dcp,
+        dcp_rank=0,
+        qk_nope_head_dim=4,
+        kv_lora_rank=4,
+        qk_rope_head_dim=4,
+        kv_cache_dtype="auto",
+    )
+    decode = SimpleNamespace(
+        block_table=torch.zeros(batch, 1, dtype=torch.int32),
+        seq_lens=torch.ones(batch, dtype=torch.int32),
+        max_query_len=1,
+        dcp_tot_seq_lens=torch.ones(batch, dtype=torch.int32),
+        query_start_loc=None,
+    )
+    metadata = SimpleNamespace(decode=decode, causal=True, num_decode_tokens=batch, num_decodes=batch, max_seq_len=1)
+    q = torch.zeros(batch, heads_per_rank * dcp, dim)  # after DCP's query gather
+    kv = torch.zeros(2, 16, dim)  # page size 16: the counters are not asked for
+    mla.FlashInferMLAImpl.forward_mqa(impl, q, kv, metadata, SimpleNamespace())
+    return seen
+
+
+def test_dcp_config_gives_the_dcp_rules_size(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With kimi_dcp.yaml and a vLLM config of DCP 4, forward_mqa's workspace follows the DCP rule."""
+    from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    wspool.reset_registry()
+    config = VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192, is_encoder_decoder=False
+        ),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    mla = _module(MLA)
+    with set_current_vllm_config(config):
+        seen = _fake_mla_call(mla, monkeypatch, dcp=4, heads_per_rank=8)
+    rule = 8 * 8 * 4 * 256 * 256 + MiB + 32 * MiB  # 8 * num_heads * cp_world * batch * round_up(q_len, 256) + ...
+    workspace = seen["workspace_buffer"]
+    assert workspace.dtype == torch.int8 and workspace.numel() >= rule and seen["cp_world"] == 4
+    assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == rule
+
+
+def test_dcp_rule_without_its_facts_is_a_clear_error(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called outside a vLLM config and call site, the DCP rule names the facts it lacks."""
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    wspool.reset_registry()
+    with pytest.raises(
+        RuleError,
+        match=r"needs fact\(s\) batch_size, cp_world, num_heads, q_len .*plugin passes the facts it knows: none",
+    ):
+        _module(MLA)._get_workspace_buffer(True)
+
+
+def test_not_in_vllm_plugins_patches_nothing(load: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VLLM_PLUGINS allowlist without wspool leaves vLLM's functions alone."""
+    mla = _module(MLA)
+    original = mla._get_workspace_buffer
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
+    load()
+    assert mla._get_workspace_buffer is original and plugin.patched() == []
+
+
+def test_wspool_vllm_zero_patches_nothing(load: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WSPOOL_VLLM=0, with vLLM loading the plugin, keeps every vLLM function."""
+    mla, workspace = _module(MLA), _module(WORKSPACE)
+    before = (mla._get_workspace_buffer, workspace.WorkspaceManager.lock)
+    monkeypatch.setenv("WSPOOL_VLLM", "0")
+    load()
+    assert (mla._get_workspace_buffer, workspace.WorkspaceManager.lock) == before and plugin.patched() == []
+
+
+def test_missing_or_changed_function_is_a_warning(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """A missing function and one with other parameters keep vLLM's behaviour, named in one warning."""
+    mla, sparse = _module(MLA), _module(SPARSE)
+    monkeypatch.delattr(mla, "_get_multi_ctas_kv_counter_buffer")
+
+    def changed(device: torch.device) -> torch.Tensor:
+        return torch.zeros(1)
+
+    monkeypatch.setattr(sparse, "_get_workspace_buffer", changed)
+    load()
+    assert sparse._get_workspace_buffer is changed
+    assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
+    (warning,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING}
+    assert f"{MLA}._get_multi_ctas_kv_counter_buffer is missing" in warning
+    assert f"{SPARSE}._get_workspace_buffer takes (device), not (device, min_bytes)" in warning
+    assert "vLLM's own behaviour stays" in warning
+    assert "patched" in warnings_seen.text and "pool flashinfer_mla (int8)" in warnings_seen.text

@@ -1,0 +1,360 @@
+"""Pool-backed replacements for vLLM 0.33's FlashInfer workspace functions.
+
+Each function has the signature, dtype and semantics of the vLLM function it
+replaces (:mod:`wspool.integrations.vllm` installs them) and draws its buffer
+from a wspool pool of the process-wide registry (:func:`wspool.get_registry`):
+
+==========================================================  ===========================  ======================
+vLLM function                                               pool, rule                   what vLLM relies on
+==========================================================  ===========================  ======================
+``flashinfer_mla._get_workspace_buffer(return_lse)``        ``flashinfer_mla``,          ``torch.int8``, zeroed
+                                                            ``lse`` / ``default``
+``flashinfer_mla._get_multi_ctas_kv_counter_buffer(``       ``flashinfer_mla_counters``, ``uint8``, zeroed once,
+``min_bytes, device)``                                      ``counters``                 the same tensor after
+``flashinfer_mla_sparse._get_workspace_buffer(``            ``flashinfer_mla_sparse``,   ``torch.int8``, at least
+``device, min_bytes=None)``                                 ``default``                  ``min_bytes``
+``FlashInferMetadataBuilder._get_workspace_buffer(self)``   ``flashinfer``, ``vllm`` /   ``uint8``, cached on
+                                                            ``vllm_batch_invariant``     ``self``
+``flashinfer._get_multi_ctas_kv_counter_buffer(``           ``flashinfer_counters``,     as the MLA counters
+``min_bytes, device)``                                      ``counters``
+==========================================================  ===========================  ======================
+
+The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`).
+
+Device semantics: the device vLLM names (``"cuda"`` for the MLA workspace: the
+current CUDA device at each call), unless :data:`DEVICE_ENV_VAR` names
+another one when the plugin loads: tests point every function at the CPU with
+``WSPOOL_VLLM_DEVICE=cpu``. Lanes: vLLM's workspace lane and micro-batch
+(``use_workspace_lane``, DBO's ubatch id) select wspool lane ``main`` for
+``(0, 0)`` (or the lane set with :func:`wspool.lane`) and ``vllm-u<ubatch>-l<lane>``
+otherwise, so concurrent micro-batches never share a buffer. Thread semantics:
+thread-safe, as the registry is. Capture semantics: a call that would grow a
+pool while vLLM's workspace is locked (CUDA-graph capture and replay) or
+during capture raises :class:`~wspool.errors.WorkspaceFrozenError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from wspool.errors import ConfigError, RuleError
+from wspool.integrations.vllm_facts import FACT_NAMES, ConfigFacts, call_facts, set_call_facts
+from wspool.lanes import current_lane
+from wspool.registry import PoolRegistry, get_registry
+
+__all__ = [
+    "DEVICE_ENV_VAR",
+    "POOL_COUNTERS",
+    "POOL_MLA",
+    "POOL_PAGED",
+    "POOL_PAGED_COUNTERS",
+    "POOL_SPARSE",
+    "VLLM_POOLS",
+    "configure",
+    "get_mla_workspace_buffer",
+    "get_multi_ctas_kv_counter_buffer",
+    "get_paged_multi_ctas_kv_counter_buffer",
+    "get_paged_workspace_buffer",
+    "get_sparse_workspace_buffer",
+    "wrap_forward_mqa",
+]
+
+POOL_MLA = "flashinfer_mla"
+POOL_COUNTERS = "flashinfer_mla_counters"
+POOL_PAGED_COUNTERS = "flashinfer_counters"
+POOL_SPARSE = "flashinfer_mla_sparse"
+POOL_PAGED = "flashinfer"
+
+#: Names the device every replacement allocates on (``cpu`` in tests); read when the plugin loads.
+DEVICE_ENV_VAR = "WSPOOL_VLLM_DEVICE"
+
+#: The rules the plugin declares (below the configuration: YAML, ``WSPOOL_*`` and
+#: ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` override each); ``configs/vllm.yaml`` writes
+#: them out. Pool ``flashinfer_mla`` keeps its configured ``default`` and ``lse``.
+VLLM_POOLS: dict[str, dict[str, str]] = {
+    # vLLM's default (VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE) and its batch-invariant mode's size.
+    POOL_PAGED: {"vllm": "394MiB", "vllm_batch_invariant": "2GiB"},
+    POOL_SPARSE: {"default": "394MiB"},
+    # What vLLM asks for its largest batch; the kernel resets the counters after each launch.
+    POOL_COUNTERS: {"counters": "min_bytes"},
+    POOL_PAGED_COUNTERS: {"counters": "min_bytes"},
+}
+
+_STATE_KEY = "vllm"
+
+
+class _Hooks:
+    """What the plugin learned from vLLM when it loaded (defaults: no vLLM)."""
+
+    def __init__(self) -> None:
+        self.device: str | None = None
+        self.config_facts = ConfigFacts(None)
+        self.vllm_lane: Callable[[], tuple[int, int]] | None = None
+        self.batch_invariant: Callable[[], bool] = _env_batch_invariant
+
+
+def _env_batch_invariant() -> bool:
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() not in ("", "0", "false")
+
+
+_hooks = _Hooks()
+
+
+def configure(
+    *,
+    get_config: Callable[[], Any] | None = None,
+    vllm_lane: Callable[[], tuple[int, int]] | None = None,
+    batch_invariant: Callable[[], bool] | None = None,
+    device: str | None = None,
+) -> None:
+    """Tell the replacements where vLLM keeps its configuration, lanes and batch-invariant flag.
+
+    Args:
+        get_config: ``vllm.config.get_current_vllm_config_or_none``.
+        vllm_lane: Returns vLLM's ``(ubatch id, workspace lane)`` of the calling context.
+        batch_invariant: Returns ``vllm.envs.VLLM_BATCH_INVARIANT``; default: the variable itself.
+        device: Overrides every device (``"cpu"`` in tests); default :data:`DEVICE_ENV_VAR`'s value.
+    """
+    _hooks.config_facts = ConfigFacts(get_config)
+    _hooks.vllm_lane = vllm_lane
+    _hooks.batch_invariant = batch_invariant or _env_batch_invariant
+    _hooks.device = device if device is not None else (os.environ.get(DEVICE_ENV_VAR, "").strip() or None)
+
+
+class _RegistryState:
+    """Per-registry state: the plugin's pools declared, and the int8 views of the current buffers."""
+
+    def __init__(self, registry: PoolRegistry) -> None:
+        for pool, rules in VLLM_POOLS.items():
+            registry.declare_pool(pool, rules)
+        for counters in (POOL_COUNTERS, POOL_PAGED_COUNTERS):
+            host = registry.buffer_pool(counters)
+            if host != counters:
+                raise ConfigError(
+                    f"pool {counters!r} must have its own buffer: its counters persist between kernel "
+                    f"launches, and pool {host!r} would overwrite them; set pools.{counters}.shared_with "
+                    f"/ WSPOOL_POOLS__{counters.upper()}__SHARED_WITH empty",
+                    path=("pools", counters, "shared_with"),
+                )
+        self.views: dict[tuple[str, object, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _state(registry: PoolRegistry) -> _RegistryState:
+    found = registry.op_state.get(_STATE_KEY)
+    if found is None:
+        found = registry.op_state.setdefault(_STATE_KEY, _RegistryState(registry))
+    return found  # type: ignore[no-any-return]
+
+
+_LANE_NAMES: dict[tuple[int, int], str] = {}
+
+
+def _lane() -> str:
+    get = _hooks.vllm_lane
+    if get is None:
+        return current_lane()
+    key = get()
+    if key == (0, 0):
+        return current_lane()
+    name = _LANE_NAMES.get(key)
+    if name is None:
+        name = _LANE_NAMES.setdefault(key, f"vllm-u{key[0]}-l{key[1]}")
+    return name
+
+
+def _int8(state: _RegistryState, pool: str, device: object, lane: str, buffer: torch.Tensor) -> torch.Tensor:
+    """Return the int8 view of ``buffer``, the same tensor while the buffer is the same."""
+    views = state.views
+    key = (pool, device, lane)
+    cached = views.get(key)
+    if cached is None or cached[0] is not buffer:
+        cached = (buffer, buffer.view(torch.int8))
+        views[key] = cached
+    return cached[1]
+
+
+def _facts() -> Mapping[str, int]:
+    configured = _hooks.config_facts.get()
+    at_call = call_facts()
+    if not at_call:
+        return configured
+    return {**at_call, **configured}  # the configuration's num_heads is the rank's own, whatever the gather
+
+
+def _missing_facts(exc: RuleError, facts: Mapping[str, int]) -> RuleError:
+    known = ", ".join(f"{k}={v}" for k, v in facts.items()) or "none"
+    unknown = ", ".join(name for name in FACT_NAMES if name not in facts) or "none"
+    return RuleError(
+        f"{exc} (the vLLM plugin passes the facts it knows: {known}; unknown here: {unknown}; "
+        f"vLLM's configuration gives them, see docs/vllm.md)"
+    )
+
+
+def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
+    """Return FlashInfer MLA's workspace: pool ``flashinfer_mla``, rule ``lse`` or ``default``, as ``int8``.
+
+    Replaces ``vllm.v1.attention.backends.mla.flashinfer_mla._get_workspace_buffer``.
+
+    Args:
+        return_lse: Whether the call returns the LSE (rule ``lse``, 256 MiB by
+            default; the DCP rule of ``configs/kimi_dcp.yaml`` reads the facts).
+
+    Returns:
+        A zero-filled ``torch.int8`` view of the pool's buffer on the current
+        CUDA device; the same tensor on later calls while the buffer suffices.
+
+    Raises:
+        RuleError: The rule reads a fact vLLM did not give (named in the message).
+        WorkspaceFrozenError: It would have to grow while vLLM's workspace is locked, or during capture.
+    """
+    registry = get_registry()
+    state = _state(registry)
+    lane = _lane()
+    device = _hooks.device or "cuda"
+    facts = _facts()
+    try:
+        buffer = registry.workspace(POOL_MLA, device, rule="lse" if return_lse else "default", lane=lane, **facts)
+    except RuleError as exc:
+        raise _missing_facts(exc, facts) from exc
+    return _int8(state, POOL_MLA, device, lane, buffer)
+
+
+def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
+    """Return trtllm-gen's multi-CTA-KV counters: pool ``flashinfer_mla_counters``, rule ``counters``.
+
+    Replaces ``flashinfer_mla._get_multi_ctas_kv_counter_buffer``. The kernel
+    resets its semaphores to zero after every launch, so the buffer is zeroed
+    once, when allocated, and the same tensor is returned while it suffices.
+
+    Args:
+        min_bytes: The counters' size for vLLM's largest batch (fact ``min_bytes``).
+        device: Where (the query's device).
+
+    Returns:
+        A ``uint8`` buffer of at least ``min_bytes`` bytes.
+
+    Raises:
+        WorkspaceFrozenError: It would have to grow while locked or capturing.
+    """
+    return _counters(POOL_COUNTERS, min_bytes, device)
+
+
+def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
+    """Return trtllm-gen's paged-attention counters: pool ``flashinfer_counters``, rule ``counters``.
+
+    Replaces ``vllm.v1.attention.backends.flashinfer._get_multi_ctas_kv_counter_buffer``,
+    with the semantics of :func:`get_multi_ctas_kv_counter_buffer`.
+    """
+    return _counters(POOL_PAGED_COUNTERS, min_bytes, device)
+
+
+def _counters(pool: str, min_bytes: int, device: torch.device) -> torch.Tensor:
+    registry = get_registry()
+    _state(registry)
+    return registry.workspace(pool, _hooks.device or device, rule="counters", lane=_lane(), min_bytes=min_bytes)
+
+
+def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = None) -> torch.Tensor:
+    """Return sparse FlashInfer MLA's workspace: pool ``flashinfer_mla_sparse``, rule ``default``, as ``int8``.
+
+    Replaces ``flashinfer_mla_sparse._get_workspace_buffer``: the rule's size
+    (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` by default) with ``min_bytes`` as a floor.
+
+    Args:
+        device: Where.
+        min_bytes: The least the caller needs; ``None``: the rule alone.
+
+    Returns:
+        A zero-filled ``torch.int8`` view, the same tensor while the buffer suffices.
+    """
+    registry = get_registry()
+    state = _state(registry)
+    lane = _lane()
+    where = _hooks.device or device
+    facts = _facts()
+    try:
+        buffer = registry.workspace(POOL_SPARSE, where, rule="default", lane=lane, **facts)
+    except RuleError as exc:
+        raise _missing_facts(exc, facts) from exc
+    if min_bytes is not None and min_bytes > buffer.numel():
+        buffer = registry.pool(POOL_SPARSE, where, lane=lane).request(min_bytes, "min_bytes")
+    return _int8(state, POOL_SPARSE, where, lane, buffer)
+
+
+def get_paged_workspace_buffer(builder: Any, prefill_bytes_per_elem: int | None = None) -> torch.Tensor:
+    """Return vLLM's FlashInfer attention workspace: pool ``flashinfer``, rule ``vllm`` (or batch-invariant).
+
+    Replaces ``FlashInferMetadataBuilder._get_workspace_buffer``: allocated on
+    the first call on ``builder.device`` and kept on ``builder`` (so vLLM's
+    ``set_workspace_buffer`` still shares one between builders).
+
+    Args:
+        builder: The ``FlashInferMetadataBuilder``.
+        prefill_bytes_per_elem: vLLM's ``FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM``;
+            given, the buffer is at least ``max_num_batched_tokens * num_qo_heads *
+            head_dim`` times it (vLLM's floor for FlashInfer's prefill temporaries),
+            except in batch-invariant mode, as in vLLM.
+
+    Returns:
+        A zero-filled ``uint8`` buffer: 394 MiB (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``)
+        or vLLM's prefill floor by default, 2 GiB (rule ``vllm_batch_invariant``)
+        with ``VLLM_BATCH_INVARIANT``.
+    """
+    buffer: torch.Tensor | None = getattr(builder, "_workspace_buffer", None)
+    if buffer is None:
+        registry = get_registry()
+        _state(registry)
+        lane = _lane()
+        device = _hooks.device or builder.device
+        if _hooks.batch_invariant():
+            buffer = registry.workspace(POOL_PAGED, device, rule="vllm_batch_invariant", lane=lane)
+        else:
+            buffer = registry.workspace(POOL_PAGED, device, rule="vllm", lane=lane)
+            floor = _prefill_floor(builder, prefill_bytes_per_elem)
+            if floor > buffer.numel():
+                buffer = registry.pool(POOL_PAGED, device, lane=lane).request(floor, "vLLM's prefill floor")
+        builder._workspace_buffer = buffer
+    return buffer
+
+
+def _prefill_floor(builder: Any, bytes_per_elem: int | None) -> int:
+    if bytes_per_elem is None:
+        return 0
+    try:
+        return int(builder.max_num_batched_tokens * builder.num_qo_heads * builder.head_dim * bytes_per_elem)
+    except (AttributeError, TypeError):  # a builder without these attributes: the rule alone
+        return 0
+
+
+def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FlashInferMLAImpl.forward_mqa`` so the MLA rules see the call's heads and DCP size.
+
+    Args:
+        original: vLLM's ``forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)``.
+
+    Returns:
+        A method that records, for the calling thread, ``q_heads``
+        (``q.shape[-2]``: the heads the kernel sees, after DCP's query gather),
+        ``cp_world`` (``self.dcp_world_size``) and ``num_heads`` (``q_heads //
+        cp_world``; the configuration's value wins where it has one), then
+        calls ``original``.
+    """
+
+    def forward_mqa(self: Any, q: Any, *args: Any, **kwargs: Any) -> Any:
+        query = q[0] if isinstance(q, tuple) else q
+        cp_world = getattr(self, "dcp_world_size", 1) or 1
+        heads = query.shape[-2]
+        previous = set_call_facts({"q_heads": heads, "num_heads": heads // cp_world, "cp_world": cp_world})
+        try:
+            return original(self, q, *args, **kwargs)
+        finally:
+            set_call_facts(previous)
+
+    forward_mqa.__wrapped__ = original  # type: ignore[attr-defined]
+    forward_mqa.__doc__ = original.__doc__
+    forward_mqa.__wspool__ = True  # type: ignore[attr-defined]
+    return forward_mqa
