@@ -480,7 +480,7 @@ class MLADecodePlan:
                     )
                 )
                 return self._shape_result(result, out, lse)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 workspace = self._recover(exc, workspace.numel(), attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -519,7 +519,7 @@ class MLADecodePlan:
             try:
                 self.plan_calls += 1
                 wrapper.plan(**plan_kwargs)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 self._recover(exc, workspace.numel(), attempt)  # type: ignore[union-attr]  # the planned buffer
                 continue
             wrapper._wspool_owner = self._token
@@ -567,11 +567,11 @@ class MLADecodePlan:
 
     # -- overflow recovery -----------------------------------------------------
 
-    def _recover(self, exc: RuntimeError, capacity: int, attempt: int) -> torch.Tensor:
-        """Grow the pool past what a FlashInfer overflow needed; re-raise anything else."""
+    def _recover(self, exc: Exception, capacity: int, attempt: int) -> torch.Tensor:
+        """Grow the pool past what a FlashInfer refusal needed; re-raise anything else."""
         return grow_after_overflow(
             exc, pool=self._pool, capacity=capacity, attempt=attempt, op="MLA decode", rule=self.rule,
-            setting=self._setting,
+            setting=self._setting, path=self.path,
         )  # fmt: skip
 
 

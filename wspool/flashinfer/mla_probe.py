@@ -30,7 +30,7 @@ from wspool.devices import DeviceLike, resolve_device
 from wspool.flashinfer import kernels
 from wspool.flashinfer.direct import SM_SCALE
 from wspool.flashinfer.mla import select_path
-from wspool.flashinfer.overflow import parse_overflow
+from wspool.flashinfer.refusals import parse_refusal
 from wspool.search import CalibrationError, SearchResult, search_min_bytes
 from wspool.sweep import KV_LORA_RANK, QK_ROPE_HEAD_DIM, MLAShape
 
@@ -108,11 +108,11 @@ class MLAWorkspaceProbe:
         """Plan ``shape`` on an ``nbytes`` workspace: ``None`` if it fits, else the bytes the overflow named."""
         try:
             self._plan(shape, self._workspace(nbytes)[:nbytes])
-        except RuntimeError as exc:
-            overflow = parse_overflow(exc)
-            if overflow is None:
+        except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
+            refusal = parse_refusal(exc, self.path)
+            if refusal is None:
                 raise
-            return nbytes - overflow.available_bytes + overflow.size_bytes
+            return refusal.needed_capacity(nbytes, padding=False)
         return None
 
     def search(self, shape: MLAShape, *, granularity: int = 1) -> SearchResult:
@@ -132,7 +132,7 @@ class MLAWorkspaceProbe:
         query = self._random((shape.batch_size * shape.q_len, shape.num_heads, _DIM))
         try:
             got = self._run(shape, buffer[:nbytes], query)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         torch.cuda.synchronize(self.device)
         if not bool((guard == _GUARD_VALUE).all()):
