@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from wspool.flashinfer.refusals import REFUSAL_FORMS, parse_refusal
@@ -13,12 +16,35 @@ SEED = (
     "Buffer overflow when allocating memory for trtllm_gen_softmax_workspace with size 135266304 and "
     "alignment 16, but only 125829120 bytes available in AlignedAllocator. Increase the workspace buffer size."
 )
-# 0.7.4, backend="auto" on an H200 with an 8 MiB buffer (the issue's text, the middle cut short there).
-AUTO_074 = (
-    "No supported planned MLA backend: fa3: fa3 MLA needs 17369088 float workspace bytes for partial outputs "
-    "and LSE.; fa2: fa2 MLA needs 17369088 float workspace bytes for partial outputs and LSE.; trtllm-gen: "
-    "trtllm-gen MLA requires SM100/SM103/SM107"
+# Texts captured on the H200 test machine (SM90, 132 SMs), verbatim, one per distinct message and capacity:
+# (FlashInfer version, the case, the exception type, the capacity the call was given, the message).
+CAPTURED = [
+    (r["flashinfer"], r["case"], r["type"], r["capacity_bytes"], r["message"])
+    for r in map(json.loads, (Path(__file__).parent / "refusals_h200.jsonl").read_text().splitlines())
+]
+# 0.7.4, backend="auto" on an H200 with an 8 MiB buffer, as captured there.
+AUTO_074 = next(msg for v, case, _, _, msg in CAPTURED if v == "0.7.4" and case.startswith("direct-mla backend=auto"))
+# The needs each captured refusal names, on the H200 (132 SMs), worked out by hand from FlashInfer's sources.
+_H200_NEEDS = {"mla_partial_o": 17301504 + 16, "batch_decode_tmp_v": 2424832 + 16, "fa3": 17369088, "fa2": 17369088}
+
+
+@pytest.mark.parametrize(
+    ("version", "case", "kind", "capacity", "message"), CAPTURED, ids=[f"{c[0]}:{c[1]}" for c in CAPTURED]
 )
+def test_every_captured_h200_text(version: str, case: str, kind: str, capacity: int | None, message: str) -> None:
+    """Each text captured on the H200 parses to its need, or (not about the workspace) to None."""
+    backend = case.split("backend=")[1].split()[0] if "backend=" in case else None
+    path = "fa3" if backend == "auto" else backend  # what wspool resolves 'auto' to on SM90
+    refusal = parse_refusal(message, path)
+    if case.startswith("direct-trtllm"):  # Hopper refusing a Blackwell/SM120 kernel, or a failed download
+        assert refusal is None
+        return
+    assert refusal is not None and capacity is not None
+    assert refusal.needed_capacity(capacity) == _H200_NEEDS[refusal.name]
+    if kind == "_BackendPlanUnsupportedError":
+        assert (version, refusal.form, refusal.name) == ("0.7.4", "fa-preflight", path)
+    else:
+        assert (kind, refusal.form, refusal.available_bytes) == ("RuntimeError", "aligned-allocator", capacity)
 
 
 @pytest.mark.parametrize("form", REFUSAL_FORMS, ids=[f.name for f in REFUSAL_FORMS])
@@ -95,7 +121,6 @@ _SOURCES = {
 def test_the_table_matches_the_installed_flashinfer(form: object) -> None:
     """A form's text is in the installed FlashInfer's source exactly when the table lists its version."""
     import importlib.metadata
-    from pathlib import Path
 
     flashinfer = pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
     version = importlib.metadata.version("flashinfer-python")

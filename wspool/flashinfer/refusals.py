@@ -37,7 +37,8 @@ class RefusalForm:
         exception: The Python exception type FlashInfer raises with it.
         sized: ``"carve"`` (one failed carve), ``"total"`` (the whole need) or ``"none"``.
         pattern: The regular expression; groups ``name``, ``size``, ``alignment``, ``available`` where present.
-        example: One text of the form, from FlashInfer's source or captured on the H200 test machine.
+        example: One text of the form: captured on the H200 test machine where a Hopper GPU raises it,
+            else built from FlashInfer's source (the Blackwell-only forms; no Blackwell GPU was available).
     """
 
     name: str
@@ -68,7 +69,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
             r"Buffer overflow when allocating memory for (?P<name>\S+) with size (?P<size>\d+) "
             r"and alignment (?P<alignment>\d+), but only (?P<available>\d+) bytes available"
         ),
-        example=(
+        example=(  # 0.7.2.post1's fa3 plan on an 8 MiB buffer, captured on the H200 test machine
             "Buffer overflow when allocating memory for mla_partial_o with size 17301504 and alignment 16, "
             "but only 8388608 bytes available in AlignedAllocator. Increase the workspace buffer size."
         ),
@@ -80,7 +81,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
         exception="ValueError (_BackendPlanUnsupportedError)",
         sized="total",
         pattern=re.compile(r"(?P<name>fa[23]) MLA needs (?P<size>\d+) float workspace bytes for partial outputs"),
-        example="fa3 MLA needs 17369088 float workspace bytes for partial outputs and LSE.",
+        example="fa3 MLA needs 17369088 float workspace bytes for partial outputs and LSE.",  # captured on the H200
     ),
     RefusalForm(
         name="cute-dsl-planned",
@@ -92,7 +93,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
             r"workspace_buffer too small for (?P<name>cute-dsl) backend: have (?P<available>\d+) bytes, "
             r"need (?P<size>\d+) bytes"
         ),
-        example="workspace_buffer too small for cute-dsl backend: have 1048576 bytes, need 16809984 bytes.",
+        example="workspace_buffer too small for cute-dsl backend: have 1048576 bytes, need 16809984 bytes.",  # source
     ),
     RefusalForm(
         name="cute-dsl-functional",
@@ -101,7 +102,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
         exception="ValueError",
         sized="total",
         pattern=re.compile(r"(?P<name>workspace_buffer) too small: (?P<available>\d+) bytes, need (?P<size>\d+) bytes"),
-        example="workspace_buffer too small: 1048576 bytes, need 16809984 bytes",
+        example="workspace_buffer too small: 1048576 bytes, need 16809984 bytes",  # from the source
     ),
     RefusalForm(
         name="cute-dsl-split-tactic",
@@ -110,7 +111,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
         exception="ValueError (_BackendPlanUnsupportedError)",
         sized="none",
         pattern=re.compile(r"(?P<name>workspace_buffer) too small for the requested split tactic"),
-        example="workspace_buffer too small for the requested split tactic",
+        example="workspace_buffer too small for the requested split tactic",  # from the source
     ),
 )
 
