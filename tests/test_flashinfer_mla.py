@@ -536,3 +536,21 @@ def test_bad_blackwell_arguments_fail_before_anything_runs(
             if kwargs.get("enable_dcp") else None, **kwargs,  # type: ignore[arg-type]
         )  # fmt: skip
     assert blackwell.calls == [] and registry.stats("flashinfer_mla", device="cpu").capacity_bytes == 0
+
+
+def test_a_074_refusal_recovers_on_the_same_backend(
+    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FlashInfer 0.7.4's ValueError naming the whole need is recovered like 0.7.2.post1's carve, on fa3 again."""
+    monkeypatch.setattr(WrapperDouble, "preflight_074", True)
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 2 and stats.capacity_bytes >= WrapperDouble.partial_bytes
+    assert stats.last_grow_reason.startswith("overflow recovery (fa3)")  # type: ignore[union-attr]
+    assert {w.backend for w in WrapperDouble.instances} == {"fa3"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
