@@ -71,6 +71,7 @@ class WrapperDouble:
 
     instances: ClassVar[list[WrapperDouble]] = []
     partial_bytes = 17301504  # what FlashInfer's fa3 plan carves on an H200 (mla_partial_o)
+    preflight_074 = False  # refuse as FlashInfer 0.7.4 does (a ValueError), not as 0.7.2.post1's allocator
 
     def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto", **kwargs: Any) -> None:
         bind_to_flashinfer(
@@ -87,6 +88,11 @@ class WrapperDouble:
         bind_to_flashinfer("BatchMLAPagedAttentionWrapper.plan", self, **kwargs)
         self.plan_calls += 1
         capacity = self.workspace.numel()
+        if capacity < self.partial_bytes and self.preflight_074:
+            # FlashInfer 0.7.4 refuses in Python first, naming the whole need (text as captured on an H200).
+            raise ValueError(
+                f"{self.backend} MLA needs {self.partial_bytes} float workspace bytes for partial outputs and LSE."
+            )
         if capacity < self.partial_bytes:
             raise RuntimeError(
                 "Error in function 'aligned_alloc' at allocator.h:49: Buffer overflow when allocating memory for "

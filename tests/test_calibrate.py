@@ -26,7 +26,7 @@ from wspool.flashinfer import kernels as fi_kernels
 from wspool.flashinfer import mla as mla_module
 from wspool.flashinfer import mla_decode
 from wspool.flashinfer.fa_layout import FA_MLA_WORKSPACE_RULE, fa_mla_float_workspace_bytes
-from wspool.flashinfer.overflow import parse_overflow
+from wspool.flashinfer.refusals import parse_refusal
 from wspool.flashinfer.trtllm_layout import AlignedCarver
 from wspool.rules import compile_rule
 from wspool.search import CalibrationError, SearchResult, search_min_bytes
@@ -57,9 +57,9 @@ class FakeProber:
         try:
             self.plan(shape, nbytes)
         except RuntimeError as exc:
-            overflow = parse_overflow(exc)
-            assert overflow is not None
-            return nbytes - overflow.available_bytes + overflow.size_bytes
+            refusal = parse_refusal(exc)
+            assert refusal is not None
+            return refusal.needed_capacity(nbytes, padding=False)
         return None
 
     def describe(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from wspool.flashinfer import kernels
+from wspool.flashinfer.blackwell import DCPArgs
 
 fi_mla = pytest.importorskip("flashinfer.mla", reason="flashinfer-python is not installed")
 
@@ -18,19 +19,44 @@ def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.zeros(*shape, dtype=dtype)
 
 
-def test_trtllm_decode_binds() -> None:
-    """The trtllm-gen decode call (Blackwell) binds to trtllm_batch_decode_with_kv_cache_mla."""
-    counters = _t(64, dtype=torch.uint8)
-    kwargs = kernels.trtllm_decode_kwargs(
+def _trtllm_kwargs(backend: str, dcp: DCPArgs, counters: torch.Tensor | None) -> dict[str, object]:
+    return kernels.trtllm_decode_kwargs(
         query=_t(B, 1, H, 576), kv_cache=_t(PAGES, PAGE, 576), workspace=_t(1024, dtype=torch.uint8),
-        counters=counters, block_tables=_t(B, 4, dtype=torch.int32),
+        backend=backend, dcp=dcp, counters=counters, block_tables=_t(B, 4, dtype=torch.int32),
         seq_lens=_t(B, dtype=torch.int32), max_seq_len=256, sm_scale=0.1, out=None, lse=None, return_lse=True,
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
     )  # fmt: skip
+
+
+def test_trtllm_gen_decode_binds() -> None:
+    """The trtllm-gen call binds to trtllm_batch_decode_with_kv_cache_mla: uint8 workspace, counters, no DCP."""
+    counters = _t(64, dtype=torch.uint8)
+    kwargs = _trtllm_kwargs("trtllm-gen", DCPArgs(), counters)
     bound = inspect.signature(fi_mla.trtllm_batch_decode_with_kv_cache_mla).bind(**kwargs)
-    assert bound.arguments["return_lse_base"] == "basee"
+    assert bound.arguments["return_lse_base"] == "basee" and bound.arguments["backend"] == "trtllm-gen"
     assert bound.arguments["kv_cache"].shape == (PAGES, 1, PAGE, 576)
     assert bound.arguments["multi_ctas_kv_counter_buffer"] is counters
+    assert bound.arguments["workspace_buffer"].dtype is torch.uint8
+    assert (bound.arguments["enable_dcp"], bound.arguments["cp_world"], bound.arguments["cp_rank"]) == (False, 1, 0)
+
+
+def test_cute_dsl_dcp_decode_binds() -> None:
+    """The cute-dsl DCP call binds as vLLM makes it: int8 view of the workspace, DCP arguments, no counters."""
+    lengths = _t(B, dtype=torch.int32)
+    kwargs = _trtllm_kwargs("cute-dsl", DCPArgs(True, 4, 3, lengths), None)
+    bound = inspect.signature(fi_mla.trtllm_batch_decode_with_kv_cache_mla).bind(**kwargs)
+    assert bound.arguments["backend"] == "cute-dsl" and bound.arguments["multi_ctas_kv_counter_buffer"] is None
+    assert bound.arguments["workspace_buffer"].dtype is torch.int8
+    assert (bound.arguments["enable_dcp"], bound.arguments["cp_world"], bound.arguments["cp_rank"]) == (True, 4, 3)
+    assert bound.arguments["causal_seqlens_kv_global"] is lengths
+
+
+def test_every_trtllm_keyword_is_listed_and_taken() -> None:
+    """TRTLLM_DECODE_KEYWORDS is exactly what wspool passes, and the installed kernel takes each one by name."""
+    kwargs = _trtllm_kwargs("trtllm-gen", DCPArgs(), None)
+    assert set(kwargs) == set(kernels.TRTLLM_DECODE_KEYWORDS)
+    parameters = inspect.signature(fi_mla.trtllm_batch_decode_with_kv_cache_mla).parameters
+    assert [k for k in kernels.TRTLLM_DECODE_KEYWORDS if k not in parameters] == []
 
 
 @pytest.mark.parametrize("graph", [False, True])

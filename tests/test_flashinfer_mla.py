@@ -62,12 +62,31 @@ def test_path_selection() -> None:
 
 
 def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SM100/103/107 take trtllm-gen; SM90 and SM80 take the planned wrapper."""
+    """'auto' resolves to a concrete path: trtllm-gen on SM100/103/107, fa3 on SM90, fa2 elsewhere."""
     gpu = torch.device("cuda", 0)
-    for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "auto"), ((8, 0), "auto")]:
+    for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "fa3"), ((8, 0), "fa2"),
+                       ((8, 9), "fa2"), ((12, 0), "fa2")]:  # fmt: skip
         monkeypatch.setattr(mla_module, "_arch", lambda device, arch=arch: arch)
         assert select_path(gpu) == path
     assert select_path(gpu, "fa2") == "fa2"
+
+
+def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Blackwell, DCP, 64 < heads < 128 and page sizes other than 32/64 take cute-dsl; explicit choices stay."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (10, 0))
+    assert select_path(gpu, num_heads=16, page_size=32) == "trtllm-gen"
+    assert select_path(gpu, num_heads=96) == "cute-dsl"
+    assert select_path(gpu, page_size=128) == "cute-dsl"
+    assert select_path(gpu, enable_dcp=True) == "cute-dsl"
+    assert select_path(gpu, "trtllm-gen", num_heads=96) == "trtllm-gen"  # FlashInfer says why it refuses
+
+
+def test_blackwell_kernels_elsewhere_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for a Blackwell kernel on Hopper is a ValueError naming the backend, before any kernel runs."""
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (9, 0))
+    with pytest.raises(ValueError, match=r"backend 'cute-dsl' needs Blackwell \(SM100/SM103/SM107\), this GPU is SM90"):
+        select_path(torch.device("cuda", 0), "cute-dsl")
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
@@ -240,21 +259,19 @@ def test_trtllm_path_uses_pool_buffers(blackwell: TrtllmDouble) -> None:
 
 
 def test_seed_regression_128mib_fails_and_default_serves(blackwell: TrtllmDouble) -> None:
-    """The seed's crash: an LSE call at 128 heads x 512 requests overflows 128MiB; the default serves it."""
+    """The seed's crash: an LSE call at 128 heads x 512 requests needs more than 128MiB; the default serves it."""
     inputs = make_inputs(512, 128, [1] * 512, page_size=64)
     seed_fixed_size = wspool.PoolRegistry.from_config(
         pools={"flashinfer_mla": {"rules": {"default": "128MiB", "lse": "128MiB"}, "max_bytes": "128MiB"}}
     )
+    # The path's need (the seed's 129MiB slab and the scratch) is known before the kernel runs.
     with pytest.raises(
         WorkspaceLimitError,
-        match=r"above max_bytes = 134217728 bytes \(128MiB\); raise pools\.flashinfer_mla\.max_bytes",
-    ) as info:
+        match=r"for the trtllm-gen kernel path.*above max_bytes = 134217728 bytes \(128MiB\); "
+        r"raise pools\.flashinfer_mla\.max_bytes",
+    ):
         _decode(inputs, return_lse=True, registry=seed_fixed_size)
-    # The kernel double raised FlashInfer's own message first: the seed's slab, 129MiB.
-    assert "trtllm_gen_softmax_workspace with size 135266304 and alignment 16, but only 134217728" in str(
-        info.value.__context__
-    )
-    assert seed_fixed_size.stats("flashinfer_mla", "cpu").capacity_bytes == 128 * MiB
+    assert blackwell.calls == [] and seed_fixed_size.stats("flashinfer_mla", "cpu").capacity_bytes == 0
     _out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
     torch.testing.assert_close(lse, _reference(inputs)[1])
     stats = wspool.get_registry().stats("flashinfer_mla", device="cpu")
@@ -437,3 +454,103 @@ def test_explicit_replan_refuses_resized_metadata(hopper: None) -> None:
     with pytest.raises(ValueError, match=r"resized to \(3, 1\)/\(2,\) after planning for \(3, 1\)/\(3,\)"):
         plan.replan()
     assert plan.plan_calls == 1
+
+
+# -- the path first, then its size ------------------------------------------------
+
+
+def test_plan_reports_the_concrete_path_and_flashinfer_gets_it(hopper: None) -> None:
+    """On Hopper 'auto' is planned as fa3: plan.path says so and the wrapper is built with backend='fa3'."""
+    inputs = make_inputs(2, 4, [50, 60])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    assert plan.path == "fa3" and WrapperDouble.instances[-1].backend == "fa3"
+    assert plan.flashinfer_backend is None or plan.flashinfer_backend == "fa3"
+
+
+def test_undersized_rule_is_raised_to_the_paths_need_up_front(
+    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An 8MiB rule on an H200-sized device is raised to fa3's 17369088 bytes before plan(): no overflow, 1 warning."""
+    monkeypatch.setattr(mla_module, "_sm_count", lambda device: 132)
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+        _decode(make_inputs(2, 4, [70, 80], seed=1), registry=registry)  # the next step: no second warning
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 1 and stats.capacity_bytes >= 17369088
+    assert stats.last_grow_reason.startswith("the fa3 kernel path")  # type: ignore[union-attr]
+    assert [w.plan_calls for w in WrapperDouble.instances] == [2]  # planned twice, never refused
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "below the 17369088 bytes FlashInfer's fa3 MLA decode needs" in warnings[0]
+    assert "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
+
+
+def test_cute_dsl_dcp_plan_calls_as_vllm_does(blackwell: TrtllmDouble) -> None:
+    """A DCP plan on Blackwell runs cute-dsl: int8 workspace view, DCP arguments, no counters, FlashInfer's size."""
+    from wspool.flashinfer.blackwell import cute_dsl_workspace_bytes
+
+    inputs = make_inputs(2, 16, [50, 60])
+    global_lengths = inputs.seq_lens * 4
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=16, sm_scale=inputs.sm_scale,
+        page_size=64, return_lse=True, enable_dcp=True, cp_world=4, cp_rank=2, causal_seqlens_kv_global=global_lengths,
+    )  # fmt: skip
+    _out, lse = plan.run(inputs.query, inputs.kv_cache)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    call = blackwell.calls[-1]
+    assert plan.path == call["backend"] == "cute-dsl"
+    assert call["workspace_buffer"].dtype is torch.int8 and call["multi_ctas_kv_counter_buffer"] is None
+    assert (call["enable_dcp"], call["cp_world"], call["cp_rank"]) == (True, 4, 2)
+    assert call["causal_seqlens_kv_global"] is global_lengths
+    assert plan.need_bytes == cute_dsl_workspace_bytes(
+        batch_size=2, q_len=1, num_heads=16, kv_lora_rank=512, sm_count=1, max_seq_len=inputs.max_seq_len,
+        enable_dcp=True,
+    )  # fmt: skip
+    assert plan.facts["cp_world"] == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "flash"}, r"unknown MLA decode backend 'flash'"),
+        ({"enable_dcp": True, "cp_world": 2, "cp_rank": 2}, r"cp_rank must be below cp_world, got cp_rank=2"),
+        ({"cp_world": 2}, r"cp_world=2 given without enable_dcp=True"),
+        ({"enable_dcp": True, "cp_world": 2, "backend": "trtllm-gen"}, r"backend='trtllm-gen'"),
+    ],
+)
+def test_bad_blackwell_arguments_fail_before_anything_runs(
+    blackwell: TrtllmDouble, kwargs: dict[str, object], match: str
+) -> None:
+    """An unknown backend or bad DCP arguments are a ValueError naming them; no pool grows, no kernel runs."""
+    inputs = make_inputs(2, 16, [50, 60])
+    registry = wspool.PoolRegistry.from_config()
+    with pytest.raises(ValueError, match=match):
+        mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=16, sm_scale=inputs.sm_scale,
+            page_size=64, return_lse=True, registry=registry, causal_seqlens_kv_global=inputs.seq_lens
+            if kwargs.get("enable_dcp") else None, **kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
+    assert blackwell.calls == [] and registry.stats("flashinfer_mla", device="cpu").capacity_bytes == 0
+
+
+def test_a_074_refusal_recovers_on_the_same_backend(
+    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FlashInfer 0.7.4's ValueError naming the whole need is recovered like 0.7.2.post1's carve, on fa3 again."""
+    monkeypatch.setattr(WrapperDouble, "preflight_074", True)
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 2 and stats.capacity_bytes >= WrapperDouble.partial_bytes
+    assert stats.last_grow_reason.startswith("overflow recovery (fa3)")  # type: ignore[union-attr]
+    assert {w.backend for w in WrapperDouble.instances} == {"fa3"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]

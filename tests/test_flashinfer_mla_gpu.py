@@ -10,6 +10,7 @@ import torch
 import wspool
 from tests.mla_inputs import MLAInputs, make_inputs
 from wspool.errors import WorkspaceFrozenError
+from wspool.flashinfer import mla as mla_module
 from wspool.flashinfer import mla_decode, mla_decode_plan, mla_decode_reference
 from wspool.flashinfer.mla import _BLACKWELL, _arch
 
@@ -81,17 +82,56 @@ def test_pool_holds_the_rule_size_and_reuses_it() -> None:
     assert after.request_count == 2
 
 
+def _wrapper_path() -> str:
+    """The planned-wrapper backend wspool resolves 'auto' to on this GPU; skip on Blackwell."""
+    arch = _arch(torch.device("cuda", torch.cuda.current_device()))
+    if arch in _BLACKWELL:
+        pytest.skip("this GPU takes the trtllm-gen / cute-dsl path, not the planned wrapper")
+    return "fa3" if arch == (9, 0) else "fa2"
+
+
 def test_undersized_rule_recovers_once(caplog: pytest.LogCaptureFixture) -> None:
-    """An 8MiB rule overflows FlashInfer's plan; wspool grows once, warns once and the result is right."""
+    """An 8MiB rule is raised to the path's known need before plan(): one grow, one warning, the same kernel."""
+    path = _wrapper_path()
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
     inputs = _inputs(64, 128, [4096] * 64)
     with caplog.at_level(logging.WARNING, logger="wspool"):
-        out = _decode(inputs, registry=registry)
+        plan = mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=128, sm_scale=inputs.sm_scale,
+            page_size=64, registry=registry,
+        )  # fmt: skip
+        out = plan.run(inputs.query, inputs.kv_cache)
     assert _rel_err(out, _reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
     stats = registry.stats("flashinfer_mla", device="cuda")
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    print(f"\nrecovered: {stats.last_grow_reason}, capacity {stats.capacity_bytes}; warning: {warnings}")
-    assert stats.grow_count == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "wspool"]
+    print(f"\nsized up front: {stats.last_grow_reason}, capacity {stats.capacity_bytes}, path {plan.path}, "
+          f"FlashInfer planned {plan.flashinfer_backend}; warning: {warnings}", end="")  # fmt: skip
+    assert plan.path == plan.flashinfer_backend == path
+    assert stats.grow_count == 1 and stats.capacity_bytes >= plan.need_bytes > 8 * MiB
+    assert plan.plan_calls == 1  # FlashInfer never refused
+    assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
+
+
+def test_refusal_recovery_keeps_the_path(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With no known need, FlashInfer's refusal (either version's form) is parsed and the pool grows; fa3 still runs."""
+    path = _wrapper_path()
+    monkeypatch.setattr(mla_module, "path_need_bytes", lambda *args, **kwargs: 0)  # the safety net alone
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = _inputs(64, 128, [4096] * 64)
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        plan = mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=128, sm_scale=inputs.sm_scale,
+            page_size=64, registry=registry,
+        )  # fmt: skip
+        out = plan.run(inputs.query, inputs.kv_cache)
+    assert _rel_err(out, _reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
+    stats = registry.stats("flashinfer_mla", device="cuda")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "wspool"]
+    print(f"\nrecovered: {stats.last_grow_reason}, capacity {stats.capacity_bytes}, FlashInfer planned "
+          f"{plan.flashinfer_backend}; warning: {warnings}", end="")  # fmt: skip
+    assert plan.path == plan.flashinfer_backend == path
+    assert stats.grow_count == 2 and plan.plan_calls == 2  # the 8MiB buffer, then one recovery
+    assert stats.last_grow_reason.startswith("overflow recovery (")  # type: ignore[union-attr]
     assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
 
 

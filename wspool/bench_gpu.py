@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from wspool.calibrate import SEED_CONSTANTS
-from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan
+from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, select_path
 from wspool.flashinfer.direct import PAGE_SIZE, SM_SCALE, DecodeInputs, DirectMLA
 from wspool.flashinfer.mla_probe import MLAWorkspaceProbe
 from wspool.registry import PoolRegistry
@@ -247,13 +247,14 @@ def measure_mla_decode(
     cost the direct calls.
     """
     rows = []
+    path = select_path(device)  # the backend wspool's op asks FlashInfer for, so both run the same kernel
     for batch in batches:
         inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=1)
         for return_lse in (False, True):
             shape = MLAShape(batch, num_heads, max_seq_len, return_lse=return_lse)
             nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(_sm_count(device)))
             direct, twin = (
-                DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), "auto", num_heads, return_lse)
+                DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), path, num_heads, return_lse)
                 for _ in range(2)
             )
             _, packed_directly = _decode_calls(registry, inputs, direct, return_lse, "packed")

@@ -12,10 +12,10 @@ from wspool.flashinfer.mla import (
     mla_decode_plan,
     select_path,
 )
-from wspool.flashinfer.overflow import WorkspaceOverflow, parse_overflow
 from wspool.flashinfer.paged import PAGED_POOL, PagedAttentionPlan, paged_decode_plan, paged_prefill_plan
 from wspool.flashinfer.paged_reference import paged_attention_reference
 from wspool.flashinfer.reference import mla_decode_reference
+from wspool.flashinfer.refusals import WorkspaceRefusal, parse_refusal
 
 __all__ = [
     "COUNTER_POOL",
@@ -23,13 +23,13 @@ __all__ = [
     "PAGED_POOL",
     "MLADecodePlan",
     "PagedAttentionPlan",
-    "WorkspaceOverflow",
+    "WorkspaceRefusal",
     "mla_decode",
     "mla_decode_plan",
     "mla_decode_reference",
     "paged_attention_reference",
     "paged_decode_plan",
     "paged_prefill_plan",
-    "parse_overflow",
+    "parse_refusal",
     "select_path",
 ]

@@ -19,9 +19,13 @@ even SM count (every Hopper part) and at most that for an odd one, so
 elsewhere. On an H200 (132 SMs) it is 17,369,088 bytes; the first carve alone
 is the 17,301,504 bytes of the overflow message an 8 MiB workspace gives.
 
-An overflow is reported by ``plan()``, before any kernel runs, so an
-undersized rule is caught (and recovered by :mod:`wspool.flashinfer.mla`)
-rather than corrupting memory.
+FlashInfer 0.7.4 checks the same bytes in Python before its C++ plan
+(``fa3 MLA needs <N> float workspace bytes for partial outputs and LSE.``,
+plus any misalignment of the buffer's start, which pool buffers never have).
+Either refusal comes from ``plan()``, before any kernel runs, so an undersized
+buffer is caught (see :mod:`wspool.flashinfer.refusals`) rather than
+corrupting memory; :mod:`wspool.flashinfer.path_sizing` sizes the buffer by
+this rule before ``plan()`` is called.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
+from wspool.flashinfer.blackwell import DCPArgs, int8_view
+
 __all__ = [
+    "TRTLLM_DECODE_KEYWORDS",
     "load_flashinfer_attention",
     "load_flashinfer_mla",
     "paged_decode_init_kwargs",
@@ -29,7 +32,7 @@ __all__ = [
     "wrapper_run_kwargs",
 ]
 
-_INSTALL_HINT = "install it with: pip install 'flashinfer-python>=0.7.2,<0.8' (or choose backend='reference')"
+_INSTALL_HINT = "install a tested one: pip install 'flashinfer-python>=0.7.2.post1,<=0.7.4' (or backend='reference')"
 
 
 _flashinfer_mla: ModuleType | None = None
@@ -55,7 +58,9 @@ def trtllm_decode_kwargs(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     workspace: torch.Tensor,
-    counters: torch.Tensor,
+    backend: str,
+    dcp: DCPArgs,
+    counters: torch.Tensor | None,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
@@ -67,15 +72,20 @@ def trtllm_decode_kwargs(
     qk_rope_head_dim: int,
     qk_nope_head_dim: int,
 ) -> dict[str, Any]:
-    """Arguments of ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` (Blackwell).
+    """Arguments of ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` (Blackwell), as vLLM passes them.
 
-    The counter buffer comes from its own pool, so it is allocated once, zeroed
-    once, and never reallocated behind a captured graph.
+    Args:
+        backend: ``"trtllm-gen"`` or ``"cute-dsl"`` (never ``"auto"``: wspool chose the kernel).
+        dcp: The decode-context-parallel arguments (cute-dsl only).
+        counters: trtllm-gen's multi-CTA counters, from their own pool, so they are
+            allocated once, zeroed once, and never reallocated behind a captured
+            graph; ``None`` for cute-dsl, which takes none.
+        workspace: The pool's ``uint8`` buffer; cute-dsl gets its ``int8`` view.
     """
     return {
         "query": query,
         "kv_cache": kv_cache.unsqueeze(1),  # [pages, 1, page_size, dim]: one shared KV head
-        "workspace_buffer": workspace,
+        "workspace_buffer": int8_view(workspace) if backend == "cute-dsl" else workspace,
         "qk_nope_head_dim": qk_nope_head_dim,
         "kv_lora_rank": kv_lora_rank,
         "qk_rope_head_dim": qk_rope_head_dim,
@@ -85,12 +95,22 @@ def trtllm_decode_kwargs(
         "out": out,
         "bmm1_scale": sm_scale,
         "bmm2_scale": 1.0,
-        "backend": "trtllm-gen",
+        "backend": backend,
         "lse": lse,
         "return_lse": return_lse,
         "multi_ctas_kv_counter_buffer": counters,
         "return_lse_base": "basee",
+        **dcp.kwargs(),
     }
+
+
+#: Every keyword :func:`trtllm_decode_kwargs` passes (checked against the installed kernel once).
+TRTLLM_DECODE_KEYWORDS = (
+    "query", "kv_cache", "workspace_buffer", "qk_nope_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+    "block_tables", "seq_lens", "max_seq_len", "out", "bmm1_scale", "bmm2_scale", "backend", "lse",
+    "return_lse", "multi_ctas_kv_counter_buffer", "return_lse_base", "enable_dcp", "cp_world", "cp_rank",
+    "causal_seqlens_kv_global",
+)  # fmt: skip
 
 
 def wrapper_init_kwargs(
@@ -103,7 +123,7 @@ def wrapper_init_kwargs(
 
     Args:
         workspace: The float workspace from the pool.
-        backend: ``"auto"``, ``"fa3"`` or ``"fa2"``.
+        backend: ``"fa3"`` or ``"fa2"`` (wspool resolves ``"auto"`` itself).
         graph_buffers: ``(qo_indptr, kv_indptr, kv_indices, kv_len_arr)`` fixed
             buffers for CUDA-graph mode, or ``None`` for eager mode.
     """

@@ -7,14 +7,20 @@ millisecond of host time); :meth:`MLADecodePlan.run` is the per-layer call.
 :func:`mla_decode` is the one-call form: it reuses the previous call's plan
 while the page table and lengths are the same, unmodified tensors.
 
-Kernel paths (``backend="auto"``):
+Kernel paths: wspool resolves ``backend="auto"`` to a concrete path first,
+reports it as ``plan.path``, passes that explicit backend to FlashInfer, and
+sizes the workspace for it (:mod:`~wspool.flashinfer.path_sizing`): the size
+of the buffer never decides which kernel runs.
 
 - Blackwell (SM100/SM103/SM107): ``trtllm_batch_decode_with_kv_cache_mla``
-  with ``workspace_buffer`` from the pool and its counter buffer from the
-  ``flashinfer_mla_counters`` pool.
-- Other CUDA devices (Hopper SM90, Ampere SM80): ``BatchMLAPagedAttentionWrapper``
-  built on the pool's buffer, planned from the page table converted to CSR on
-  the device.
+  with ``workspace_buffer`` from the pool, ``backend="trtllm-gen"`` (its
+  counter buffer from the ``flashinfer_mla_counters`` pool) or ``"cute-dsl"``
+  (an ``int8`` view of the buffer; the only kernel with decode-context
+  parallelism), chosen by :func:`~wspool.flashinfer.blackwell.blackwell_backend`.
+- Hopper (SM90): ``BatchMLAPagedAttentionWrapper`` with ``backend="fa3"``;
+  other CUDA devices (Ampere SM80 and the rest): ``backend="fa2"``. The
+  wrapper is built on the pool's buffer and planned from the page table
+  converted to CSR on the device.
 - CPU, or ``backend="reference"``: :func:`~wspool.flashinfer.reference.mla_decode_reference`.
   It is never chosen on a GPU unless asked for. It requests the workspace like
   the kernels do, so sizes and statistics behave the same everywhere.
@@ -40,7 +46,9 @@ import torch
 from wspool.devices import resolve_device
 from wspool.errors import describe_setting
 from wspool.flashinfer import kernels
+from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS, blackwell_backend, check_dcp, check_kernel_keywords
 from wspool.flashinfer.page_table import CSRConstants, csr_parts
+from wspool.flashinfer.path_sizing import path_need_bytes
 from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
 from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
@@ -64,7 +72,7 @@ MLA_POOL = "flashinfer_mla"
 COUNTER_POOL = "flashinfer_mla_counters"
 #: trtllm-gen's multi-CTA semaphores: FlashInfer's own formula, as a rule.
 COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
-BACKENDS = ("auto", "reference", "trtllm-gen", "fa3", "fa2")
+BACKENDS = ("auto", "reference", "trtllm-gen", "cute-dsl", "fa3", "fa2")
 _BLACKWELL = ((10, 0), (10, 3), (10, 7))
 
 _capabilities: dict[torch.device, tuple[int, int]] = {}
@@ -89,11 +97,19 @@ def _sm_count(device: torch.device) -> int:
     return found
 
 
-def select_path(device: torch.device, backend: str = "auto") -> str:
-    """Return the kernel path for ``device``: ``"reference"``, ``"trtllm-gen"``, or a wrapper backend.
+def select_path(
+    device: torch.device, backend: str = "auto", *, num_heads: int = 128, page_size: int = 64, enable_dcp: bool = False
+) -> str:
+    """Return the concrete kernel path for ``device``, never ``"auto"``.
+
+    ``"auto"`` is ``"reference"`` on the CPU, trtllm-gen or cute-dsl on
+    Blackwell (see :func:`~wspool.flashinfer.blackwell.blackwell_backend`:
+    ``num_heads``, ``page_size`` and ``enable_dcp`` decide), ``"fa3"`` on
+    Hopper (SM90) and ``"fa2"`` on every other CUDA device.
 
     Raises:
-        ValueError: ``backend`` is unknown, or names a GPU kernel for a CPU device.
+        ValueError: ``backend`` is unknown, names a GPU kernel for a CPU device,
+            or a Blackwell kernel for another GPU.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown MLA decode backend {backend!r} (choose one of {', '.join(BACKENDS)})")
@@ -104,8 +120,15 @@ def select_path(device: torch.device, backend: str = "auto") -> str:
         if backend == "auto":
             return "reference"
         raise ValueError(f"MLA decode backend {backend!r} needs a CUDA device, got {device}; use backend='reference'")
+    if arch in _BLACKWELL and backend in ("auto", *BLACKWELL_BACKENDS):
+        return blackwell_backend(backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp)
+    if backend in BLACKWELL_BACKENDS:
+        raise ValueError(
+            f"MLA decode backend {backend!r} needs Blackwell (SM100/SM103/SM107), this GPU is SM{arch[0]}{arch[1]}; "
+            f"use backend='auto'"
+        )
     if backend == "auto":
-        return "trtllm-gen" if arch in _BLACKWELL else "auto"
+        return "fa3" if arch == (9, 0) else "fa2"
     return backend
 
 
@@ -129,7 +152,11 @@ class MLADecodePlan:
     detects it through the tensors' version counters.
 
     Attributes:
-        path: ``"reference"``, ``"trtllm-gen"`` or the wrapper backend asked for.
+        path: The concrete kernel path (``"reference"``, ``"trtllm-gen"``, ``"cute-dsl"``,
+            ``"fa3"`` or ``"fa2"``), resolved before the workspace is sized; FlashInfer is
+            called with it explicitly.
+        need_bytes: What that path is known to need for this plan (see
+            :mod:`~wspool.flashinfer.path_sizing`); the pool holds at least this and the rule.
         rule: The pool rule that sizes the workspace (``"lse"`` or ``"default"``).
         facts: The facts the rule is resolved with.
         plan_calls: How many times this plan called FlashInfer's ``plan()``.
@@ -146,11 +173,18 @@ class MLADecodePlan:
         return_lse: Also return the natural-log LSE; sizes the workspace with rule ``lse``.
         registry: The registry; default :func:`wspool.get_registry`.
         pool: The pool to draw from.
-        backend: ``"auto"``, ``"reference"``, ``"trtllm-gen"``, ``"fa3"`` or ``"fa2"``.
+        backend: ``"auto"``, ``"reference"``, ``"trtllm-gen"``, ``"cute-dsl"``, ``"fa3"`` or ``"fa2"``.
         lane: The pool lane (for concurrent streams).
         use_cuda_graph: Build the wrapper with fixed index buffers so ``run`` can be captured.
         kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim: The MLA geometry (DeepSeek's by default).
         facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``).
+        enable_dcp: Decode-context parallel (Blackwell's cute-dsl kernel, as vLLM calls it);
+            needs ``return_lse=True`` and ``causal_seqlens_kv_global``.
+        cp_world, cp_rank: The DCP group's size and this rank (``cp_rank < cp_world``).
+        causal_seqlens_kv_global: ``[batch]`` int32 global KV lengths, with ``enable_dcp``.
+
+    Raises:
+        ValueError: A bad argument, named, before any pool grows or kernel runs.
     """
 
     def __init__(
@@ -175,6 +209,10 @@ class MLADecodePlan:
         qk_rope_head_dim: int = 64,
         qk_nope_head_dim: int = 128,
         facts: Mapping[str, int] | None = None,
+        enable_dcp: bool = False,
+        cp_world: int = 1,
+        cp_rank: int = 0,
+        causal_seqlens_kv_global: torch.Tensor | None = None,
     ) -> None:
         device = block_tables.device if isinstance(block_tables, torch.Tensor) else resolve_device(None)
         _check_int_tensor("block_tables", block_tables, 2, device)
@@ -188,7 +226,11 @@ class MLADecodePlan:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self.device = device
-        self.path = select_path(device, backend)
+        self.dcp = check_dcp(
+            enable_dcp, cp_world, cp_rank, causal_seqlens_kv_global, backend=backend, return_lse=return_lse,
+            batch_size=batch_size, device=device,
+        )  # fmt: skip
+        self.path = select_path(device, backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp)
         self.block_tables = block_tables
         self.seq_lens = seq_lens
         self.max_seq_len = max_seq_len
@@ -215,14 +257,14 @@ class MLADecodePlan:
             "qk_rope_head_dim": qk_rope_head_dim,
             "dtype_bytes": q_dtype.itemsize,
             "sm_count": _sm_count(device),
-            "cp_world": 1,
+            "cp_world": cp_world,
             **(facts or {}),
         }
         self._head_dim = kv_lora_rank + qk_rope_head_dim
         self._query_shape = (batch_size, q_len, num_heads, self._head_dim)
         self._packed_shape = (batch_size * q_len, num_heads, self._head_dim)
         # Packed queries on the wrapper path take run()'s fast path; None matches no query.
-        self._fast_shape = self._packed_shape if self.path not in ("reference", "trtllm-gen") else None
+        self._fast_shape = self._packed_shape if self.path in ("fa3", "fa2") else None
         self._planned_workspace: torch.Tensor | None = None
         self._plan_kwargs: dict[str, Any] | None = None  # built once; only the metadata changes per plan
         self._registry = registry if registry is not None else get_registry()
@@ -245,10 +287,22 @@ class MLADecodePlan:
         self._csr_constants: tuple[CSRConstants, torch.Tensor] | None = None
         self._csr_factory: Any = None  # FlashInfer's MLAPlanMetadata.csr, on the wrapper path
         self.plan_calls = 0
+        rule_bytes = self._registry.resolve(pool, self.rule, **self.facts)
+        self.need_bytes = path_need_bytes(
+            self.path, sm_count=self.facts["sm_count"], batch_size=batch_size, q_len=q_len, num_heads=num_heads,
+            kv_lora_rank=kv_lora_rank, max_seq_len=max_seq_len, return_lse=return_lse, enable_dcp=enable_dcp,
+        )  # fmt: skip
+        #: What this plan requests: the rule, or the path's need where the rule is below it.
+        #: A replan checks the pool against it, not the rule.
+        self._nbytes = max(rule_bytes, self.need_bytes)
+        if self.need_bytes > rule_bytes:
+            self._warn_rule_below_need(pool, rule_bytes)
         # Grow now, outside the per-layer path (and outside any later capture).
-        self._pool.ensure(self.rule, self.facts)
-        #: What the rule asks for these facts; a replan checks the pool against it, not the rule.
-        self._nbytes = self._registry.resolve(pool, self.rule, **self.facts)
+        self._pool.grow_to(self._nbytes, f"rule {self.rule}" if self._nbytes == rule_bytes else self._need_reason,
+                           self._setting)  # fmt: skip
+        if self.path in BLACKWELL_BACKENDS:
+            check_kernel_keywords(kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla,
+                                  kernels.TRTLLM_DECODE_KEYWORDS)  # fmt: skip
         if self.path == "trtllm-gen":
             self._registry.declare_pool(COUNTER_POOL, {"default": COUNTER_RULE})
             self._counters = self._registry.pool(COUNTER_POOL, device, lane=lane)
@@ -256,6 +310,29 @@ class MLADecodePlan:
         elif self.path != "reference":
             self._csr_factory = kernels.load_flashinfer_mla().MLAPlanMetadata.csr
             self._plan_wrapper()
+
+    @property
+    def _need_reason(self) -> str:
+        return f"the {self.path} kernel path"
+
+    def _warn_rule_below_need(self, pool: str, rule_bytes: int) -> None:
+        """Say once per registry, pool, rule and path that the rule is below the path's need."""
+        warned: set[tuple[str, str, str]] = self._registry.op_state.setdefault("mla_rule_below_need", set())
+        key = (pool, self.rule, self.path)
+        if key in warned:
+            return
+        warned.add(key)
+        logger.warning(
+            "wspool: rule %s of pool %s resolves to %d bytes, below the %d bytes FlashInfer's %s MLA decode needs "
+            "here; requesting %d bytes. Raise %s to at least that to silence this",
+            self.rule, pool, rule_bytes, self.need_bytes, self.path, self._nbytes, self._setting,
+        )  # fmt: skip
+
+    @property
+    def flashinfer_backend(self) -> str | None:
+        """The backend FlashInfer's planned wrapper reports after planning (``None`` on other paths)."""
+        wrapper = self._wrapper
+        return None if wrapper is None else getattr(wrapper, "_backend", None)
 
     # -- metadata identity (for mla_decode's reuse) --------------------------
 
@@ -389,8 +466,8 @@ class MLADecodePlan:
                 f"kv_cache must be [pages, {self.page_size}, {self._head_dim}], got {tuple(kv_cache.shape)}"
             )
         path = self.path
-        if path == "reference" or path == "trtllm-gen":
-            workspace = self._pool.workspace(self.rule, self.facts)
+        if path == "reference" or path in BLACKWELL_BACKENDS:
+            workspace = self._pool.request(self._nbytes, self.rule)
             given = (out, lse)
             if packed:  # these paths take the 4-D form
                 query = query.view(self._query_shape)
@@ -399,7 +476,7 @@ class MLADecodePlan:
             if path == "reference":
                 result = self._run_reference(query, kv_cache, out, lse)
             else:
-                result = self._run_trtllm(query, kv_cache, out, lse, workspace)
+                result = self._run_blackwell(query, kv_cache, out, lse, workspace)
             return self._packed_result(result, *given) if packed else result
         if not packed:
             return self.run_matched(query, kv_cache, out, lse)  # validated above; it requests the workspace
@@ -448,7 +525,7 @@ class MLADecodePlan:
             ref_lse = lse
         return ref_out, ref_lse
 
-    def _run_trtllm(
+    def _run_blackwell(
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -457,7 +534,7 @@ class MLADecodePlan:
         workspace: torch.Tensor,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kernel = kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla
-        counters = self._counters.workspace("default", self.facts)
+        counters = self._counters.workspace("default", self.facts) if self.path == "trtllm-gen" else None
         tokens = self.batch_size * self.q_len
         for attempt in range(_MAX_RECOVERIES + 1):
             try:
@@ -466,6 +543,8 @@ class MLADecodePlan:
                         query=query,
                         kv_cache=kv_cache,
                         workspace=workspace,
+                        backend=self.path,
+                        dcp=self.dcp,
                         counters=counters,
                         block_tables=self.block_tables,
                         seq_lens=self.seq_lens,
@@ -480,7 +559,7 @@ class MLADecodePlan:
                     )
                 )
                 return self._shape_result(result, out, lse)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 workspace = self._recover(exc, workspace.numel(), attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -511,7 +590,7 @@ class MLADecodePlan:
             # on the buffer it was built on (which held this plan's size then, and still does).
             if wrapper is None or workspace is not self._planned_workspace or wrapper._wspool_owner is not self._token:
                 if workspace is None or self._pool.capacity_bytes < self._nbytes:
-                    workspace = self._pool.ensure(self.rule, self.facts)
+                    workspace = self._pool.grow_to(self._nbytes, f"rule {self.rule}", self._setting)
                 generation = self._pool.generation
                 wrapper = self._acquire_wrapper(workspace, generation)
             # Nobody owns a wrapper mid-plan: if plan() fails, no plan may run on it unplanned.
@@ -519,7 +598,7 @@ class MLADecodePlan:
             try:
                 self.plan_calls += 1
                 wrapper.plan(**plan_kwargs)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 self._recover(exc, workspace.numel(), attempt)  # type: ignore[union-attr]  # the planned buffer
                 continue
             wrapper._wspool_owner = self._token
@@ -567,11 +646,11 @@ class MLADecodePlan:
 
     # -- overflow recovery -----------------------------------------------------
 
-    def _recover(self, exc: RuntimeError, capacity: int, attempt: int) -> torch.Tensor:
-        """Grow the pool past what a FlashInfer overflow needed; re-raise anything else."""
+    def _recover(self, exc: Exception, capacity: int, attempt: int) -> torch.Tensor:
+        """Grow the pool past what a FlashInfer refusal needed; re-raise anything else."""
         return grow_after_overflow(
             exc, pool=self._pool, capacity=capacity, attempt=attempt, op="MLA decode", rule=self.rule,
-            setting=self._setting,
+            setting=self._setting, path=self.path,
         )  # fmt: skip
 
 

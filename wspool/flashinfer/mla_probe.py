@@ -28,9 +28,10 @@ import torch
 from wspool.calibrate import NEEDS_GPU
 from wspool.devices import DeviceLike, resolve_device
 from wspool.flashinfer import kernels
+from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS
 from wspool.flashinfer.direct import SM_SCALE
 from wspool.flashinfer.mla import select_path
-from wspool.flashinfer.overflow import parse_overflow
+from wspool.flashinfer.refusals import parse_refusal
 from wspool.search import CalibrationError, SearchResult, search_min_bytes
 from wspool.sweep import KV_LORA_RANK, QK_ROPE_HEAD_DIM, MLAShape
 
@@ -66,12 +67,13 @@ class MLAWorkspaceProbe:
 
     Args:
         device: A CUDA device; ``None`` is the current one.
-        backend: ``"auto"``, ``"fa3"`` or ``"fa2"`` (as :func:`wspool.flashinfer.mla_decode_plan`).
+        backend: ``"auto"``, ``"fa3"`` or ``"fa2"`` (as :func:`wspool.flashinfer.mla_decode_plan`);
+            ``"auto"`` is resolved to the concrete backend first, and FlashInfer is asked for that one.
         kv_pages: Pages of the shared random KV cache that every shape's page table points into.
         seed: Seeds the random page tables, queries and KV cache.
 
     Raises:
-        CalibrationError: No CUDA device, or the device takes the trtllm-gen path.
+        CalibrationError: No CUDA device, or the device takes a Blackwell path.
     """
 
     def __init__(self, device: DeviceLike = None, *, backend: str = "auto", kv_pages: int = 4096, seed: int = 0):
@@ -81,10 +83,11 @@ class MLAWorkspaceProbe:
         if self.device.type != "cuda":
             raise CalibrationError(f"needs a CUDA device, got {self.device}")
         self.path = select_path(self.device, backend)
-        if self.path == "trtllm-gen":
+        if self.path in BLACKWELL_BACKENDS:
             raise CalibrationError(
-                "cannot measure trtllm-gen MLA decode (Blackwell): its scratch is not bounds-checked, so no "
-                "probe finds its need; use configs/blackwell.yaml (the launcher's formula with a margin)"
+                f"cannot measure {self.path} MLA decode (Blackwell): trtllm-gen's scratch is not bounds-checked "
+                "and cute-dsl's need comes from FlashInfer's own size function, so no probe is needed or possible; "
+                "use configs/blackwell.yaml (the launcher's formula with a margin)"
             )
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._fi = kernels.load_flashinfer_mla()
@@ -98,8 +101,6 @@ class MLAWorkspaceProbe:
     def describe(self) -> dict[str, str]:
         """The device, library versions and kernel path."""
         path = "planned wrapper (BatchMLAPagedAttentionWrapper), backend " + self.path
-        if self.path == "auto":
-            path += " (fa3 on SM90, fa2 on SM80)"
         return device_description(self.device, path + ", bf16")
 
     # -- probing -----------------------------------------------------------------
@@ -108,11 +109,11 @@ class MLAWorkspaceProbe:
         """Plan ``shape`` on an ``nbytes`` workspace: ``None`` if it fits, else the bytes the overflow named."""
         try:
             self._plan(shape, self._workspace(nbytes)[:nbytes])
-        except RuntimeError as exc:
-            overflow = parse_overflow(exc)
-            if overflow is None:
+        except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
+            refusal = parse_refusal(exc, self.path)
+            if refusal is None:
                 raise
-            return nbytes - overflow.available_bytes + overflow.size_bytes
+            return refusal.needed_capacity(nbytes, padding=False)
         return None
 
     def search(self, shape: MLAShape, *, granularity: int = 1) -> SearchResult:
@@ -132,7 +133,7 @@ class MLAWorkspaceProbe:
         query = self._random((shape.batch_size * shape.q_len, shape.num_heads, _DIM))
         try:
             got = self._run(shape, buffer[:nbytes], query)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         torch.cuda.synchronize(self.device)
         if not bool((guard == _GUARD_VALUE).all()):

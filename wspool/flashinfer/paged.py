@@ -277,7 +277,7 @@ class PagedAttentionPlan:
             try:
                 self.plan_calls += 1
                 wrapper.plan(**plan_kwargs)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 grow_after_overflow(
                     exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt, op=f"paged {self.kind}",
                     rule=self.kind, setting=self._setting, float_carves=FLOAT_CARVES,

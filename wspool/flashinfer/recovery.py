@@ -1,8 +1,9 @@
 """Overflow recovery shared by the FlashInfer ops: grow the pool past what a failed carve needed, then retry.
 
 A FlashInfer ``plan()`` or kernel that finds its float workspace too small
-raises the :mod:`~wspool.flashinfer.overflow` message. The op calls
-:func:`grow_after_overflow` with it; the pool grows once past the need (with
+raises one of the :mod:`~wspool.flashinfer.refusals` forms (a ``RuntimeError``
+from the C++ allocator, a ``ValueError`` from FlashInfer's Python checks). The
+op calls :func:`grow_after_overflow` with it; the pool grows once past the need (with
 headroom for the carves after the failing one), a warning names the setting to
 raise, and the op retries. After :data:`MAX_RECOVERIES` growths the op gives up
 with a :class:`~wspool.errors.WorkspaceOverflowError`.
@@ -20,7 +21,7 @@ from collections.abc import Container
 import torch
 
 from wspool.errors import WorkspaceOverflowError
-from wspool.flashinfer.overflow import parse_overflow
+from wspool.flashinfer.refusals import parse_refusal
 from wspool.pool import WorkspacePool
 from wspool.units import format_size
 
@@ -34,7 +35,7 @@ _MiB = 1 << 20
 
 
 def grow_after_overflow(
-    exc: RuntimeError,
+    exc: Exception,
     *,
     pool: WorkspacePool,
     capacity: int,
@@ -43,6 +44,7 @@ def grow_after_overflow(
     rule: str,
     setting: str,
     float_carves: Container[str] | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Grow ``pool`` past what the overflow in ``exc`` needed; re-raise anything else.
 
@@ -57,25 +59,32 @@ def grow_after_overflow(
         float_carves: The carve names that live in the pool's buffer; an overflow
             of any other carve (FlashInfer's own int workspace) is re-raised as
             it is. ``None``: every carve.
+        path: The backend the op asked FlashInfer for, to read a refusal that lists several.
 
     Returns:
         The grown buffer.
 
     Raises:
-        RuntimeError: ``exc`` itself, when it is not an overflow of the pool's buffer.
+        Exception: ``exc`` itself, when it is not a refusal of the pool's buffer, or names no size.
         WorkspaceOverflowError: The call still overflowed after :data:`MAX_RECOVERIES` growths.
         WorkspaceFrozenError: Growth is refused (frozen or capturing).
         WorkspaceLimitError: Growth would pass ``max_bytes`` or the device's memory.
     """
-    overflow = parse_overflow(exc)
-    if overflow is None or (float_carves is not None and overflow.name not in float_carves):
+    overflow = parse_refusal(exc, path)
+    if (
+        overflow is None
+        or not overflow.sized
+        or (float_carves is not None and overflow.form == "aligned-allocator" and overflow.name not in float_carves)
+    ):
         raise exc
     needed = overflow.needed_capacity(capacity)
+    # A carve names what was left; a whole-need refusal had the entire buffer to work with.
+    available = overflow.available_bytes if overflow.form == "aligned-allocator" else capacity
     name, device = pool.spec.name, pool.device
     if attempt >= MAX_RECOVERIES:
         raise WorkspaceOverflowError(
             f"FlashInfer {op} still overflowed pool {name!r} on {device} after {attempt} growth(s): "
-            f"{overflow.name} needs {overflow.size_bytes} bytes with {overflow.available_bytes} of "
+            f"{overflow.name} needs {overflow.size_bytes} bytes with {available} of "
             f"{capacity} available; raise {setting}"
         ) from exc
     # Headroom for the carves after the one that failed, so one retry normally suffices.
@@ -90,7 +99,7 @@ def grow_after_overflow(
             rule,
             overflow.name,
             overflow.size_bytes,
-            overflow.available_bytes,
+            available,
             format_size(capacity),
             format_size(target),
             setting,

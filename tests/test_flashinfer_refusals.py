@@ -1,0 +1,130 @@
+"""Tests for wspool.flashinfer.refusals: every refusal text of the supported FlashInfer versions parses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from wspool.flashinfer.refusals import REFUSAL_FORMS, parse_refusal
+
+MiB = 1 << 20
+
+SEED = (
+    "RuntimeError: Error in function 'aligned_alloc' at /workspace/include/flashinfer/allocator.h:49: "
+    "Buffer overflow when allocating memory for trtllm_gen_softmax_workspace with size 135266304 and "
+    "alignment 16, but only 125829120 bytes available in AlignedAllocator. Increase the workspace buffer size."
+)
+# Texts captured on the H200 test machine (SM90, 132 SMs), verbatim, one per distinct message and capacity:
+# (FlashInfer version, the case, the exception type, the capacity the call was given, the message).
+CAPTURED = [
+    (r["flashinfer"], r["case"], r["type"], r["capacity_bytes"], r["message"])
+    for r in map(json.loads, (Path(__file__).parent / "refusals_h200.jsonl").read_text().splitlines())
+]
+# 0.7.4, backend="auto" on an H200 with an 8 MiB buffer, as captured there.
+AUTO_074 = next(msg for v, case, _, _, msg in CAPTURED if v == "0.7.4" and case.startswith("direct-mla backend=auto"))
+# The needs each captured refusal names, on the H200 (132 SMs), worked out by hand from FlashInfer's sources.
+_H200_NEEDS = {"mla_partial_o": 17301504 + 16, "batch_decode_tmp_v": 2424832 + 16, "fa3": 17369088, "fa2": 17369088}
+
+
+@pytest.mark.parametrize(
+    ("version", "case", "kind", "capacity", "message"), CAPTURED, ids=[f"{c[0]}:{c[1]}" for c in CAPTURED]
+)
+def test_every_captured_h200_text(version: str, case: str, kind: str, capacity: int | None, message: str) -> None:
+    """Each text captured on the H200 parses to its need, or (not about the workspace) to None."""
+    backend = case.split("backend=")[1].split()[0] if "backend=" in case else None
+    path = "fa3" if backend == "auto" else backend  # what wspool resolves 'auto' to on SM90
+    refusal = parse_refusal(message, path)
+    if case.startswith("direct-trtllm"):  # Hopper refusing a Blackwell/SM120 kernel, or a failed download
+        assert refusal is None
+        return
+    assert refusal is not None and capacity is not None
+    assert refusal.needed_capacity(capacity) == _H200_NEEDS[refusal.name]
+    if kind == "_BackendPlanUnsupportedError":
+        assert (version, refusal.form, refusal.name) == ("0.7.4", "fa-preflight", path)
+    else:
+        assert (kind, refusal.form, refusal.available_bytes) == ("RuntimeError", "aligned-allocator", capacity)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS, ids=[f.name for f in REFUSAL_FORMS])
+def test_every_example_parses_to_its_form(form: object) -> None:
+    """Each table entry's example text parses to that form, with the size it names."""
+    refusal = parse_refusal(form.example)  # type: ignore[attr-defined]
+    assert refusal is not None and refusal.form == form.name  # type: ignore[attr-defined]
+    assert refusal.sized is (form.sized != "none")  # type: ignore[attr-defined]
+
+
+def test_the_seed_carve() -> None:
+    """The seed's trtllm-gen overflow: 8 MiB used before the slab, so the need is used + slab + alignment."""
+    refusal = parse_refusal(RuntimeError(SEED))
+    assert refusal is not None
+    assert (refusal.form, refusal.name, refusal.size_bytes, refusal.alignment, refusal.available_bytes) == (
+        "aligned-allocator", "trtllm_gen_softmax_workspace", 135266304, 16, 125829120,
+    )  # fmt: skip
+    assert refusal.needed_capacity(128 * MiB) == 8 * MiB + 135266304 + 16
+    assert refusal.needed_capacity(128 * MiB, padding=False) == 8 * MiB + 135266304
+
+
+def test_the_hopper_carve_of_072() -> None:
+    """0.7.2.post1's fa3 plan on an 8 MiB buffer: nothing used before mla_partial_o."""
+    refusal = parse_refusal(REFUSAL_FORMS[0].example)
+    assert refusal is not None and refusal.needed_capacity(8 * MiB) == 17301504 + 16
+
+
+def test_the_auto_list_of_074_is_read_for_the_path() -> None:
+    """0.7.4's backend='auto' list gives the named backend's whole need, whatever the capacity."""
+    refusal = parse_refusal(ValueError(AUTO_074), "fa2")
+    assert refusal is not None and (refusal.form, refusal.name) == ("fa-preflight", "fa2")
+    assert refusal.needed_capacity(8 * MiB) == refusal.needed_capacity(1) == 17369088
+    assert parse_refusal(AUTO_074, "trtllm-gen").name == "fa3"  # type: ignore[union-attr]  # not listed: the largest
+
+
+def test_explicit_fa3_of_074() -> None:
+    """0.7.4's explicit fa3 refusal (a ValueError) names the whole need."""
+    refusal = parse_refusal(ValueError("fa3 MLA needs 17369088 float workspace bytes for partial outputs and LSE."))
+    assert refusal is not None and refusal.needed_capacity(0) == 17369088
+
+
+def test_cute_dsl_texts() -> None:
+    """Both cute-dsl texts give the need; the split-tactic text is recognised but names no size."""
+    functional = parse_refusal("workspace_buffer too small: 1048576 bytes, need 16809984 bytes")
+    assert functional is not None and functional.needed_capacity(MiB) == 16809984
+    assert functional.available_bytes == MiB
+    planned = parse_refusal("workspace_buffer too small for cute-dsl backend: have 5 bytes, need 7 bytes.")
+    assert planned is not None and (planned.name, planned.needed_capacity(5)) == ("cute-dsl", 7)
+    tactic = parse_refusal("workspace_buffer too small for the requested split tactic")
+    assert tactic is not None and not tactic.sized and tactic.needed_capacity(MiB) == 0
+
+
+def test_other_errors_are_not_refusals() -> None:
+    """Any other error text is not a refusal."""
+    assert parse_refusal(RuntimeError("CUDA error: an illegal memory access was encountered")) is None
+    assert parse_refusal("XQA MLA requires SM120a (CUDA >= 12.8) or SM121a (CUDA >= 12.9)") is None
+    assert parse_refusal(ValueError("trtllm-gen MLA requires SM100/SM103/SM107")) is None
+
+
+# Where each form's text lives in FlashInfer's installed sources.
+_SOURCES = {
+    "aligned-allocator": ("data/include/flashinfer/allocator.h", "Buffer overflow when allocating memory for "),
+    "fa-preflight": ("mla/_batch_mla/_backends/_fa_common.py", "float workspace bytes for partial outputs and LSE."),
+    "cute-dsl-planned": ("mla/_batch_mla/_backends/_cute_dsl_common.py", "too small for cute-dsl backend: "),
+    "cute-dsl-functional": ("cute_dsl/attention/monolithic/mla_decode.py", 'f"workspace_buffer too small: {'),
+    "cute-dsl-split-tactic": (
+        "mla/_batch_mla/_backends/cute_dsl_monolithic_backend.py",
+        "workspace_buffer too small for the requested split tactic",
+    ),
+}
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS, ids=[f.name for f in REFUSAL_FORMS])
+def test_the_table_matches_the_installed_flashinfer(form: object) -> None:
+    """A form's text is in the installed FlashInfer's source exactly when the table lists its version."""
+    import importlib.metadata
+
+    flashinfer = pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    version = importlib.metadata.version("flashinfer-python")
+    relative, fragment = _SOURCES[form.name]  # type: ignore[attr-defined]
+    source = Path(flashinfer.__file__).parent / relative
+    text = source.read_text() if source.is_file() else ""
+    assert (fragment in text) is (version in form.versions), (version, relative)  # type: ignore[attr-defined]

@@ -1,0 +1,181 @@
+"""Every way a supported FlashInfer refuses a workspace that is too small, and one parser over them.
+
+FlashInfer says "too small" in several forms, which differ by version and by
+wrapper. :data:`REFUSAL_FORMS` is the table of them (read from the Python and
+C++ sources of FlashInfer 0.7.2.post1 and 0.7.4, and checked against texts
+captured on the H200 test machine); :func:`parse_refusal` is the one parser
+that overflow recovery, ``wspool calibrate`` and the benchmark use.
+
+A refusal either names one failed carve (FlashInfer's C++ ``AlignedAllocator``:
+the capacity that would have served it is ``capacity - available + size``
+plus up to ``alignment`` bytes of padding), or the whole need (0.7.4's
+Python preflight of the planned fa2/fa3 wrapper, the cute-dsl kernels), or no
+size at all (0.7.4's cute-dsl split-tactic check). The parser is the safety
+net: the ops size the workspace for their path before they call FlashInfer
+(:mod:`wspool.flashinfer.path_sizing`).
+
+Everything here is plain text processing: no CUDA, no FlashInfer import,
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["REFUSAL_FORMS", "RefusalForm", "WorkspaceRefusal", "parse_refusal"]
+
+
+@dataclass(frozen=True)
+class RefusalForm:
+    """One way FlashInfer refuses a small workspace.
+
+    Attributes:
+        name: The form's key, e.g. ``"aligned-allocator"``.
+        versions: The FlashInfer versions that raise it.
+        wrappers: The calls that raise it, as wspool drives them.
+        exception: The Python exception type FlashInfer raises with it.
+        sized: ``"carve"`` (one failed carve), ``"total"`` (the whole need) or ``"none"``.
+        pattern: The regular expression; groups ``name``, ``size``, ``alignment``, ``available`` where present.
+        example: One text of the form: captured on the H200 test machine where a Hopper GPU raises it,
+            else built from FlashInfer's source (the Blackwell-only forms; no Blackwell GPU was available).
+    """
+
+    name: str
+    versions: tuple[str, ...]
+    wrappers: tuple[str, ...]
+    exception: str
+    sized: str
+    pattern: re.Pattern[str]
+    example: str
+
+
+_BOTH = ("0.7.2.post1", "0.7.4")
+
+#: The refusal texts of every supported FlashInfer version, for every call wspool makes.
+REFUSAL_FORMS: tuple[RefusalForm, ...] = (
+    RefusalForm(
+        name="aligned-allocator",
+        versions=_BOTH,
+        wrappers=(
+            "BatchMLAPagedAttentionWrapper.plan (fa2/fa3; on 0.7.4 only past its Python preflight)",
+            "trtllm_batch_decode_with_kv_cache_mla (trtllm-gen: trtllm_gen_softmax_workspace)",
+            "BatchDecodeWithPagedKVCacheWrapper.plan",
+            "BatchPrefillWithPagedKVCacheWrapper.plan",
+        ),
+        exception="RuntimeError",
+        sized="carve",
+        pattern=re.compile(
+            r"Buffer overflow when allocating memory for (?P<name>\S+) with size (?P<size>\d+) "
+            r"and alignment (?P<alignment>\d+), but only (?P<available>\d+) bytes available"
+        ),
+        example=(  # 0.7.2.post1's fa3 plan on an 8 MiB buffer, captured on the H200 test machine
+            "Buffer overflow when allocating memory for mla_partial_o with size 17301504 and alignment 16, "
+            "but only 8388608 bytes available in AlignedAllocator. Increase the workspace buffer size."
+        ),
+    ),
+    RefusalForm(
+        name="fa-preflight",
+        versions=("0.7.4",),
+        wrappers=("BatchMLAPagedAttentionWrapper.plan (fa2/fa3, alone or inside backend='auto''s list)",),
+        exception="ValueError (_BackendPlanUnsupportedError)",
+        sized="total",
+        pattern=re.compile(r"(?P<name>fa[23]) MLA needs (?P<size>\d+) float workspace bytes for partial outputs"),
+        example="fa3 MLA needs 17369088 float workspace bytes for partial outputs and LSE.",  # captured on the H200
+    ),
+    RefusalForm(
+        name="cute-dsl-planned",
+        versions=_BOTH,
+        wrappers=("BatchMLAPagedAttentionWrapper.plan (cute-dsl)",),
+        exception="ValueError (_BackendPlanUnsupportedError)",
+        sized="total",
+        pattern=re.compile(
+            r"workspace_buffer too small for (?P<name>cute-dsl) backend: have (?P<available>\d+) bytes, "
+            r"need (?P<size>\d+) bytes"
+        ),
+        example="workspace_buffer too small for cute-dsl backend: have 1048576 bytes, need 16809984 bytes.",  # source
+    ),
+    RefusalForm(
+        name="cute-dsl-functional",
+        versions=_BOTH,
+        wrappers=("trtllm_batch_decode_with_kv_cache_mla (backend='cute-dsl')",),
+        exception="ValueError",
+        sized="total",
+        pattern=re.compile(r"(?P<name>workspace_buffer) too small: (?P<available>\d+) bytes, need (?P<size>\d+) bytes"),
+        example="workspace_buffer too small: 1048576 bytes, need 16809984 bytes",  # from the source
+    ),
+    RefusalForm(
+        name="cute-dsl-split-tactic",
+        versions=("0.7.4",),
+        wrappers=("trtllm_batch_decode_with_kv_cache_mla (backend='cute-dsl', an explicit split tactic)",),
+        exception="ValueError (_BackendPlanUnsupportedError)",
+        sized="none",
+        pattern=re.compile(r"(?P<name>workspace_buffer) too small for the requested split tactic"),
+        example="workspace_buffer too small for the requested split tactic",  # from the source
+    ),
+)
+
+
+@dataclass(frozen=True)
+class WorkspaceRefusal:
+    """One refusal of a FlashInfer workspace.
+
+    Attributes:
+        form: The :class:`RefusalForm` name it matched.
+        name: The failed carve (``"mla_partial_o"``), or the backend that refused (``"fa3"``).
+        size_bytes: Bytes the carve asked for, or the whole need (``0`` when the text names none).
+        alignment: The carve's alignment in bytes (``0`` for the other forms).
+        available_bytes: Bytes that were left (carves) or given (totals); ``None`` when not said.
+    """
+
+    form: str
+    name: str
+    size_bytes: int
+    alignment: int = 0
+    available_bytes: int | None = None
+
+    @property
+    def sized(self) -> bool:
+        """Whether the text names a size to grow to."""
+        return self.size_bytes > 0
+
+    def needed_capacity(self, capacity_bytes: int, *, padding: bool = True) -> int:
+        """Return the workspace size that would have served this refusal (``0``: the text names none).
+
+        Args:
+            capacity_bytes: The size of the workspace FlashInfer was given.
+            padding: Add the carve's alignment, the most padding it can take
+                (``False``: the lower bound a size search starts from).
+        """
+        if self.form != "aligned-allocator":
+            return self.size_bytes
+        used = max(capacity_bytes - (self.available_bytes or 0), 0)
+        return used + self.size_bytes + (self.alignment if padding else 0)
+
+
+def parse_refusal(error: BaseException | str, path: str | None = None) -> WorkspaceRefusal | None:
+    """Return the workspace refusal ``error`` describes, or ``None`` if it is another error.
+
+    Args:
+        error: What FlashInfer raised, or its text.
+        path: The backend wspool asked for (``"fa3"``). A text that lists several
+            backends' needs (0.7.4's ``backend="auto"``) is read for this one;
+            without it, or when it is not listed, for the largest need.
+    """
+    text = str(error)
+    for form in REFUSAL_FORMS:
+        matches = list(form.pattern.finditer(text))
+        if not matches:
+            continue
+        chosen = [m for m in matches if path is not None and m["name"] == path] or matches
+        match = max(chosen, key=lambda m: int(m.groupdict().get("size") or 0))
+        groups = match.groupdict()
+        available = groups.get("available")
+        return WorkspaceRefusal(
+            form=form.name,
+            name=match["name"],
+            size_bytes=int(groups.get("size") or 0),
+            alignment=int(groups.get("alignment") or 0),
+            available_bytes=None if available is None else int(available),
+        )
+    return None
