@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from wspool.device_facts import device_facts
 from wspool.devices import resolve_device
 from wspool.errors import describe_setting
 from wspool.flashinfer import kernels
@@ -68,7 +69,6 @@ BACKENDS = ("auto", "reference", "trtllm-gen", "fa3", "fa2")
 _BLACKWELL = ((10, 0), (10, 3), (10, 7))
 
 _capabilities: dict[torch.device, tuple[int, int]] = {}
-_sm_counts: dict[torch.device, int] = {}
 
 
 def _arch(device: torch.device) -> tuple[int, int] | None:
@@ -81,12 +81,9 @@ def _arch(device: torch.device) -> tuple[int, int] | None:
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    found = _sm_counts.get(device)
-    if found is None:
-        found = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return found
+    # The device's fact (read once per device; wspool.device_facts.fake_device stands a CPU in for a GPU);
+    # 1 off the GPU, where the reference path runs.
+    return device_facts(device).get("sm_count", 1)
 
 
 def select_path(device: torch.device, backend: str = "auto") -> str:
