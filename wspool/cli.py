@@ -223,13 +223,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from wspool.accounting import dry_run, memory_summary
+    from wspool.config import load_settings
+    from wspool.device_facts import describe_device
+    from wspool.devices import resolve_device
 
-    registry = PoolRegistry.from_config(args.config)
+    # The meta device stands in for the current one: its profile and device facts size the rules.
+    current = resolve_device(None)
+    registry = PoolRegistry(
+        load_settings(args.config), describe_device=lambda d: describe_device(current if d.type == "meta" else d)
+    )
     data = dry_run(registry, dict(args.fact or []), device="meta")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print("every rule requested once with these facts, on the meta device (nothing is allocated):")
+    choice = registry.profile_of("meta")
+    print(f"every rule requested once with these facts, on the meta device (nothing is allocated), as {current} "
+          f"(profile {choice.profile}: {choice.reason}):")  # fmt: skip
     print(memory_summary(registry))
     print(
         f"held: {format_size(data['held_bytes'])}; with a buffer per pool (no shared_with): "

@@ -45,6 +45,7 @@ from wspool.flashinfer.page_table import CSRConstants, csr_parts
 from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
 from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
+from wspool.kernel_buffers import track_kernel_buffers
 from wspool.pool import WorkspacePool
 from wspool.registry import PoolRegistry, get_registry
 
@@ -559,8 +560,11 @@ class MLADecodePlan:
                     torch.empty(max_pages, dtype=torch.int32, device=self.device),
                     torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
                 )
-            return _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
-        return _shared_wrapper(self._pool, workspace, self.path, self.return_lse)
+            wrapper = _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
+        else:
+            wrapper = _shared_wrapper(self._pool, workspace, self.path, self.return_lse)
+        track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
+        return wrapper
 
     # -- overflow recovery -----------------------------------------------------
 
