@@ -148,7 +148,9 @@ class MLADecodePlan:
         lane: The pool lane (for concurrent streams).
         use_cuda_graph: Build the wrapper with fixed index buffers so ``run`` can be captured.
         kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim: The MLA geometry (DeepSeek's by default).
-        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``).
+        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``); facts the rules read that
+            neither the plan nor these give come from the pool's default facts
+            (``pools.<pool>.facts``, e.g. ``cp_world: 1``), then from the device.
     """
 
     def __init__(
@@ -213,7 +215,6 @@ class MLADecodePlan:
             "qk_rope_head_dim": qk_rope_head_dim,
             "dtype_bytes": q_dtype.itemsize,
             "sm_count": _sm_count(device),
-            "cp_world": 1,
             **(facts or {}),
         }
         self._head_dim = kv_lora_rank + qk_rope_head_dim
@@ -246,7 +247,7 @@ class MLADecodePlan:
         # Grow now, outside the per-layer path (and outside any later capture).
         self._pool.ensure(self.rule, self.facts)
         #: What the rule asks for these facts; a replan checks the pool against it, not the rule.
-        self._nbytes = self._registry.resolve(pool, self.rule, **self.facts)
+        self._nbytes = self._pool.resolve(self.rule, self.facts)
         if self.path == "trtllm-gen":
             self._registry.declare_pool(COUNTER_POOL, {"default": COUNTER_RULE})
             self._counters = self._registry.pool(COUNTER_POOL, device, lane=lane)
