@@ -34,7 +34,7 @@ def test_a_plan_takes_cp_world_from_the_default_facts() -> None:
     registry = wspool.PoolRegistry(wspool.load_settings(shipped_config("kimi_dcp")), allocator=meta_allocator)
     kwargs = {"num_heads": 8, "sm_scale": inputs.sm_scale, "page_size": 64, "return_lse": True, "registry": registry}
     plan = mla_decode_plan(inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, **kwargs)  # type: ignore[arg-type]
-    assert "cp_world" not in plan.facts
+    assert plan.facts["cp_world"] == 8  # the file's default fact, merged into the plan's
     nbytes = registry.resolve("flashinfer_mla", "lse", device="cpu", **plan.facts)
     assert nbytes == softmax_slab_bytes(8 * 8, 4, 1) + 32 * MiB
     assert registry.stats("flashinfer_mla", "cpu").capacity_bytes >= nbytes

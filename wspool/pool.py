@@ -167,7 +167,7 @@ class _RuleSlot:
         # A literal rule's size, read without a method call on the hot path.
         self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None
         # Configured default facts over the device's: what a call's missing facts are read from.
-        self.defaults: Mapping[str, int] = defaults or {}
+        self.defaults: Mapping[str, int] = defaults if defaults is not None else {}
         # The size of a call that gives no facts, resolved once (None: the defaults lack a fact,
         # and such a call raises the error that names it).
         self.default_nbytes: int | None = None
@@ -286,10 +286,11 @@ class WorkspacePool:
         self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
         self._retired: list[torch.Tensor] = []
         # Merged once per (pool, device): the rules of one pool share one mapping.
-        merged: dict[int, Mapping[str, int]] = {}
+        # Plain dicts: merging one into a call's partial facts is a C-level copy.
+        merged: dict[int, dict[str, int]] = {}
         for own in spec.rule_facts.values():
             if id(own) not in merged:
-                merged[id(own)] = MappingProxyType({**(device_facts or {}), **own})
+                merged[id(own)] = {**(device_facts or {}), **own}
         self._slots: dict[str, _RuleSlot] = {
             name: _RuleSlot(rule, f"rule {name}", spec.rule_setting(name), merged[id(spec.rule_facts[name])])
             for name, rule in spec.rules.items()
@@ -372,7 +373,7 @@ class WorkspacePool:
         slot = self._slots.get(rule)
         if slot is None or slot.rule is None:
             raise self._unknown_rule(rule)
-        return slot.defaults
+        return MappingProxyType(slot.defaults)
 
     def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
         """Return the buffer for an explicit size in bytes, grown first if needed."""

@@ -226,6 +226,8 @@ class MLADecodePlan:
         self._plan_kwargs: dict[str, Any] | None = None  # built once; only the metadata changes per plan
         self._registry = registry if registry is not None else get_registry()
         self._pool = self._registry.pool(pool, device, lane=lane)
+        # The pool's default and device facts, merged once: every per-layer request passes complete facts.
+        self.facts = {**self._pool.default_facts(self.rule), **self.facts}
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
         self._versions = _write_counts(block_tables, seq_lens)
         #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
