@@ -21,6 +21,7 @@ def test_show_names_each_devices_profile_and_why(capsys: pytest.CaptureFixture[s
     assert "profile: auto (from default)" in out
     assert "device cpu: profile hopper (auto: compute capability 9.0 (NVIDIA H200) is hopper's); " in out
     assert "device facts: sm_count=132, cc_major=9, cc_minor=0" in out
+    assert "profile hopper: Hopper (SM90)" in out
     lines = {line.split()[0]: " ".join(line.split()) for line in out.splitlines() if line.startswith("pools.")}
     assert lines["pools.flashinfer_mla.rules.lse"].endswith("profile hopper")
 

@@ -90,6 +90,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     for entry in devices:
         shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
         print(f"device {entry['device']}: profile {entry['profile']} ({entry['reason']}); device facts: {shown}")
+    from wspool.profiles import load_profile
+
+    for name in profiles:
+        print(f"profile {name}: {load_profile(name).description}")
     for name, (settings, prov) in profiles.items():
         if len(profiles) > 1:
             print(f"settings under profile {name}:")
