@@ -89,8 +89,9 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows["pools.flashinfer_mla.rules.lse"] == {
         "key": "pools.flashinfer_mla.rules.lse",
         "value": "256MiB",
-        "source": "default",
+        "source": "profile fixed",  # the CPU's profile under auto
     }
+    assert data["devices"][0]["profile"] == "fixed"
 
 
 @pytest.mark.parametrize(

@@ -162,9 +162,15 @@ def test_facts_from_the_config_reach_the_rule(monkeypatch: pytest.MonkeyPatch) -
     assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 4 * 2 * 64 * 256 + MiB + 32 * MiB
 
 
-def test_missing_facts_name_what_the_plugin_knows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_facts_name_what_the_plugin_knows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A rule that reads facts nobody gave fails naming the facts known and unknown."""
-    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    # The DCP rule without the default facts that configs/kimi_dcp.yaml ships.
+    config = tmp_path / "dcp_no_facts.yaml"
+    config.write_text(
+        "pools:\n  flashinfer_mla:\n    rules:\n"
+        "      lse: 8 * num_heads * tp_heads * batch_size * round_up(q_len, 256) + 1MiB\n"
+    )
+    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
     wspool.reset_registry()
     ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
     with pytest.raises(
@@ -193,16 +199,22 @@ def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
     assert call_facts() is None and wrapped.__wrapped__ is forward_mqa
 
 
-def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Inside forward_mqa the heads come from the query where the configuration has none."""
-    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    # configs/kimi_dcp.yaml's DCP rule, without the default facts that file ships.
+    config = tmp_path / "dcp_no_facts.yaml"
+    config.write_text(
+        "pools:\n  flashinfer_mla:\n    rules:\n"
+        "      lse: 8 * num_heads * cp_world * batch_size * round_up(q_len, 256) + 1MiB + 32MiB\n"
+    )
+    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
     wspool.reset_registry()
     ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
 
     def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> torch.Tensor:
         return ws.get_mla_workspace_buffer(True)
 
-    with pytest.raises(RuleError, match=r"needs fact\(s\) cp_world, num_heads "):
+    with pytest.raises(RuleError, match=r"needs fact\(s\) num_heads "):
         ws.get_mla_workspace_buffer(True)
     ws.wrap_forward_mqa(forward_mqa)(SimpleNamespace(dcp_world_size=2), torch.zeros(8, 16, 4), None, None, None)
     assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 2 * 8 * 256 + 33 * MiB

@@ -476,7 +476,7 @@ BAD_YAML = [
     ("# padding\n" * (MAX_CONFIG_FILE_BYTES // 10 + 1), r"is larger than 64KiB"),
     ("- 1\n- 2\n", r"must hold a mapping at the top level, got list"),
     ("? [a]\n: 1\n", r"found unhashable key"),
-    ("0: 1\n", r"top-level key 0 is not a string \(the keys are pools, debug_streams\)"),
+    ("0: 1\n", r"top-level key 0 is not a string \(the keys are pools, debug_streams, profile\)"),
     ("pools: {p: {0: 1}}\n", r"pools\.p\.0 = 0 .*Keys should be strings"),
     ("pools: !!binary aGVsbG8=\n", r"pools = b'hello' .*valid dictionary"),
     ("pools:\n  1: {rules: {default: 1MiB}}\n", r"pools\.1 = 1 \(from YAML file .*\): a key must be a string, not int"),

@@ -3,6 +3,7 @@
 :meth:`PoolRegistry.memory_stats <wspool.PoolRegistry.memory_stats>` returns
 plain data (JSON-able) and :meth:`~wspool.PoolRegistry.memory_summary` a table
 with one row per buffer (pool, device, lane): capacity, peak request, grows,
+FlashInfer's wrappers' own buffers (:mod:`wspool.kernel_buffers`),
 and the backends that drew from it, i.e. each pool whose rules it served
 (pools configured with ``shared_with`` draw from their host's buffer) with
 its requests per rule. For CUDA devices both add PyTorch's allocated and
@@ -23,11 +24,13 @@ PyTorch's figures are read only for devices where a pool already allocated.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from wspool.errors import RuleError
+from wspool.kernel_buffers import kernel_buffer_stats
 from wspool.pool import Allocator, PoolStats, zeros_allocator
 from wspool.units import format_size
 
@@ -117,9 +120,19 @@ def memory_stats(registry: PoolRegistry) -> dict[str, Any]:
         )
         entry = devices.setdefault(stats.device, {"held_bytes": 0})
         entry["held_bytes"] += held
+    kernel = [asdict(k) for k in kernel_buffer_stats(registry)]
+    for k in kernel:
+        entry = devices.setdefault(k["device"], {"held_bytes": 0})
+        entry["kernel_bytes"] = entry.get("kernel_bytes", 0) + k["device_bytes"]
+        entry["kernel_pinned_host_bytes"] = entry.get("kernel_pinned_host_bytes", 0) + k["pinned_host_bytes"]
     for device, entry in devices.items():
         entry.update(_torch_figures(device) or {})
-    return {"buffers": buffers, "held_bytes": sum(d["held_bytes"] for d in devices.values()), "devices": devices}
+    return {
+        "buffers": buffers,
+        "held_bytes": sum(d["held_bytes"] for d in devices.values()),
+        "devices": devices,
+        "kernel_buffers": kernel,
+    }
 
 
 def _backends_text(backends: Mapping[str, Mapping[str, int]]) -> str:
@@ -151,8 +164,18 @@ def memory_summary(registry: PoolRegistry) -> str:
     ]
     if not rows:
         lines.append("(no buffers: nothing has requested a workspace yet)")
+    for k in data["kernel_buffers"]:
+        lines.append(
+            f"FlashInfer's own buffers on {k['pool']} {k['device']} lane {k['lane']}: {k['wrappers']} wrapper(s) "
+            f"hold {format_size(k['device_bytes'])} on the device, {format_size(k['pinned_host_bytes'])} pinned host"
+        )
     for device, entry in sorted(data["devices"].items()):
         line = f"{device}: wspool holds {format_size(entry['held_bytes'])}"
+        if entry.get("kernel_bytes") or entry.get("kernel_pinned_host_bytes"):
+            line += (
+                f", FlashInfer's wrappers {format_size(entry['kernel_bytes'])} more "
+                f"(+{format_size(entry['kernel_pinned_host_bytes'])} pinned host)"
+            )
         if "torch_allocated_bytes" in entry:
             line += (
                 f" of the {format_size(entry['torch_allocated_bytes'])} PyTorch has allocated "
@@ -176,7 +199,7 @@ def dry_run(registry: PoolRegistry, facts: Mapping[str, int], device: str = "met
     for name in sorted(registry.settings.pools):
         for rule in sorted(registry.spec(name).rules):
             try:
-                nbytes = registry.resolve(name, rule, **facts)
+                nbytes = registry.resolve(name, rule, device=device, **facts)
             except RuleError as exc:
                 skipped[f"{name}.{rule}"] = " ".join(str(exc).split())
                 continue

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from wspool.registry import PoolRegistry
+from wspool.shipped import shipped_config
 from wspool.sweep import DEFAULT_SHAPES, MLAShape
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
 
 #: The sections of ``wspool bench``, in the order they run and print.
 SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
-_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 _BLACKWELL = ((10, 0), (10, 3), (10, 7))
 
 _SEED_DEFAULT_BYTES = 128 * 1024 * 1024
@@ -169,9 +169,9 @@ def machine_info(device: torch.device | None) -> dict[str, str]:
 
 
 def default_rules_file(device: torch.device) -> Path:
-    """The shipped rules for ``device``: ``configs/blackwell.yaml`` on SM100/103/107, else ``configs/hopper.yaml``."""
+    """The shipped rules for ``device``: ``blackwell.yaml`` on SM100/103/107, else ``hopper.yaml`` (package data)."""
     blackwell = torch.cuda.get_device_capability(device) in _BLACKWELL
-    return _CONFIGS / ("blackwell.yaml" if blackwell else "hopper.yaml")
+    return shipped_config("blackwell" if blackwell else "hopper")
 
 
 def run_benchmarks(

@@ -9,9 +9,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from wspool.config import iter_settings, load_settings_with_provenance
+from wspool.config import Provenance, WspoolSettings, iter_settings, load_settings_with_provenance, profile_settings
 from wspool.errors import WspoolError, describe_setting
 from wspool.registry import PoolRegistry
 from wspool.units import format_size
@@ -46,24 +46,64 @@ def _add_config_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML configuration file (default: $WSPOOL_CONFIG)")
 
 
+def _show_devices() -> list[str]:
+    """The devices ``show`` reports: every CUDA device, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    return ["cpu"]
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
-    settings, provenance = load_settings_with_provenance(args.config)
+    given, provenance = load_settings_with_provenance(args.config)
+    registry = PoolRegistry(given)
+    devices: list[dict[str, Any]] = []
+    for device in _show_devices():
+        choice = registry.profile_of(device)
+        facts = dict(registry.device_facts(device))
+        devices.append({"device": device, "profile": choice.profile, "reason": choice.reason, "facts": facts})
+    # Each profile's settings once, in the order the devices name them.
+    profiles: dict[str, tuple[WspoolSettings, Provenance]] = {}
+    for entry in devices:
+        if entry["profile"] not in profiles:
+            profiles[entry["profile"]] = profile_settings(given, entry["profile"])
     if args.json:
-        rows = [
-            {"key": ".".join(path), "value": value, "source": provenance.source_of(path)}
-            for path, value in iter_settings(settings)
-        ]
-        print(json.dumps({"config_file": str(provenance.config_file or ""), "settings": rows}, indent=2))
+        tables = {
+            name: [
+                {"key": ".".join(path), "value": value, "source": prov.source_of(path)}
+                for path, value in iter_settings(settings)
+            ]
+            for name, (settings, prov) in profiles.items()
+        }
+        data = {
+            "config_file": str(provenance.config_file or ""),
+            "profile": {"value": given.profile, "source": provenance.source_of(("profile",))},
+            "devices": devices,
+            "settings": tables[devices[0]["profile"]],
+            "profiles": tables,
+        }
+        print(json.dumps(data, indent=2))
         return 0
     print(f"config file: {provenance.config_file or '(none: built-in defaults and environment)'}")
-    table = [
-        (".".join(path), _show_value(path, value), provenance.source_of(path))
-        for path, value in iter_settings(settings)
-    ]
-    width = max(len(key) for key, _, _ in table)
-    vwidth = max(len(value) for _, value, _ in table)
-    for key, value, source in table:
-        print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
+    print(f"profile: {given.profile} (from {provenance.source_of(('profile',))})")
+    for entry in devices:
+        shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
+        print(f"device {entry['device']}: profile {entry['profile']} ({entry['reason']}); device facts: {shown}")
+    from wspool.profiles import load_profile
+
+    for name in profiles:
+        print(f"profile {name}: {load_profile(name).description}")
+    for name, (settings, prov) in profiles.items():
+        if len(profiles) > 1:
+            print(f"settings under profile {name}:")
+        table = [
+            (".".join(path), _show_value(path, value), prov.source_of(path)) for path, value in iter_settings(settings)
+        ]
+        width = max(len(key) for key, _, _ in table)
+        vwidth = max(len(value) for _, value, _ in table)
+        for key, value, source in table:
+            print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
     return 0
 
 
@@ -74,16 +114,20 @@ def _show_value(path: tuple[str, ...], value: object) -> str:
 
 
 def _cmd_resolve(args: argparse.Namespace) -> int:
+    from wspool.devices import resolve_device
+
     registry = PoolRegistry.from_config(args.config)
     facts = dict(args.fact or [])
-    nbytes = registry.resolve(args.pool, args.rule, **facts)
+    device = resolve_device(args.device)
+    nbytes = registry.resolve(args.pool, args.rule, device=device, **facts)
     if args.bytes:
         print(nbytes)
     else:
-        rule = registry.spec(args.pool).rules[args.rule]
+        rule = registry.spec(args.pool, device).rules[args.rule]
+        profile = registry.profile_of(device).profile
         print(
-            f"{args.pool}.{args.rule} = {nbytes} bytes ({format_size(nbytes)})  [rule {rule.source!r}; "
-            f"set {describe_setting(('pools', args.pool, 'rules', args.rule))}]"
+            f"{args.pool}.{args.rule} = {nbytes} bytes ({format_size(nbytes)})  [rule {rule.source!r}, profile "
+            f"{profile}; set {describe_setting(('pools', args.pool, 'rules', args.rule))}]"
         )
     return 0
 
@@ -183,13 +227,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from wspool.accounting import dry_run, memory_summary
+    from wspool.config import load_settings
+    from wspool.device_facts import describe_device
+    from wspool.devices import resolve_device
 
-    registry = PoolRegistry.from_config(args.config)
+    # The meta device stands in for the current one: its profile and device facts size the rules.
+    current = resolve_device(None)
+    registry = PoolRegistry(
+        load_settings(args.config), describe_device=lambda d: describe_device(current if d.type == "meta" else d)
+    )
     data = dry_run(registry, dict(args.fact or []), device="meta")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print("every rule requested once with these facts, on the meta device (nothing is allocated):")
+    choice = registry.profile_of("meta")
+    print(f"every rule requested once with these facts, on the meta device (nothing is allocated), as {current} "
+          f"(profile {choice.profile}: {choice.reason}):")  # fmt: skip
     print(memory_summary(registry))
     print(
         f"held: {format_size(data['held_bytes'])}; with a buffer per pool (no shared_with): "
@@ -220,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("rule", nargs="?", default="default")
     resolve.add_argument("--fact", action="append", type=_fact, metavar="NAME=VALUE", help="a fact of the call")
     resolve.add_argument("--bytes", action="store_true", help="print only the integer")
+    resolve.add_argument("--device", default=None, help="the device whose profile and facts apply (default: current)")
     _add_config_option(resolve)
     resolve.set_defaults(handler=_cmd_resolve)
 

@@ -21,15 +21,16 @@ raises nothing but :class:`~wspool.errors.ConfigError`.
 from __future__ import annotations
 
 import json
+import keyword
 import os
 import re
 import reprlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -43,7 +44,8 @@ from pydantic_settings import (
 
 from wspool.engine_knobs import engine_knob_layers, engine_knob_settings
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, setting_names
-from wspool.rules import LiteralRule, compile_rule
+from wspool.profiles import AUTO, PROFILE_NAMES, load_profile
+from wspool.rules import FUNCTIONS, LiteralRule, compile_rule
 from wspool.units import format_size, parse_size
 
 __all__ = [
@@ -53,11 +55,14 @@ __all__ = [
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
+    "RESERVED_FACT_NAMES",
     "PoolConfig",
     "Provenance",
     "WspoolSettings",
     "iter_settings",
     "load_settings",
+    "load_settings_with_provenance",
+    "profile_settings",
 ]
 
 #: The environment variable that names the YAML file.
@@ -67,11 +72,14 @@ CONFIG_ENV_VAR = "WSPOOL_CONFIG"
 #: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
 #: two one after another on one stream. Its rules bound the split-KV partial outputs that
 #: FlashInfer's eager plans carve (``wspool.flashinfer.paged`` derives them).
-#: ``configs/default.yaml`` carries the same values (a test keeps them equal).
+#: The ``flashinfer_mla`` pool's default facts are DeepSeek's and Kimi's MLA geometry, for
+#: call sites that pass none (a caller's facts win). ``configs/default.yaml`` carries the
+#: same values (a test keeps them equal).
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "pools": {
         "flashinfer_mla": {
             "rules": {"default": "128MiB", "lse": "256MiB"},
+            "facts": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "q_len": 1, "cp_world": 1},
         },
         "flashinfer": {
             "shared_with": "flashinfer_mla",
@@ -142,10 +150,47 @@ def _pool_name_value(value: object) -> str | None:
     return value.strip()
 
 
+#: Names a default fact may not have: the parameters of the per-call methods (facts are
+#: passed as keyword arguments next to them), Python's keywords and the rule functions.
+RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "self", *keyword.kwlist, *FUNCTIONS})
+
+
+def _fact_name(value: object) -> str:
+    if not isinstance(value, str):
+        raise PydanticCustomError("string_type", "Input should be a valid string")
+    if not value.isidentifier() or value.startswith("_"):
+        raise ValueError(f"fact name {value!r} is not a name a rule can read (letters, digits, _; no leading _)")
+    if value in RESERVED_FACT_NAMES:
+        raise ValueError(
+            f"fact name {value!r} is reserved (it names a parameter of the per-call methods, a Python keyword "
+            f"or a rule function); choose another name"
+        )
+    return value
+
+
+def _fact_value(value: object) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a fact must be a non-negative integer, got {type(value).__name__} {_quote.repr(value)}")
+    return value
+
+
 RuleSource = Annotated[str, BeforeValidator(_rule_value)]
+FactName = Annotated[str, BeforeValidator(_fact_name)]
+FactValue = Annotated[int, BeforeValidator(_fact_value)]
 GrowthPolicy = Annotated[str, BeforeValidator(_growth_value)]
 OptionalLimit = Annotated[int | None, BeforeValidator(_limit_value)]
 PoolName = Annotated[str | None, BeforeValidator(_pool_name_value)]
+
+
+def _profile_value(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in (AUTO, *PROFILE_NAMES):
+        return value.strip().lower()
+    raise ValueError(f"unknown profile {_quote.repr(value)} (choose {AUTO} or one of {', '.join(PROFILE_NAMES)})")
+
+
+ProfileSetting = Annotated[str, BeforeValidator(_profile_value)]
 
 
 class PoolConfig(BaseModel):
@@ -161,6 +206,8 @@ class PoolConfig(BaseModel):
             stream hold one buffer; that pool's growth and max_bytes apply. Empty
             or ``null``: the pool has its own buffer.
         description: Free text shown by ``wspool show``.
+        facts: Default facts of this pool's rules, e.g. ``{"kv_lora_rank": 512}``:
+            non-negative integers, below a caller's facts and above the device's.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -170,6 +217,7 @@ class PoolConfig(BaseModel):
     max_bytes: OptionalLimit = None
     shared_with: PoolName = None
     description: str = ""
+    facts: dict[FactName, FactValue] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _literal_rules_fit_max_bytes(self) -> PoolConfig:
@@ -201,6 +249,8 @@ class WspoolSettings(BaseSettings):
             variable names are matched case-insensitively).
         debug_streams: Warn when one pool's buffer is handed to two CUDA streams
             without ordering between them (costs a stream query per call).
+        profile: ``auto`` (pick per device from its compute capability) or the
+            name of a profile (:mod:`wspool.profiles`) for every device.
     """
 
     model_config = SettingsConfigDict(
@@ -212,6 +262,12 @@ class WspoolSettings(BaseSettings):
 
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
     debug_streams: bool = False
+    profile: ProfileSetting = AUTO
+
+    # The profile layer of this class's sources (see profile_settings), just above the built-in defaults.
+    _profile_layer: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
+    # How load_settings built these settings, so profile_settings can layer a profile under the same inputs.
+    _load_inputs: tuple[Path | None, dict[str, Any]] | None = PrivateAttr(default=None)
 
     @classmethod
     def settings_customise_sources(
@@ -229,6 +285,9 @@ class WspoolSettings(BaseSettings):
         knobs = engine_knob_settings()
         if knobs:
             sources.append(InitSettingsSource(settings_cls, init_kwargs=knobs))
+        layer = getattr(settings_cls, "_profile_layer", None)
+        if layer is not None:
+            sources.append(InitSettingsSource(settings_cls, init_kwargs=_deep_copy(layer[1])))
         sources.append(InitSettingsSource(settings_cls, init_kwargs=_deep_copy(BUILTIN_DEFAULTS)))
         return tuple(sources)
 
@@ -359,20 +418,45 @@ def load_settings_with_provenance(
     config_file: str | os.PathLike[str] | None = None, **overrides: Any
 ) -> tuple[WspoolSettings, Provenance]:
     """Like :func:`load_settings`, also returning where each value came from."""
+    return _load(config_file, None, overrides)
+
+
+def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSettings, Provenance]:
+    """Return ``settings`` with the profile ``profile`` layered just above the built-in defaults.
+
+    The file, the environment and the code overrides that :func:`load_settings`
+    read are read again under the profile, which they override key by key.
+    Settings not built by :func:`load_settings` are returned as they are.
+
+    Raises:
+        ConfigError: The profile's settings do not validate with the configuration's.
+    """
+    inputs = settings._load_inputs
+    if inputs is None:
+        return settings, Provenance([("default", BUILTIN_DEFAULTS)], None)
+    return _load(inputs[0], profile, inputs[1])
+
+
+def _load(
+    config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
+) -> tuple[WspoolSettings, Provenance]:
     path, how = _config_file_from(config_file)
     yaml_data = _read_yaml(path, how) if path is not None else {}
     settings_cls: type[WspoolSettings] = WspoolSettings
-    if path is not None:
+    profile_layer = None if profile is None else (f"profile {profile}", load_profile(profile).settings)
+    if path is not None or profile_layer is not None:
         settings_cls = type(
             "WspoolSettings",
             (WspoolSettings,),
-            {"model_config": {**WspoolSettings.model_config, "yaml_file": path}},
+            {"model_config": {**WspoolSettings.model_config, "yaml_file": path}, "_profile_layer": profile_layer},
         )
     try:
         env_data = EnvSettingsSource(settings_cls)()
     except (SettingsError, RecursionError) as exc:
         raise _env_error(exc) from None
     layers = [("code", overrides), ("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
+    if profile_layer is not None:
+        layers.append((profile_layer[0], dict(profile_layer[1])))
     provenance = Provenance([*layers, ("default", BUILTIN_DEFAULTS)], path)
     try:
         settings = settings_cls(**overrides)
@@ -381,6 +465,7 @@ def load_settings_with_provenance(
     except ValidationError as exc:
         raise _config_error(exc, provenance) from None
     _check_shared_pools(settings, provenance)
+    settings._load_inputs = (path, overrides)
     return settings, provenance
 
 
@@ -466,7 +551,7 @@ def _config_error(exc: ValidationError, provenance: Provenance) -> ConfigError:
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and nesting)"
-        if "[key]" in loc:
+        if "[key]" in loc and error["type"] == "string_type":
             message = f"a key must be a string, not {type(error.get('input')).__name__}"
         if error["type"] == "rule_above_max_bytes":
             lines.append(_rule_above_max_bytes(path, error.get("ctx") or {}, provenance))

@@ -2,9 +2,10 @@
 
 It runs a small batch of MLA decode calls (DeepSeek / Kimi geometry: latent
 512 + rope 64, page size 64, bf16) with and without the LSE, checks each
-result, prints which kernel path ran and the pool's statistics, and replays
-the seed's crash: the LSE call whose trtllm-gen softmax slab does not fit a
-128 MiB workspace, served by the default ``lse`` rule.
+result, prints the device's profile, which kernel path ran and the pool's
+statistics, and replays the seed's crash: the LSE call whose trtllm-gen softmax
+slab does not fit a 128 MiB workspace, served by the ``lse`` rule of the
+profile Blackwell devices get (the kernel that carves that slab runs there).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from collections.abc import Callable
 
 import torch
 
+from wspool.config import profile_settings
 from wspool.flashinfer.mla import mla_decode_plan
 from wspool.flashinfer.reference import mla_decode_reference
 from wspool.flashinfer.trtllm_layout import carve_trtllm_mla_workspace, softmax_slab_bytes
 from wspool.registry import PoolRegistry, get_registry
+from wspool.rules import compile_rule
 from wspool.units import format_size
 
 __all__ = ["run_demo"]
@@ -87,6 +90,8 @@ def run_demo(
     ok = True
     echo(f"wspool demo: MLA decode on {target}, batch {batch}, {heads} heads, lengths up to {max_len}, "
          f"{layers} layers per step")  # fmt: skip
+    choice = registry.profile_of(target)
+    echo(f"profile {choice.profile} on {target}: {choice.reason}")
     for step, return_lse in enumerate((False, True)):
         t = _inputs(batch, heads, max_len, target, seed=step)
         plan = mla_decode_plan(
@@ -108,7 +113,7 @@ def run_demo(
         lse_err = float((lse - want_lse).abs().max()) if lse is not None else 0.0
         passed = err < 1e-2 and lse_err < 1e-3
         ok = ok and passed
-        nbytes = registry.resolve("flashinfer_mla", plan.rule, **plan.facts)
+        nbytes = registry.resolve("flashinfer_mla", plan.rule, device=target, **plan.facts)
         echo(f"  step {step}: return_lse={return_lse!s:<5} path={plan.path:<10} rule={plan.rule:<7} "
              f"workspace {format_size(nbytes):>7}  plans {plan.plan_calls}  "
              f"vs {check_name}: out rel err {err:.1e}"
@@ -137,12 +142,15 @@ def _seed_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> bool:
     except RuntimeError as exc:
         echo(f"  fixed 128MiB (the seed's constant): {exc}")
         crashed = True
-    size = registry.resolve("flashinfer_mla", "lse", batch_size=batch, num_heads=heads, q_len=1)
+    settings, _ = profile_settings(registry.settings, "blackwell")
+    pool = settings.pools["flashinfer_mla"]
+    size = compile_rule(pool.rules["lse"]).resolve({"batch_size": batch, "num_heads": heads, "q_len": 1}, pool.facts)
+    label = f"rule pools.flashinfer_mla.rules.lse under profile blackwell = {format_size(size)}"
     try:
         carve_trtllm_mla_workspace(size, num_heads=heads, batch_size=batch, q_len=1, return_lse=True,
                                    scratch_bytes=scratch)  # fmt: skip
-        echo(f"  rule pools.flashinfer_mla.rules.lse = {format_size(size)}: fits")
+        echo(f"  {label}: fits")
         return crashed
     except RuntimeError as exc:
-        echo(f"  rule pools.flashinfer_mla.rules.lse = {format_size(size)}: {exc}")
+        echo(f"  {label}: {exc}")
         return False

@@ -31,6 +31,7 @@ give each stream its own lane; :mod:`wspool.streams` can watch for it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -100,6 +101,8 @@ class PoolSpec:
         max_bytes: Largest capacity allowed, or ``None``.
         rule_pools: For rules that another pool brought to this one's buffer
             (``shared_with``), the pool whose key sets them; others are this pool's.
+        facts: The pool's configured default facts (``pools.<name>.facts``).
+        rule_facts: For rules another pool brought, that pool's default facts.
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class PoolSpec:
         growth: str = "exact",
         max_bytes: int | None = None,
         rule_pools: Mapping[str, str] | None = None,
+        facts: Mapping[str, int] | None = None,
+        rule_facts: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
         from wspool.units import parse_size  # the one place sizes are parsed
 
@@ -119,6 +124,12 @@ class PoolSpec:
             rule: compile_rule(source, ("pools", self.rule_pools[rule], "rules", rule))
             for rule, source in rules.items()
         }
+        self.facts: dict[str, int] = dict(facts or {})
+        """The pool's own default facts."""
+        self.rule_facts: dict[str, Mapping[str, int]] = {
+            rule: (rule_facts or {}).get(rule, self.facts) for rule in rules
+        }
+        """Rule name -> the default facts of the pool that brought it (this pool's, for its own rules)."""
         self.growth = growth
         self.granularity = 0 if growth in ("exact", "power_of_two") else parse_size(growth)
         self.max_bytes = max_bytes
@@ -147,12 +158,23 @@ class PoolSpec:
 class _RuleSlot:
     """Per rule (or request reason): its compiled rule and an atomic request counter."""
 
-    __slots__ = ("counter", "label", "nbytes", "rule", "setting")
+    __slots__ = ("counter", "default_nbytes", "defaults", "label", "nbytes", "rule", "setting")
 
-    def __init__(self, rule: SizeRule | None, label: str, setting: str) -> None:
+    def __init__(
+        self, rule: SizeRule | None, label: str, setting: str, defaults: Mapping[str, int] | None = None
+    ) -> None:
         self.rule = rule
         # A literal rule's size, read without a method call on the hot path.
         self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None
+        # Configured default facts over the device's: what a call's missing facts are read from.
+        self.defaults: Mapping[str, int] = defaults if defaults is not None else {}
+        # The size of a call that gives no facts, resolved once (None: the defaults lack a fact,
+        # and such a call raises the error that names it).
+        self.default_nbytes: int | None = None
+        if rule is not None and self.nbytes is None and set(rule.names) <= set(self.defaults):
+            # A default fact the rule cannot use: each call raises the rule's own error.
+            with contextlib.suppress(ValueError):
+                self.default_nbytes = rule.resolve(self.defaults)
         self.label = label  # says why the pool grew, e.g. "rule lse"
         self.setting = setting  # the key that sizes these requests, for error messages
         # next() on itertools.count is atomic under the GIL: exact counts without a lock.
@@ -224,6 +246,8 @@ class WorkspacePool:
             track capture themselves, and tests, may pass their own.
         debug_streams: On CUDA devices, watch for the buffer being handed to
             two streams without ordering (see :mod:`wspool.streams`).
+        device_facts: The device's facts (:mod:`wspool.device_facts`); each rule
+            reads a fact its call lacks from its pool's default facts, then from these.
     """
 
     def __init__(
@@ -236,6 +260,7 @@ class WorkspacePool:
         allocator: Allocator | None = None,
         capture_probe: Callable[[], bool] | None = None,
         debug_streams: bool = False,
+        device_facts: Mapping[str, int] | None = None,
     ) -> None:
         self.spec = spec
         self.device = device
@@ -260,8 +285,15 @@ class WorkspacePool:
         self._captured = False
         self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
         self._retired: list[torch.Tensor] = []
+        # Merged once per (pool, device): the rules of one pool share one mapping.
+        # Plain dicts: merging one into a call's partial facts is a C-level copy.
+        merged: dict[int, dict[str, int]] = {}
+        for own in spec.rule_facts.values():
+            if id(own) not in merged:
+                merged[id(own)] = {**(device_facts or {}), **own}
         self._slots: dict[str, _RuleSlot] = {
-            name: _RuleSlot(rule, f"rule {name}", spec.rule_setting(name)) for name, rule in spec.rules.items()
+            name: _RuleSlot(rule, f"rule {name}", spec.rule_setting(name), merged[id(spec.rule_facts[name])])
+            for name, rule in spec.rules.items()
         }
         self.generation = 0
         """Increments each time the buffer is replaced; caches keyed on it go stale."""
@@ -291,7 +323,10 @@ class WorkspacePool:
             raise self._unknown_rule(rule)
         nbytes = slot.nbytes
         if nbytes is None:
-            nbytes = slot.rule.resolve(facts)
+            if facts:
+                nbytes = slot.rule.resolve(facts, slot.defaults)
+            else:
+                nbytes = slot.default_nbytes or slot.rule.resolve(slot.defaults)
         if self._capture_probe is not None:
             if self._capture_probe():
                 self._captured = True
@@ -314,7 +349,31 @@ class WorkspacePool:
         slot = self._slots.get(rule)
         if slot is None or slot.rule is None:
             raise self._unknown_rule(rule)
-        return self.grow_to(slot.rule.resolve(facts), slot.label, slot.setting)
+        return self.grow_to(slot.rule.resolve(facts, slot.defaults), slot.label, slot.setting)
+
+    def resolve(self, rule: str, facts: Mapping[str, object]) -> int:
+        """Return the bytes ``rule`` resolves to for ``facts`` on this pool's device; allocates nothing.
+
+        Facts the call lacks are read from the pool's default facts, then the device's.
+
+        Raises:
+            RuleError: The rule is unknown or cannot be resolved.
+        """
+        slot = self._slots.get(rule)
+        if slot is None or slot.rule is None:
+            raise self._unknown_rule(rule)
+        return slot.rule.resolve(facts, slot.defaults)
+
+    def default_facts(self, rule: str) -> Mapping[str, int]:
+        """Return the facts ``rule`` reads where a call gives none: the pool's defaults over the device's.
+
+        Raises:
+            RuleError: The rule is unknown.
+        """
+        slot = self._slots.get(rule)
+        if slot is None or slot.rule is None:
+            raise self._unknown_rule(rule)
+        return MappingProxyType(slot.defaults)
 
     def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
         """Return the buffer for an explicit size in bytes, grown first if needed."""

@@ -8,6 +8,13 @@ sequential use on one stream; concurrent streams need separate pools or lanes
 (see :mod:`wspool.lanes`). :meth:`PoolRegistry.memory_summary` shows what each
 buffer holds and which backends drew from it.
 
+Profiles: each device's pools are configured by the profile the ``profile``
+setting gives that device (:mod:`wspool.profiles`; ``auto`` picks per compute
+capability), layered just above the built-in defaults; :meth:`PoolRegistry.profile_of`
+says which and why. Facts: a rule reads a fact its call lacks from the pool's
+default facts (``pools.<pool>.facts``), then from the device's
+(:mod:`wspool.device_facts`), merged once per pool and device.
+
 Thread semantics: all methods are thread-safe. Device semantics: see
 :func:`wspool.devices.resolve_device`; ``"cuda"`` and ``None`` are resolved
 to the current device on every call, never cached. Capture semantics: see
@@ -18,21 +25,26 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from wspool.config import WspoolSettings, _check_shared_pools, load_settings
+from wspool.config import WspoolSettings, _check_shared_pools, load_settings, profile_settings
+from wspool.device_facts import DeviceDescription
+from wspool.device_facts import describe_device as describe_any_device
 from wspool.devices import DeviceLike, is_dynamic, resolve_device
 from wspool.errors import ConfigError, describe_setting
 from wspool.lanes import current_lane
 from wspool.pool import Allocator, PoolSpec, PoolStats, WorkspacePool, _FreezeState
+from wspool.profiles import ProfileChoice, choose_profile
 
 __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
 
 _PoolKey = tuple[str, torch.device, str]
+#: Describes a device for its facts and profile; ``None`` for a device that is not a GPU.
+DeviceDescriber = Callable[[torch.device], DeviceDescription | None]
 
 
 class PoolRegistry:
@@ -46,6 +58,13 @@ class PoolRegistry:
         mem_pool: A :class:`torch.cuda.MemPool` that CUDA buffers are allocated
             in (under :func:`torch.cuda.use_mem_pool`), for engines that manage
             a pool's memory as a whole (sleep and offload modes).
+        describe_device: Describes a device for its facts and profile; default
+            :func:`wspool.device_facts.describe_device` (read once per device).
+            Tests pass their own to stand a CPU in for an SM90 or SM100 GPU.
+
+    Attributes:
+        settings: The settings with the profile of devices without a description
+            (the CPU) layered in; each GPU's pools use its own profile's.
     """
 
     def __init__(
@@ -54,8 +73,16 @@ class PoolRegistry:
         *,
         allocator: Allocator | None = None,
         mem_pool: Any = None,
+        describe_device: DeviceDescriber | None = None,
     ) -> None:
-        self.settings = settings if settings is not None else load_settings()
+        given = settings if settings is not None else load_settings()
+        base = choose_profile(given.profile, None)
+        self.settings, provenance = profile_settings(given, base.profile)
+        self._given = given
+        self._describe: DeviceDescriber = describe_device or describe_any_device
+        self._profile_source = provenance.source_of(("profile",))
+        self._views: dict[str, PoolRegistry] = {base.profile: self}
+        self._devices: dict[torch.device, tuple[PoolRegistry, ProfileChoice, Mapping[str, int]]] = {}
         if mem_pool is not None:
             from wspool.accounting import mem_pool_allocator
 
@@ -70,8 +97,11 @@ class PoolRegistry:
         #: Per-registry state of the ops built on it (e.g. the plans ``mla_decode`` reuses),
         #: keyed by the op; it lives and dies with the registry and :meth:`reset` clears it.
         self.op_state: dict[str, Any] = {}
+        self._build_specs()
+
+    def _build_specs(self) -> None:
         for name, pool in self.settings.pools.items():
-            self._specs[name] = PoolSpec(name, pool.rules, pool.growth, pool.max_bytes)
+            self._specs[name] = PoolSpec(name, pool.rules, pool.growth, pool.max_bytes, facts=pool.facts)
         _check_shared_pools(self.settings)
         # A pool configured with shared_with draws from its host's buffer, whose spec
         # carries the rules of both (self._specs keeps each pool's own).
@@ -79,6 +109,88 @@ class PoolRegistry:
         self._buffer_specs: dict[str, PoolSpec] = {}
         for host in sorted(set(self._hosts.values())):
             self._link(host)
+
+    def _view(self, profile: str) -> PoolRegistry:
+        """The registry's view for one profile: its own specs, this registry's pools, lock and freeze."""
+        found = self._views.get(profile)
+        if found is not None:
+            return found
+        settings, _ = profile_settings(self._given, profile)  # outside the lock: it reads files and the environment
+        view = PoolRegistry.__new__(PoolRegistry)
+        view.__dict__.update(self.__dict__)  # share pools, caches, lock, freeze state and op state
+        view.settings, view._specs = settings, {}
+        view._build_specs()
+        with self._lock:
+            for name, declared in self._declared.items():
+                view._declare_locked(name, **declared, replay=True)
+            return self._views.setdefault(profile, view)
+
+    def _device_entry(self, device: torch.device) -> tuple[PoolRegistry, ProfileChoice, Mapping[str, int]]:
+        entry = self._devices.get(device)
+        if entry is None:
+            description = self._describe(device)
+            choice = choose_profile(self._given.profile, description, source=self._profile_source)
+            facts = {} if description is None else dict(description.facts())
+            entry = self._devices.setdefault(device, (self._view(choice.profile), choice, facts))
+        return entry
+
+    def profile_of(self, device: DeviceLike = None) -> ProfileChoice:
+        """Return the profile ``device``'s pools are configured by, and why (``None``: the current device)."""
+        return self._device_entry(resolve_device(device))[1]
+
+    def device_facts(self, device: DeviceLike = None) -> Mapping[str, int]:
+        """Return the facts ``device`` supplies to every rule (empty off the GPU; ``None``: the current device)."""
+        return self._device_entry(resolve_device(device))[2]
+
+    def default_facts(self, pool: str, device: DeviceLike = None) -> dict[str, int]:
+        """Return the facts a call to ``pool`` on ``device`` gets where it gives none: configured over device facts.
+
+        Raises:
+            ConfigError: No pool of that name is configured or declared.
+        """
+        view, _, facts = self._device_entry(resolve_device(device))
+        return {**facts, **view.spec(pool).facts}
+
+    def check_facts(
+        self, pool: str, rules: Iterable[str] | None = None, *, device: DeviceLike = None, supplied: Iterable[str] = ()
+    ) -> None:
+        """Check, before any call, that ``rules`` of ``pool`` can be resolved on ``device`` from ``supplied`` facts.
+
+        A call site that passes fixed facts (an engine's drop-in function passes
+        none) calls this once at load time, so a missing default fact fails
+        there, naming its key, instead of at the first decode step.
+
+        Args:
+            pool: The pool.
+            rules: Its rules to check; ``None``: all of them.
+            device: The device whose profile and facts apply; ``None``: the current device.
+            supplied: The facts the call site passes itself.
+
+        Raises:
+            ConfigError: A rule reads a fact that neither the call, the pool's
+                default facts nor the device supply; the message names
+                ``pools.<pool>.facts.<name>`` / ``WSPOOL_POOLS__<POOL>__FACTS__<NAME>``.
+        """
+        view, choice, _ = self._device_entry(resolve_device(device))
+        spec = view.spec(pool)
+        available = set(supplied) | set(self.default_facts(pool, device))
+        for rule in sorted(spec.rules) if rules is None else rules:
+            compiled = spec.rules.get(rule)
+            if compiled is None:
+                raise ConfigError(
+                    f"pool {pool!r} has no rule {rule!r} (rules: {', '.join(sorted(spec.rules))}); "
+                    f"set {spec.setting('rules', rule)}",
+                    path=("pools", pool, "rules", rule),
+                )
+            missing = [name for name in compiled.names if name not in available]
+            if missing:
+                keys = ", ".join(describe_setting(("pools", pool, "facts", name)) for name in missing)
+                raise ConfigError(
+                    f"rule {describe_setting(('pools', pool, 'rules', rule))} = {compiled.source!r} (profile "
+                    f"{choice.profile}) needs fact(s) {', '.join(missing)}, which this call site does not pass "
+                    f"and no default supplies; set {keys}",
+                    path=("pools", pool, "facts", missing[0]),
+                )
 
     @classmethod
     def from_config(cls, config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> PoolRegistry:
@@ -136,9 +248,14 @@ class PoolRegistry:
                 found = self.pool(pool, device, lane=lane)
         return found.workspace(rule, facts)
 
-    def resolve(self, pool: str, rule: str = "default", **facts: object) -> int:
-        """Return the bytes a call would get from ``rule``; allocates nothing."""
-        spec = self.spec(pool)
+    def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int:
+        """Return the bytes a call on ``device`` would get from ``rule``; allocates nothing.
+
+        ``device`` (``None``: the current device) picks the profile and the
+        device facts; facts the call lacks come from the pool's default facts.
+        """
+        view, _, device_facts = self._device_entry(resolve_device(device))
+        spec = view.spec(pool)
         compiled = spec.rules.get(rule)
         if compiled is None:
             known = ", ".join(sorted(spec.rules)) or "none"
@@ -146,16 +263,18 @@ class PoolRegistry:
                 f"pool {pool!r} has no rule {rule!r} (rules: {known}); set {spec.setting('rules', rule)}",
                 path=("pools", pool, "rules", rule),
             )
-        return compiled.resolve(facts)
+        return compiled.resolve(facts, {**device_facts, **spec.facts})
 
     # -- pools -------------------------------------------------------------
 
-    def spec(self, pool: str) -> PoolSpec:
-        """Return a pool's configuration.
+    def spec(self, pool: str, device: DeviceLike = None) -> PoolSpec:
+        """Return a pool's configuration, under ``device``'s profile (``None``: that of :attr:`settings`).
 
         Raises:
             ConfigError: No pool of that name is configured or declared.
         """
+        if device is not None:
+            return self._device_entry(resolve_device(device))[0].spec(pool)
         spec = self._specs.get(pool)
         if spec is None:
             known = ", ".join(sorted(self._specs)) or "none"
@@ -175,7 +294,8 @@ class PoolRegistry:
         if lane is None:
             lane = current_lane()
         resolved = resolve_device(device)
-        host = self._hosts.get(name, name)
+        view, _, facts = self._device_entry(resolved)
+        host = view._hosts.get(name, name)
         key = (host, resolved, lane)
         found = self._pools.get(key)
         if found is None:
@@ -183,12 +303,13 @@ class PoolRegistry:
                 found = self._pools.get(key)
                 if found is None:
                     found = WorkspacePool(
-                        self._buffer_specs.get(host) or self.spec(host),
+                        view._buffer_specs.get(host) or view.spec(host),
                         resolved,
                         lane,
                         freeze=self._freeze,
                         allocator=self._allocator,
-                        debug_streams=self.settings.debug_streams,
+                        debug_streams=view.settings.debug_streams,
+                        device_facts=facts,
                     )
                     self._pools[key] = found
         if not is_dynamic(device):
@@ -209,39 +330,54 @@ class PoolRegistry:
         rule by rule, so a backend ships sensible sizes and users can still
         change each of them.
 
+        The declaration applies under every device's profile.
+
         Raises:
             ConfigError: A declared rule is invalid.
         """
         with self._lock:
-            configured = self.settings.pools.get(name)
-            merged_rules: dict[str, str | int] = dict(rules)
-            if configured is not None:
-                merged_rules.update(configured.rules)
-                if "growth" in configured.model_fields_set:
-                    growth = configured.growth
-                if "max_bytes" in configured.model_fields_set:
-                    max_bytes = configured.max_bytes
-            from wspool.units import parse_size
-
-            limit = None if max_bytes is None else parse_size(max_bytes, setting=("pools", name, "max_bytes"))
-            spec = PoolSpec(name, merged_rules, growth, limit)
-            host = self._hosts.get(name, name)
-            if any(key[0] == host for key in self._pools):
-                current = self._specs[name]
-                if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
-                    raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
-                return current
-            self._specs[name] = spec
-            if host in self._buffer_specs:
-                self._link(host)
+            declared: dict[str, Any] = {"rules": dict(rules), "growth": growth, "max_bytes": max_bytes}
+            spec = self._declare_locked(name, **declared)
+            for view in {id(v): v for v in self._views.values()}.values():
+                if view is not self:
+                    view._declare_locked(name, **declared)
+            self._declared[name] = declared
             return spec
+
+    def _declare_locked(
+        self, name: str, rules: Mapping[str, str | int], growth: str, max_bytes: int | str | None, replay: bool = False
+    ) -> PoolSpec:
+        configured = self.settings.pools.get(name)
+        merged_rules: dict[str, str | int] = dict(rules)
+        if configured is not None:
+            merged_rules.update(configured.rules)
+            if "growth" in configured.model_fields_set:
+                growth = configured.growth
+            if "max_bytes" in configured.model_fields_set:
+                max_bytes = configured.max_bytes
+        from wspool.units import parse_size
+
+        limit = None if max_bytes is None else parse_size(max_bytes, setting=("pools", name, "max_bytes"))
+        spec = PoolSpec(name, merged_rules, growth, limit, facts=configured.facts if configured else None)
+        host = self._hosts.get(name, name)
+        current = self._specs.get(name)
+        if not replay and current is not None and any(key[0] == host for key in self._pools):
+            if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
+                raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
+            return current
+        self._specs[name] = spec
+        if host in self._buffer_specs:
+            self._link(host)
+        return spec
 
     def _link(self, host: str) -> None:
         """Build the spec of ``host``'s buffer: its own rules and those of the pools that share it."""
         own = self.spec(host)
         rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
         owners: dict[str, str] = {}
+        facts: dict[str, Mapping[str, int]] = {}
         for guest in sorted(g for g, h in self._hosts.items() if h == host):
+            facts.update(dict.fromkeys(self.spec(guest).rules, self.spec(guest).facts))
             for rule, compiled in self.spec(guest).rules.items():
                 if rule in rules:
                     raise ConfigError(
@@ -252,7 +388,9 @@ class PoolRegistry:
                     )
                 rules[rule] = compiled.source
                 owners[rule] = guest
-        self._buffer_specs[host] = PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners)
+        self._buffer_specs[host] = PoolSpec(
+            host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts
+        )
 
     def buffer_pool(self, name: str) -> str:
         """Return the pool whose buffer ``name`` draws from: its ``shared_with`` host, else itself."""
@@ -337,7 +475,7 @@ class PoolRegistry:
             The pool's capacity afterwards, in bytes.
         """
         target = self.pool(pool, device, lane=lane)
-        largest = max((self.resolve(pool, rule, **facts) for facts in facts_list), default=0)
+        largest = max((target.resolve(rule, facts) for facts in facts_list), default=0)
         if agree_group is not None:
             from wspool.distributed import agree
 

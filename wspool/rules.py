@@ -105,8 +105,13 @@ class SizeRule:
     setting: tuple[str, ...]
     names: tuple[str, ...]
 
-    def resolve(self, facts: _Facts) -> int:
+    def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
         """Return the rule's size in bytes for a call's facts.
+
+        Args:
+            facts: The call's facts.
+            defaults: Facts read where ``facts`` lacks a name the rule reads
+                (a pool's default and device facts); ``facts`` wins.
 
         Raises:
             RuleError: A fact the rule reads is missing or not an integer, or
@@ -132,7 +137,7 @@ class LiteralRule(SizeRule):
         self.names = ()
         self.nbytes = nbytes
 
-    def resolve(self, facts: _Facts) -> int:
+    def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
         return self.nbytes
 
 
@@ -149,11 +154,18 @@ class ExpressionRule(SizeRule):
         self._cache: dict[object, int] = {}
         self._key_of: Callable[[_Facts], object] = operator.itemgetter(*names) if names else (lambda facts: ())
 
-    def resolve(self, facts: _Facts) -> int:
+    def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
         try:
             key = self._key_of(facts)
         except KeyError:
-            raise self._missing(facts) from None
+            if not defaults:
+                raise self._missing(facts) from None
+            # A caller that gives some facts and leaves the rest to the defaults pays one merge.
+            facts = {**defaults, **facts}
+            try:
+                key = self._key_of(facts)
+            except KeyError:
+                raise self._missing(facts) from None
         nbytes = self._cache.get(key)
         if nbytes is None:
             nbytes = self._compute(facts)
@@ -173,9 +185,14 @@ class ExpressionRule(SizeRule):
     def _missing(self, facts: _Facts) -> RuleError:
         missing = [n for n in self.names if n not in facts]
         supplied = ", ".join(sorted(facts)) or "none"
+        hint = ""
+        if len(self.setting) == 4 and self.setting[0] == "pools":
+            # Call sites that cannot pass a fact (an engine's fixed call) take it from the configuration.
+            keys = " or ".join(describe_setting(("pools", self.setting[1], "facts", name)) for name in missing)
+            hint = f"; pass it in the call or set it as a default fact: {keys}"
         return RuleError(
             f"rule {self._where()} needs fact(s) {', '.join(missing)} "
-            f"that the call did not supply (supplied: {supplied})",
+            f"that the call did not supply (supplied: {supplied}){hint}",
             path=self.setting or None,
         )
 

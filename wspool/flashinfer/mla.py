@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from wspool.device_facts import device_facts
 from wspool.devices import resolve_device
 from wspool.errors import describe_setting
 from wspool.flashinfer import kernels
@@ -52,6 +53,7 @@ from wspool.flashinfer.path_sizing import path_need_bytes
 from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
 from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
+from wspool.kernel_buffers import track_kernel_buffers
 from wspool.pool import WorkspacePool
 from wspool.registry import PoolRegistry, get_registry
 
@@ -76,7 +78,6 @@ BACKENDS = ("auto", "reference", "trtllm-gen", "cute-dsl", "fa3", "fa2")
 _BLACKWELL = ((10, 0), (10, 3), (10, 7))
 
 _capabilities: dict[torch.device, tuple[int, int]] = {}
-_sm_counts: dict[torch.device, int] = {}
 
 
 def _arch(device: torch.device) -> tuple[int, int] | None:
@@ -89,12 +90,9 @@ def _arch(device: torch.device) -> tuple[int, int] | None:
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    found = _sm_counts.get(device)
-    if found is None:
-        found = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return found
+    # The device's fact (read once per device; wspool.device_facts.fake_device stands a CPU in for a GPU);
+    # 1 off the GPU, where the reference path runs.
+    return device_facts(device).get("sm_count", 1)
 
 
 def select_path(
@@ -177,10 +175,13 @@ class MLADecodePlan:
         lane: The pool lane (for concurrent streams).
         use_cuda_graph: Build the wrapper with fixed index buffers so ``run`` can be captured.
         kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim: The MLA geometry (DeepSeek's by default).
-        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``).
+        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``); facts the rules read that
+            neither the plan nor these give come from the pool's default facts
+            (``pools.<pool>.facts``, e.g. ``cp_world: 1``), then from the device.
         enable_dcp: Decode-context parallel (Blackwell's cute-dsl kernel, as vLLM calls it);
             needs ``return_lse=True`` and ``causal_seqlens_kv_global``.
-        cp_world, cp_rank: The DCP group's size and this rank (``cp_rank < cp_world``).
+        cp_world, cp_rank: The DCP group's size and this rank (``cp_rank < cp_world``); with
+            ``enable_dcp``, ``cp_world`` is also the rules' fact of that name.
         causal_seqlens_kv_global: ``[batch]`` int32 global KV lengths, with ``enable_dcp``.
 
     Raises:
@@ -257,7 +258,7 @@ class MLADecodePlan:
             "qk_rope_head_dim": qk_rope_head_dim,
             "dtype_bytes": q_dtype.itemsize,
             "sm_count": _sm_count(device),
-            "cp_world": cp_world,
+            **({"cp_world": cp_world} if enable_dcp else {}),
             **(facts or {}),
         }
         self._head_dim = kv_lora_rank + qk_rope_head_dim
@@ -269,6 +270,8 @@ class MLADecodePlan:
         self._plan_kwargs: dict[str, Any] | None = None  # built once; only the metadata changes per plan
         self._registry = registry if registry is not None else get_registry()
         self._pool = self._registry.pool(pool, device, lane=lane)
+        # The pool's default and device facts, merged once: every per-layer request passes complete facts.
+        self.facts = {**self._pool.default_facts(self.rule), **self.facts}
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
         self._versions = _write_counts(block_tables, seq_lens)
         #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
@@ -287,7 +290,7 @@ class MLADecodePlan:
         self._csr_constants: tuple[CSRConstants, torch.Tensor] | None = None
         self._csr_factory: Any = None  # FlashInfer's MLAPlanMetadata.csr, on the wrapper path
         self.plan_calls = 0
-        rule_bytes = self._registry.resolve(pool, self.rule, **self.facts)
+        rule_bytes = self._pool.resolve(self.rule, self.facts)
         self.need_bytes = path_need_bytes(
             self.path, sm_count=self.facts["sm_count"], batch_size=batch_size, q_len=q_len, num_heads=num_heads,
             kv_lora_rank=kv_lora_rank, max_seq_len=max_seq_len, return_lse=return_lse, enable_dcp=enable_dcp,
@@ -641,8 +644,11 @@ class MLADecodePlan:
                     torch.empty(max_pages, dtype=torch.int32, device=self.device),
                     torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
                 )
-            return _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
-        return _shared_wrapper(self._pool, workspace, self.path, self.return_lse)
+            wrapper = _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
+        else:
+            wrapper = _shared_wrapper(self._pool, workspace, self.path, self.return_lse)
+        track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
+        return wrapper
 
     # -- overflow recovery -----------------------------------------------------
 

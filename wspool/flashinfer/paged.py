@@ -55,6 +55,7 @@ from wspool.flashinfer.mla import _check_int_tensor, _sm_count
 from wspool.flashinfer.page_table import page_table_to_csr
 from wspool.flashinfer.paged_reference import paged_attention_reference
 from wspool.flashinfer.recovery import MAX_RECOVERIES, grow_after_overflow
+from wspool.kernel_buffers import track_kernel_buffers
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = ["BACKENDS", "FLOAT_CARVES", "PAGED_POOL", "PagedAttentionPlan", "paged_decode_plan", "paged_prefill_plan"]
@@ -271,6 +272,7 @@ class PagedAttentionPlan:
             wrapper = cache.get(self._key)
             if wrapper is None:
                 wrapper = self._make_wrapper(workspace)
+                track_kernel_buffers(self._registry, self._pool, wrapper)
                 if self._pool.buffer is workspace:  # not replaced meanwhile by another thread
                     cache[self._key] = wrapper
             wrapper._wspool_owner = None  # no plan may run it while it is being planned
