@@ -322,12 +322,12 @@ def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
     """Tensors resized in place (another batch) get a new plan, never a replan of the old shapes."""
     inputs = make_inputs(3, 4, [10, 20, 30])
     _decode(inputs)
-    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", None, "auto", False)]
+    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
     inputs.seq_lens.resize_(2)
     inputs.block_tables.resize_(2, inputs.block_tables.shape[1])
     inputs.query = inputs.query[:2].clone()
     torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", None, "auto", False)]
+    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
     assert second is not first and second.batch_size == 2
 
 
@@ -437,3 +437,17 @@ def test_explicit_replan_refuses_resized_metadata(hopper: None) -> None:
     with pytest.raises(ValueError, match=r"resized to \(3, 1\)/\(2,\) after planning for \(3, 1\)/\(3,\)"):
         plan.replan()
     assert plan.plan_calls == 1
+
+
+def test_the_plan_cache_is_keyed_by_the_lane_in_effect() -> None:
+    """The same metadata under wspool.lane("b") plans again and draws lane b's buffer, not lane a's."""
+    reg = wspool.get_registry()
+    inputs = make_inputs(2, 8, [70, 1])
+    with wspool.lane("a"):
+        _decode(inputs)
+    with wspool.lane("b"):
+        _decode(inputs)
+    lanes = {s.lane: s.request_count for s in reg.all_stats() if s.pool == "flashinfer_mla"}
+    assert lanes == {"a": 1, "b": 1}
+    plans = reg.op_state["mla_decode"]
+    assert {key[1] for key in plans} == {"a", "b"}

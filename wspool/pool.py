@@ -167,25 +167,53 @@ class _RuleSlot:
 class _FreezeState:
     """Shared by a registry's pools: growth is refused while ``frozen``.
 
-    ``epoch`` counts the times it was frozen, so a pool can tell at growth
-    whether its buffer was current during a freeze (and so may be in a graph).
+    Frozen while :meth:`freeze` holds it or any ``frozen()`` block is open (the
+    blocks are counted, so blocks overlapping across threads keep the freeze
+    until the last one closes). ``epoch`` counts the times it became frozen, so a
+    pool can tell at growth whether its buffer was current during a freeze (and
+    so may be in a graph).
     """
 
-    __slots__ = ("_frozen", "epoch")
+    __slots__ = ("_blocks", "_held", "_lock", "_resets", "epoch")
 
     def __init__(self) -> None:
-        self._frozen = False
+        self._held = False
+        self._blocks = 0
+        self._resets = 0
+        self._lock = threading.Lock()
         self.epoch = 0
 
     @property
     def frozen(self) -> bool:
-        return self._frozen
+        return self._held or self._blocks > 0
 
     @frozen.setter
     def frozen(self, value: bool) -> None:
-        if value and not self._frozen:
-            self.epoch += 1
-        self._frozen = bool(value)
+        with self._lock:
+            if value and not self.frozen:
+                self.epoch += 1
+            self._held = bool(value)
+
+    def enter(self) -> int:
+        """Open a frozen block; returns the token that :meth:`leave` takes."""
+        with self._lock:
+            if not self.frozen:
+                self.epoch += 1
+            self._blocks += 1
+            return self._resets
+
+    def leave(self, token: int) -> None:
+        """Close a block opened by :meth:`enter` (a no-op after :meth:`clear`)."""
+        with self._lock:
+            if token == self._resets and self._blocks > 0:
+                self._blocks -= 1
+
+    def clear(self) -> None:
+        """Unfreeze completely; blocks open now no longer count."""
+        with self._lock:
+            self._held = False
+            self._blocks = 0
+            self._resets += 1
 
 
 def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from wspool.config import WspoolSettings, _check_shared_pools, load_settings
+from wspool.config import WspoolSettings, _check_shared_pools, load_settings, validate_pool
 from wspool.devices import DeviceLike, is_dynamic, resolve_device
 from wspool.errors import ConfigError, describe_setting
 from wspool.lanes import current_lane
@@ -212,37 +212,42 @@ class PoolRegistry:
         Raises:
             ConfigError: A declared rule is invalid.
         """
+        values: dict[str, Any] = {"rules": dict(rules), "growth": growth, "max_bytes": max_bytes}
         with self._lock:
             configured = self.settings.pools.get(name)
-            merged_rules: dict[str, str | int] = dict(rules)
             if configured is not None:
-                merged_rules.update(configured.rules)
-                if "growth" in configured.model_fields_set:
-                    growth = configured.growth
-                if "max_bytes" in configured.model_fields_set:
-                    max_bytes = configured.max_bytes
-            from wspool.units import parse_size
-
-            limit = None if max_bytes is None else parse_size(max_bytes, setting=("pools", name, "max_bytes"))
-            spec = PoolSpec(name, merged_rules, growth, limit)
+                values["rules"].update(configured.rules)
+                for key in ("growth", "max_bytes"):
+                    if key in configured.model_fields_set:
+                        values[key] = getattr(configured, key)
+        # Validated as YAML is (max_bytes 0, a fixed rule above max_bytes, growth's case), before anything changes.
+        validated = validate_pool(name, values)
+        spec = PoolSpec(name, validated.rules, validated.growth, validated.max_bytes)
+        with self._lock:
             host = self._hosts.get(name, name)
             if any(key[0] == host for key in self._pools):
                 current = self._specs[name]
                 if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
                     raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
                 return current
-            self._specs[name] = spec
-            if host in self._buffer_specs:
-                self._link(host)
+            specs = {**self._specs, name: spec}
+            linked = self._linked(host, specs) if host in self._buffer_specs else None  # may raise: nothing set yet
+            self._specs = specs
+            if linked is not None:
+                self._buffer_specs[host] = linked
             return spec
 
     def _link(self, host: str) -> None:
-        """Build the spec of ``host``'s buffer: its own rules and those of the pools that share it."""
-        own = self.spec(host)
+        """Build the spec of ``host``'s buffer from the current specs."""
+        self._buffer_specs[host] = self._linked(host, self._specs)
+
+    def _linked(self, host: str, specs: Mapping[str, PoolSpec]) -> PoolSpec:
+        """Return the spec of ``host``'s buffer: its own rules and those of the pools that share it."""
+        own = specs[host] if host in specs else self.spec(host)
         rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
         owners: dict[str, str] = {}
         for guest in sorted(g for g, h in self._hosts.items() if h == host):
-            for rule, compiled in self.spec(guest).rules.items():
+            for rule, compiled in specs[guest].rules.items():
                 if rule in rules:
                     raise ConfigError(
                         f"pools {guest!r} and {host!r} share one buffer (pools.{guest}.shared_with) and both "
@@ -252,7 +257,7 @@ class PoolRegistry:
                     )
                 rules[rule] = compiled.source
                 owners[rule] = guest
-        self._buffer_specs[host] = PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners)
+        return PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners)
 
     def buffer_pool(self, name: str) -> str:
         """Return the pool whose buffer ``name`` draws from: its ``shared_with`` host, else itself."""
@@ -351,7 +356,7 @@ class PoolRegistry:
         self._freeze.frozen = True
 
     def unfreeze(self) -> None:
-        """Allow growth again."""
+        """Undo :meth:`freeze`; growth stays refused while a :meth:`frozen` block is open."""
         self._freeze.frozen = False
 
     @property
@@ -361,13 +366,17 @@ class PoolRegistry:
 
     @contextmanager
     def frozen(self) -> Iterator[PoolRegistry]:
-        """Refuse growth inside the block; restores the previous state after it."""
-        previous = self._freeze.frozen
-        self._freeze.frozen = True
+        """Refuse growth inside the block.
+
+        Blocks are counted: with blocks open in several threads at once, the
+        registry stays frozen until the last one closes, and then is frozen
+        exactly when :meth:`freeze` was called without :meth:`unfreeze`.
+        """
+        token = self._freeze.enter()
         try:
             yield self
         finally:
-            self._freeze.frozen = previous
+            self._freeze.leave(token)
 
     def release_retired(self) -> int:
         """Free buffers kept for captured graphs; call once those graphs are gone.
@@ -383,7 +392,7 @@ class PoolRegistry:
             self._pools.clear()
             self._fast.clear()
             self.op_state.clear()
-            self._freeze.frozen = False
+            self._freeze.clear()
 
 
 _default: PoolRegistry | None = None
