@@ -229,3 +229,16 @@ def test_max_of_one_argument_fails_at_compile_time() -> None:
     for source in ("max(5)", "min(x)"):
         with pytest.raises(RuleError, match=r"takes at least 2 argument\(s\), got 1"):
             compile_rule(source)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_cached_sizes_are_served_only_to_integer_facts_for_any_fact_count(count: int) -> None:
+    """With 1 to 4 facts, a cached size is reused for ints and refused for True in any position."""
+    names = [f"f{i}" for i in range(count)]
+    rule = compile_rule(" + ".join(names) + " + 1")
+    ints = dict.fromkeys(names, 1)
+    assert rule.resolve(ints) == count + 1
+    assert rule.resolve(dict(ints)) == count + 1
+    for name in names:
+        with pytest.raises(RuleError, match=f"fact '{name}' must be an integer, got bool"):
+            rule.resolve({**ints, name: True})

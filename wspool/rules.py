@@ -139,7 +139,7 @@ class LiteralRule(SizeRule):
 class ExpressionRule(SizeRule):
     """A rule computed from the call's facts, cached per distinct fact tuple."""
 
-    __slots__ = ("_cache", "_evaluate", "_key_of", "_single")
+    __slots__ = ("_cache", "_evaluate", "_key_of")
 
     def __init__(self, source: str, evaluate: _Eval, names: tuple[str, ...], setting: tuple[str, ...]) -> None:
         self.source = source
@@ -148,7 +148,6 @@ class ExpressionRule(SizeRule):
         self._evaluate = evaluate
         self._cache: dict[object, int] = {}
         self._key_of: Callable[[_Facts], object] = operator.itemgetter(*names) if names else (lambda facts: ())
-        self._single = len(names) == 1  # itemgetter of one name returns the value, not a tuple
 
     def resolve(self, facts: _Facts) -> int:
         try:
@@ -160,16 +159,13 @@ class ExpressionRule(SizeRule):
             nbytes = None
         if nbytes is not None:
             # Only exact ints hit the cache: True, 1.0, Decimal(1) and 1+0j hash and compare
-            # equal to 1, so a hit with them must not skip the type check.
-            if self._single:
-                if type(key) is int:
-                    return nbytes
+            # equal to 1, so a hit with them must not skip the type check. The subclasses
+            # below unroll this loop for one to three facts; __class__ reads faster than type().
+            for value in key:  # type: ignore[attr-defined]
+                if type(value) is not int:
+                    break
             else:
-                for value in key:  # type: ignore[attr-defined]
-                    if type(value) is not int:
-                        break
-                else:
-                    return nbytes
+                return nbytes
         return self._resolve_miss(facts)
 
     def _resolve_miss(self, facts: _Facts) -> int:
@@ -246,6 +242,67 @@ class ExpressionRule(SizeRule):
                 path=self.setting or None,
             )
         return nbytes
+
+
+class _OneFactRule(ExpressionRule):
+    """An expression of one fact: itemgetter returns the value itself."""
+
+    __slots__ = ()
+
+    def resolve(self, facts: _Facts) -> int:
+        try:
+            key = self._key_of(facts)
+            nbytes = self._cache.get(key)
+        except KeyError:
+            raise self._missing(facts) from None
+        except TypeError:
+            nbytes = None
+        if nbytes is not None and key.__class__ is int:
+            return nbytes
+        return self._resolve_miss(facts)
+
+
+class _TwoFactRule(ExpressionRule):
+    """An expression of two facts (the type check unrolled)."""
+
+    __slots__ = ()
+
+    def resolve(self, facts: _Facts) -> int:
+        try:
+            key = self._key_of(facts)
+            nbytes = self._cache.get(key)
+        except KeyError:
+            raise self._missing(facts) from None
+        except TypeError:
+            nbytes = None
+        if nbytes is not None:
+            a, b = key  # type: ignore[misc,has-type]
+            if a.__class__ is int and b.__class__ is int:  # type: ignore[has-type]
+                return nbytes
+        return self._resolve_miss(facts)
+
+
+class _ThreeFactRule(ExpressionRule):
+    """An expression of three facts (the type check unrolled)."""
+
+    __slots__ = ()
+
+    def resolve(self, facts: _Facts) -> int:
+        try:
+            key = self._key_of(facts)
+            nbytes = self._cache.get(key)
+        except KeyError:
+            raise self._missing(facts) from None
+        except TypeError:
+            nbytes = None
+        if nbytes is not None:
+            a, b, c = key  # type: ignore[misc,has-type]
+            if a.__class__ is int and b.__class__ is int and c.__class__ is int:  # type: ignore[has-type]
+                return nbytes
+        return self._resolve_miss(facts)
+
+
+_BY_ARITY: dict[int, type[ExpressionRule]] = {1: _OneFactRule, 2: _TwoFactRule, 3: _ThreeFactRule}
 
 
 def _label(setting: tuple[str, ...], source: str) -> str:
@@ -391,7 +448,7 @@ def compile_rule(source: object, setting: Sequence[str] = ()) -> SizeRule:
     if nbytes is None:
         evaluate, names = _compile_expression(text, path)
         if names:
-            return ExpressionRule(text, evaluate, names, path)
+            return _BY_ARITY.get(len(names), ExpressionRule)(text, evaluate, names, path)
         rule = ExpressionRule(text, evaluate, (), path)
         nbytes = rule.evaluate({})
     if nbytes <= 0:
