@@ -293,7 +293,8 @@ def _read_yaml(path: Path, how: str) -> dict[str, Any]:
     try:
         is_file = path.is_file()
     except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
-        raise ConfigError(f"cannot read config file {_quote.repr(str(path))} ({how}): {exc}") from None
+        why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
+        raise ConfigError(f"cannot read config file {_quote.repr(str(path))} ({how}): {why}") from None
     if not is_file:
         raise ConfigError(f"config file {path} ({how}) does not exist or is not a file")
     try:
@@ -479,11 +480,11 @@ def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> 
     for name, pool in pools.items():
         if not name.strip():
             raise ConfigError(
-                f"invalid wspool configuration: a pool name is empty ({_quote.repr(name)})", path=("pools", name)
+                f"invalid wspool configuration: a pool name is empty ({_quote.repr(name)})", path=("pools",)
             )
         for rule in pool.rules:
             if not rule.strip():
-                path = ("pools", name, "rules", rule)
+                path = ("pools", name, "rules")
                 raise ConfigError(
                     f"invalid wspool configuration: pool {name!r} has a rule with an empty name "
                     f"({_quote.repr(rule)}, from {where(path)})",
