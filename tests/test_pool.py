@@ -333,3 +333,29 @@ def test_a_request_that_is_not_a_positive_integer_is_an_error(nbytes: object) ->
     with pytest.raises(SizeError, match="a request needs a positive integer number of bytes"):
         pool.request(nbytes)  # type: ignore[arg-type]
     assert pool.stats().request_count == 0
+
+
+def test_a_freeze_while_allocating_drops_the_new_buffer() -> None:
+    """Frozen while the allocator runs: the request is refused and the new buffer not installed."""
+    freeze = _FreezeState()
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        freeze.frozen = True  # another thread freezes meanwhile
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, freeze=freeze, allocator=allocator)
+    with pytest.raises(WorkspaceFrozenError, match="while the registry is frozen"):
+        pool.workspace("default", {})
+    stats = pool.stats()
+    assert (pool.buffer, stats.grow_count, stats.refused_count, stats.request_count) == (None, 0, 1, 0)
+
+
+def test_reserve_of_zero_bytes_is_an_error() -> None:
+    """reserve(nbytes=0) raises SizeError and counts no request."""
+    import wspool
+    from wspool.errors import SizeError
+
+    reg = wspool.PoolRegistry.from_config(None)
+    with pytest.raises(SizeError, match="a request needs a positive integer number of bytes, got 0"):
+        reg.reserve("flashinfer_mla", "cpu", nbytes=0)
+    assert reg.stats("flashinfer_mla", "cpu").request_count == 0
