@@ -14,8 +14,10 @@ Hostile input: the YAML file is read with the safe loader, must be at most
 :data:`MAX_CONFIG_FILE_BYTES`, and may hold at most :data:`MAX_CONFIG_VALUES`
 values nested at most :data:`MAX_CONFIG_DEPTH` deep after expanding aliases
 (so an alias bomb is refused before validation walks it). Values quoted back
-in errors are shortened. Whatever the file or the environment holds, loading
-raises nothing but :class:`~wspool.errors.ConfigError`.
+in errors are shortened. Nothing is silently dropped: a key given twice in one
+YAML mapping, a ``WSPOOL_*`` variable that names no setting, and pool names that
+differ only in case are errors. Whatever the file or the environment holds,
+loading raises nothing but :class:`~wspool.errors.ConfigError`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ by the pool and freed by PyTorch when the caller's last reference to it goes
 ``torch.cuda.empty_cache()``.
 
 Thread semantics: every method is thread-safe; concurrent first requests
-allocate once. Using one buffer from two CUDA streams at once is a data race:
+allocate once. No lock is held while the pool logs or calls its allocator or
+capture probe, so those may read the pool's statistics. Using one buffer from two CUDA streams at once is a data race:
 give each stream its own lane; :mod:`wspool.streams` can watch for it.
 """
 
