@@ -359,3 +359,18 @@ def test_reserve_of_zero_bytes_is_an_error() -> None:
     with pytest.raises(SizeError, match="a request needs a positive integer number of bytes, got 0"):
         reg.reserve("flashinfer_mla", "cpu", nbytes=0)
     assert reg.stats("flashinfer_mla", "cpu").request_count == 0
+
+
+def test_an_allocator_that_asks_its_own_pool_to_grow_is_refused_not_deadlocked() -> None:
+    """An allocator re-entering its pool's growth gets an error (the outer growth a WorkspaceLimitError), not a hang."""
+    pool: WorkspacePool
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        pool.request(nbytes + 1)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, allocator=allocator)
+    errors = _run_with_timeout(lambda: pool.workspace("default", {}), timeout=5)
+    assert len(errors) == 1 and isinstance(errors[0], WorkspaceLimitError)
+    assert "its allocator asked the same pool for memory" in str(errors[0])
+    assert pool.buffer is None
