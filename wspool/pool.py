@@ -148,12 +148,10 @@ class PoolSpec:
 class _RuleSlot:
     """Per rule (or request reason): its compiled rule and an atomic request counter."""
 
-    __slots__ = ("counter", "label", "nbytes", "resolve", "rule", "setting")
+    __slots__ = ("counter", "label", "nbytes", "rule", "setting")
 
     def __init__(self, rule: SizeRule | None, label: str, setting: str) -> None:
         self.rule = rule
-        # The rule's resolve, bound once: the per-call path reads one attribute instead of two.
-        self.resolve = rule.resolve if rule is not None else None
         # A literal rule's size, read without a method call on the hot path.
         self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None
         self.label = label  # says why the pool grew, e.g. "rule lse"
@@ -326,7 +324,7 @@ class WorkspacePool:
             raise self._unknown_rule(rule)
         nbytes = slot.nbytes
         if nbytes is None:
-            nbytes = slot.resolve(facts)  # type: ignore[misc]
+            nbytes = slot.rule.resolve(facts)
         if self._capture_probe is not None:
             if self._capture_probe():
                 self._captured = True
