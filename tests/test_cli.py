@@ -123,3 +123,98 @@ def test_bench_prints_hot_path_figures(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "seed _get_workspace_buffer(True)" in out
     assert "x the seed" in out
+
+
+# -- every bad invocation: exit 2, one line on stderr, no traceback ---------------------------
+
+
+def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        status = main(list(args))
+    except SystemExit as exc:  # argparse's own errors
+        status = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("demo", "--device", "cuda"), "no CUDA device is available"),
+        (("demo", "--device", "cuda:0"), "no CUDA device is available"),
+        (("demo", "--device", "meta"), "this command runs on cpu or a CUDA device"),
+        (("demo", "--device", "mps"), "this command runs on cpu or a CUDA device"),
+        (("demo", "--device", "0"), "is not a device"),
+        (("bench", "--device", "cuda", "--sections", "hot_path"), "no CUDA device is available"),
+        (("resolve", "flashinfer_mla", "--fact", "pool=5"), "a fact cannot be named 'pool'"),
+        (("resolve", "flashinfer_mla", "--fact", "rule=5"), "a fact cannot be named 'rule'"),
+        (("resolve", "flashinfer_mla", "--fact", "lane=5"), "a fact cannot be named 'lane'"),
+        (("resolve", "flashinfer_mla", "--fact", "device=5"), "a fact cannot be named 'device'"),
+        (("stats", "--fact", "self=5"), "a fact cannot be named 'self'"),
+    ],
+)
+def test_bad_invocations_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], match: str
+) -> None:
+    """Unavailable devices and facts named like parameters: exit 2, exactly one stderr line."""
+    import torch
+
+    if torch.cuda.is_available() and "cuda" in args:
+        pytest.skip("this machine has CUDA")
+    status, _, err = _in_process(capsys, *args)
+    assert status == 2
+    assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_malformed_plot_from_json_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--plot-from with truncated JSON, a list, or figures of the wrong shape: exit 2, one line."""
+    cases = {"cut.json": '{"machine": ', "list.json": "[1, 2]", "odd.json": '{"machine": 1, "memory": 5}'}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        plot = ("--plot", str(tmp_path / "x.png"), "--plot-from", str(tmp_path / name))
+        status, _, err = _in_process(capsys, "bench", *plot)
+        assert status == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (name, err)
+
+
+def test_output_to_dev_full_and_a_closed_pipe_is_one_line() -> None:
+    """Real processes: stdout on /dev/full, and a reader that closes the pipe at once, exit 2 with one line."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
+    with open("/dev/full", "w") as full:
+        command = [sys.executable, "-m", "wspool", "show"]
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, env=clean)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["wspool show: error: cannot write the output: No space left on device"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wspool", "show"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(60) == 2
+    assert err.splitlines() == ["wspool show: error: cannot write the output: Broken pipe"]
+
+
+def test_show_and_errors_escape_control_characters(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A pool name with an ANSI escape and a newline reaches the terminal escaped, in show and in errors."""
+    path = tmp_path / "c.yaml"
+    path.write_text('pools: {"\\e[31mred\\nfake": {rules: {default: 1KiB}}}\n')
+    status, out, _ = _in_process(capsys, "show", "--config", str(path))
+    assert status == 0
+    assert "\x1b" not in out and "\\x1b[31mred\\nfake" in out
+    path.write_text('pools: {"\\e[31mred\\nfake": {rules: {default: -1}}}\n')
+    status, _, err = _in_process(capsys, "show", "--config", str(path))
+    assert status == 2 and "\x1b" not in err and len(err.splitlines()) == 1
+
+
+def test_no_logger_line_before_the_error(tmp_path: Path) -> None:
+    """A refused growth logs a WARNING; the CLI keeps it off stderr, which holds only the error line (real process)."""
+    path = tmp_path / "c.yaml"
+    rules = "{default: num_heads * 1MiB, lse: num_heads * 1MiB}"
+    path.write_text(f"pools: {{flashinfer_mla: {{rules: {rules}, max_bytes: 2MiB}}}}\n")
+    done = _run("demo", "--device", "cpu", "--config", str(path))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "wspool demo: error: pool 'flashinfer_mla' on cpu (lane main) needs 16777216 bytes (16MiB) for rule default, "
+        "above max_bytes = 2097152 bytes (2MiB); raise pools.flashinfer_mla.max_bytes / "
+        "WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES"
+    ]

@@ -246,3 +246,82 @@ def test_kimi_dcp_lse_rule_scales_with_cp_world() -> None:
     assert reg.resolve("flashinfer_mla", rule="default", cp_world=8, **facts) == 128 * 2**20
     # A call that leaves cp_world out gets the file's default fact (a DCP group of 8).
     assert reg.resolve("flashinfer_mla", rule="lse", **facts) == slab + 32 * 2**20
+
+
+# -- hostile input: only ConfigError, nothing silently lost ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("pools: !!timestamp x\n", r"c\.yaml:1:8: cannot read 'x' as timestamp"),
+        ("pools: !!bool maybe\n", r"c\.yaml:1:8: cannot read 'maybe' as bool"),
+        ("pools: 2021-13-45\n", r"c\.yaml:1:8: cannot read '2021-13-45' as timestamp"),
+        ("pools: {p: {max_bytes: !!int abc}}\n", r"c\.yaml:1:24: cannot read 'abc' as int"),
+        ("pools: {p: {max_bytes: " + "9" * 6000 + "}}\n", r"c\.yaml:1:24: cannot read '9999.*' as int"),
+        ("pools: {}\npools: {}\n", r"c\.yaml:2:1: duplicate key 'pools' \(first given on line 1\)"),
+        (
+            "pools:\n  p:\n    max_bytes: 1MiB\n    rules: {default: 1KiB}\n    max_bytes: 2MiB\n",
+            r"c\.yaml:5:5: duplicate key 'max_bytes' \(first given on line 3\)",
+        ),
+        ("pools: {p: {rules: {default: max(5)}}}\n", r"max\(\) takes at least 2 argument\(s\), got 1"),
+        ("pools: {'': {rules: {default: 1KiB}}}\n", r"a pool name is empty"),
+        ("pools: {p: {rules: {'': 1KiB}}}\n", r"pool 'p' has a rule with an empty name"),
+        ("pools: {p: {rules: {default: '１２KiB'}}}\n", r"pools\.p\.rules\.default"),
+        ("pools: {p: {max_bytes: '١٢'}}\n", r"pools\.p\.max_bytes = '١٢'"),
+    ],
+)
+def test_hostile_yaml_is_a_config_error_naming_where(tmp_path: Path, text: str, match: str) -> None:
+    """Tagged, date-like and huge scalars, duplicate keys, max(5), empty names, non-ASCII digits: ConfigError."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=match):
+        load_settings(path)
+
+
+def test_an_overlong_config_path_is_a_config_error(tmp_path: Path) -> None:
+    """A config name longer than the OS allows is a ConfigError."""
+    with pytest.raises(ConfigError, match=r"cannot read config file .*File name too long"):
+        load_settings(tmp_path / ("x" * 5000))
+
+
+def test_a_config_in_an_unsearchable_directory_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stat() failing with PermissionError (simulated: the tests may run as root) is a ConfigError."""
+
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    with pytest.raises(ConfigError, match=r"cannot read config file '/locked/c.yaml' .*Permission denied"):
+        load_settings("/locked/c.yaml")
+
+
+@pytest.mark.parametrize("name", ["WSPOOL_POOL__P__RULES__DEFAULT", "WSPOOL_CONFIGG", "wspool_debug_stream"])
+def test_a_misspelt_wspool_variable_is_an_error(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A WSPOOL_* variable that names no setting is an error naming it, not ignored."""
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ConfigError, match=rf"unknown environment variable\(s\) {name}: no wspool setting"):
+        load_settings()
+
+
+def test_a_pool_named_in_two_cases_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """YAML MyPool plus WSPOOL_POOLS__MYPOOL__MAX_BYTES would make a second pool: an error naming both."""
+    path = tmp_path / "c.yaml"
+    path.write_text("pools: {MyPool: {rules: {default: 1KiB}}}\n")
+    monkeypatch.setenv("WSPOOL_POOLS__MYPOOL__MAX_BYTES", "1MiB")
+    with pytest.raises(
+        ConfigError,
+        match=r"pools 'MyPool' \(from YAML file .*\) and 'mypool' \(from environment variable "
+        r"WSPOOL_POOLS__MYPOOL\) differ only in case",
+    ):
+        load_settings(path)
+
+
+def test_a_huge_invalid_file_gives_a_bounded_error(tmp_path: Path) -> None:
+    """Thousands of invalid values: the error quotes the first few and counts the rest."""
+    path = tmp_path / "c.yaml"
+    body = "".join(f"  p{i}: {{max_bytes: -{i + 1}}}\n" for i in range(2000))
+    path.write_text("pools:\n" + body)
+    with pytest.raises(ConfigError, match=r"\(2000 errors\): .* and 1995 more$") as info:
+        load_settings(path)
+    assert len(str(info.value)) < 2000

@@ -197,8 +197,9 @@ def _mixed_oom(rank: int, world: int, device: str) -> Outcome:
 
 
 def _alloc_error(rank: int, world: int, device: str) -> Outcome:
-    # The last rank's allocator fails with an error that is not about memory.
-    allocator = _FailingAllocator(SMALL, RuntimeError) if rank == world - 1 else None
+    # The last rank's allocator fails with an error that is not about memory (RuntimeError, MemoryError
+    # and OverflowError count as out of memory: a WorkspaceLimitError).
+    allocator = _FailingAllocator(SMALL, ValueError) if rank == world - 1 else None
     reg = _batched(rank, allocator, device)
     try:
         agree(reg, device=device)

@@ -339,12 +339,12 @@ def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
     """Tensors resized in place (another batch) get a new plan, never a replan of the old shapes."""
     inputs = make_inputs(3, 4, [10, 20, 30])
     _decode(inputs)
-    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", None, "auto", False)]
+    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
     inputs.seq_lens.resize_(2)
     inputs.block_tables.resize_(2, inputs.block_tables.shape[1])
     inputs.query = inputs.query[:2].clone()
     torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", None, "auto", False)]
+    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
     assert second is not first and second.batch_size == 2
 
 
@@ -554,3 +554,17 @@ def test_a_074_refusal_recovers_on_the_same_backend(
     assert {w.backend for w in WrapperDouble.instances} == {"fa3"}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
+
+
+def test_the_plan_cache_is_keyed_by_the_lane_in_effect() -> None:
+    """The same metadata under wspool.lane("b") plans again and draws lane b's buffer, not lane a's."""
+    reg = wspool.get_registry()
+    inputs = make_inputs(2, 8, [70, 1])
+    with wspool.lane("a"):
+        _decode(inputs)
+    with wspool.lane("b"):
+        _decode(inputs)
+    lanes = {s.lane: s.request_count for s in reg.all_stats() if s.pool == "flashinfer_mla"}
+    assert lanes == {"a": 1, "b": 1}
+    plans = reg.op_state["mla_decode"]
+    assert {key[1] for key in plans} == {"a", "b"}

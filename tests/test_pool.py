@@ -195,3 +195,182 @@ def test_growth_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="wspool"):
         _pool().workspace("big", {})
     assert "pool p on cpu lane main grew 0B -> 3MiB for rule big" in caplog.text
+
+
+# -- hostile use: re-entry, allocation failures, bad sizes --------------------------------
+
+
+def _run_with_timeout(target: object, timeout: float = 20.0) -> list[BaseException]:
+    """Run ``target`` in a thread; fail (instead of hanging) if it does not finish in ``timeout`` s."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            target()  # type: ignore[operator]
+        except BaseException as exc:  # reported to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "deadlock: the call did not return"
+    return errors
+
+
+def test_a_log_handler_that_reads_statistics_does_not_deadlock() -> None:
+    """A wspool log handler calling stats() on growth and refusal returns (no lock is held while logging)."""
+    pool = _pool(max_bytes=2 * MiB)
+    seen: list[int] = []
+
+    class Reader(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(pool.stats().capacity_bytes)
+
+    logger = logging.getLogger("wspool")
+    handler, level = Reader(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+
+        def body() -> None:
+            pool.workspace("default", {})
+            with pytest.raises(WorkspaceLimitError):
+                pool.workspace("big", {})
+
+        assert _run_with_timeout(body, timeout=5) == []
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen == [MiB, MiB]
+
+
+def test_an_allocator_that_reads_statistics_does_not_deadlock() -> None:
+    """An allocator that calls the pool's stats() while allocating returns."""
+    pool: WorkspacePool
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        pool.stats()
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, allocator=allocator)
+    assert _run_with_timeout(lambda: pool.workspace("default", {}), timeout=5) == []
+    assert pool.capacity_bytes == MiB
+
+
+def test_concurrent_first_requests_allocate_once_with_the_lock_released() -> None:
+    """Threads racing a slow allocator still make one allocation, and stats() answers meanwhile."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        calls.append(nbytes)
+        started.set()
+        assert release.wait(20)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, allocator=allocator)
+    threads = [threading.Thread(target=pool.workspace, args=("default", {}), daemon=True) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    assert started.wait(20)
+    try:
+        assert _run_with_timeout(pool.stats, timeout=5) == []  # the lock is free while allocating
+    finally:
+        release.set()
+    for thread in threads:
+        thread.join(20)
+        assert not thread.is_alive()
+    assert calls == [MiB]
+    assert pool.stats().request_count == 8
+
+
+def test_any_allocation_failure_is_a_counted_limit_error() -> None:
+    """A RuntimeError from the allocator (a huge CPU allocation) becomes a counted WorkspaceLimitError."""
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        if nbytes > MiB:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB", "big": "3MiB"}), CPU, allocator=allocator)
+    pool.workspace("default", {})
+    with pytest.raises(WorkspaceLimitError, match=r"the allocation failed \(RuntimeError: \[enforce fail") as info:
+        pool.workspace("big", {})
+    assert isinstance(info.value, MemoryError)
+    stats = pool.stats()
+    assert (stats.refused_count, stats.capacity_bytes) == (1, MiB)
+    assert pool.workspace("default", {}).numel() == MiB  # still serving
+
+
+def test_a_huge_cpu_request_is_a_limit_error() -> None:
+    """Real torch: a 2**49-byte CPU buffer cannot be made; the pool refuses and keeps serving."""
+    pool = _pool()
+    with pytest.raises(WorkspaceLimitError, match="could not grow from 0 to 562949953421312 bytes"):
+        pool.request(2**49)
+    assert pool.stats().refused_count == 1
+    assert pool.workspace("default", {}).numel() == MiB
+
+
+def test_a_request_above_the_size_limit_is_a_limit_error() -> None:
+    """request(2**63) is refused as above wspool's size limit, counted, with nothing allocated."""
+    pool = _pool()
+    with pytest.raises(WorkspaceLimitError, match=r"above wspool's size limit = 1125899906842624 bytes"):
+        pool.request(2**63)
+    assert pool.stats().refused_count == 1
+    assert pool.buffer is None
+
+
+@pytest.mark.parametrize("nbytes", [0, -5, True, 1.5, "1MiB", None])
+def test_a_request_that_is_not_a_positive_integer_is_an_error(nbytes: object) -> None:
+    """request(0), request(-5) and non-integers raise SizeError and are not counted."""
+    from wspool.errors import SizeError
+
+    pool = _pool()
+    with pytest.raises(SizeError, match="a request needs a positive integer number of bytes"):
+        pool.request(nbytes)  # type: ignore[arg-type]
+    assert pool.stats().request_count == 0
+
+
+def test_a_freeze_while_allocating_drops_the_new_buffer() -> None:
+    """Frozen while the allocator runs: the request is refused and the new buffer not installed."""
+    freeze = _FreezeState()
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        freeze.frozen = True  # another thread freezes meanwhile
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, freeze=freeze, allocator=allocator)
+    with pytest.raises(WorkspaceFrozenError, match="while the registry is frozen"):
+        pool.workspace("default", {})
+    stats = pool.stats()
+    assert (pool.buffer, stats.grow_count, stats.refused_count, stats.request_count) == (None, 0, 1, 0)
+
+
+def test_reserve_of_zero_bytes_is_an_error() -> None:
+    """reserve(nbytes=0) raises SizeError and counts no request."""
+    import wspool
+    from wspool.errors import SizeError
+
+    reg = wspool.PoolRegistry.from_config(None)
+    with pytest.raises(SizeError, match="a request needs a positive integer number of bytes, got 0"):
+        reg.reserve("flashinfer_mla", "cpu", nbytes=0)
+    assert reg.stats("flashinfer_mla", "cpu").request_count == 0
+
+
+def test_an_allocator_that_asks_its_own_pool_to_grow_is_refused_not_deadlocked() -> None:
+    """An allocator re-entering its pool's growth gets an error (the outer growth a WorkspaceLimitError), not a hang."""
+    pool: WorkspacePool
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        pool.request(nbytes + 1)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, allocator=allocator)
+    errors = _run_with_timeout(lambda: pool.workspace("default", {}), timeout=5)
+    assert len(errors) == 1 and isinstance(errors[0], WorkspaceLimitError)
+    assert "its allocator asked the same pool for memory" in str(errors[0])
+    assert pool.buffer is None

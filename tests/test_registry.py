@@ -166,3 +166,99 @@ def test_import_touches_neither_flashinfer_nor_cuda() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+# -- hostile use: overlapping freezes, failed declarations, a bad environment --------------
+
+
+def test_overlapping_frozen_blocks_in_two_threads_keep_the_freeze() -> None:
+    """Two threads' frozen() blocks overlap: frozen throughout, no growth, unfrozen after the last closes."""
+    reg = wspool.PoolRegistry.from_config(None, pools={"p": {"rules": {"default": "1KiB", "big": "2KiB"}}})
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def first() -> None:
+        with reg.frozen():
+            first_in.set()
+            assert second_in.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        assert first_in.wait(10)
+        with reg.frozen():
+            second_in.set()
+            assert first_out.wait(10)
+            seen["frozen"] = reg.is_frozen
+            try:
+                reg.workspace("p", "cpu", rule="big")
+            except WorkspaceFrozenError as exc:
+                seen["error"] = exc
+
+    threads = [threading.Thread(target=first, daemon=True), threading.Thread(target=second, daemon=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+        assert not thread.is_alive(), "deadlock in the frozen blocks"
+    assert seen["frozen"] is True
+    assert isinstance(seen["error"], WorkspaceFrozenError)
+    assert reg.is_frozen is False
+    reg.freeze()
+    with reg.frozen():
+        pass
+    assert reg.is_frozen is True  # the state from before the block
+    reg.unfreeze()
+    assert reg.is_frozen is False
+
+
+def test_a_failed_declare_pool_changes_nothing() -> None:
+    """A declaration refused for a rule clash with its host changes nothing; a later valid one applies."""
+    reg = wspool.PoolRegistry.from_config(
+        None, pools={"h": {"rules": {"a": "1KiB"}}, "g": {"shared_with": "h", "rules": {"b": "2KiB"}}}
+    )
+    with pytest.raises(ConfigError, match=r"pools 'g' and 'h' share one buffer .* both have a rule 'a'"):
+        reg.declare_pool("g", {"a": "64KiB"})
+    with pytest.raises(ConfigError, match="has no rule 'a'"):
+        reg.resolve("g", "a")
+    reg.declare_pool("g", {"c": "4KiB"})  # a later, valid declaration still applies
+    assert reg.workspace("g", "cpu", rule="c").numel() == 4096
+    assert reg.resolve("g", "b") == 2048
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_bytes": 0}, r"pools\.d\.max_bytes = 0 .*max_bytes must be positive"),
+        ({"max_bytes": "1KiB"}, r"pools\.d\.rules\.default = '4KiB' .* is above pools\.d\.max_bytes = 1KiB"),
+        ({"growth": "sideways"}, r"pools\.d\.growth = 'sideways' .*expected 'exact', 'power_of_two'"),
+    ],
+)
+def test_declare_pool_validates_as_yaml_does(kwargs: dict[str, object], match: str) -> None:
+    """declare_pool refuses what a YAML file refuses, naming the key, and declares nothing."""
+    reg = wspool.PoolRegistry.from_config(None)
+    with pytest.raises(ConfigError, match=match):
+        reg.declare_pool("d", {"default": "4KiB"}, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown pool 'd'"):
+        reg.spec("d")
+
+
+def test_declare_pool_takes_growth_in_any_case_and_refuses_empty_names() -> None:
+    """growth="POWER_OF_TWO" is power_of_two, as in YAML; an empty pool or rule name is an error."""
+    reg = wspool.PoolRegistry.from_config(None)
+    assert reg.declare_pool("d", {"default": "3KiB"}, growth="POWER_OF_TWO").growth == "power_of_two"
+    with pytest.raises(ConfigError, match="a pool name must be a non-empty string"):
+        reg.declare_pool("", {"default": "1KiB"})
+    with pytest.raises(ConfigError, match="has a rule with an empty name"):
+        reg.declare_pool("e", {"": "1KiB"})
+
+
+def test_after_reset_a_bad_environment_makes_get_registry_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented choice: get_registry() raises ConfigError naming the variable until it is fixed."""
+    good = wspool.get_registry()
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE", "5 +")
+    wspool.reset_registry()
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"):
+            wspool.get_registry()
+    monkeypatch.delenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE")
+    assert wspool.get_registry() is not good

@@ -229,3 +229,36 @@ def test_debug_streams_warns_about_unordered_streams_only() -> None:
     ):
         reg.workspace("ws", device)
     torch.cuda.synchronize()
+
+
+def test_real_out_of_memory_is_a_counted_limit_error_and_the_pool_still_serves() -> None:
+    """A request larger than the GPU (512 TiB) is a WorkspaceLimitError, counted; the old buffer is still served."""
+    from wspool.errors import WorkspaceLimitError
+
+    reg = wspool.PoolRegistry.from_config(None, pools={"p": {"rules": {"default": "1MiB"}}})
+    device = _device()
+    before = reg.workspace("p", device)
+    with pytest.raises(WorkspaceLimitError, match="could not grow from 1048576 to 562949953421312 bytes"):
+        reg.pool("p", device).request(2**49)
+    stats = reg.stats("p", device)
+    assert (stats.refused_count, stats.capacity_bytes) == (1, 1 << 20)
+    assert reg.workspace("p", device).data_ptr() == before.data_ptr()
+
+
+def test_mla_decode_plans_per_lane_on_the_gpu() -> None:
+    """The same metadata under two lanes gets two plans and two buffers (no shared workspace between streams)."""
+    from tests.mla_inputs import make_inputs
+    from wspool.flashinfer import mla_decode
+
+    reg = wspool.PoolRegistry.from_config(None)
+    inputs = make_inputs(2, 128, [70, 300], device=_device())
+    for name in ("a", "b"):
+        with wspool.lane(name):
+            mla_decode(
+                inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+                sm_scale=inputs.sm_scale, registry=reg,
+            )  # fmt: skip
+    buffers = {s.lane: s.capacity_bytes for s in reg.all_stats() if s.pool == "flashinfer_mla"}
+    assert set(buffers) == {"a", "b"} and all(buffers.values())
+    a, b = (reg.pool("flashinfer_mla", _device(), lane=n).buffer for n in ("a", "b"))
+    assert a is not None and b is not None and a.data_ptr() != b.data_ptr()

@@ -105,7 +105,7 @@ def test_division_by_zero_is_a_rule_error() -> None:
         ("x << 40", "LShift is not allowed"),
         ("x == 1", "Compare is not allowed"),
         ("__builtins__", "name '__builtins__' is not allowed"),
-        ("max()", "takes at least 1 argument"),
+        ("max()", "takes at least 2 argument"),
         ("round_up(x)", "takes 2 argument"),
         ("max(x, key=y)", "positional arguments only"),
         ("max(*x)", "positional arguments only"),
@@ -182,3 +182,63 @@ def test_random_text_only_raises_rule_errors(source: str) -> None:
     """Arbitrary text never escapes the whitelist: compile either succeeds or raises RuleError."""
     with contextlib.suppress(RuleError):
         compile_rule(source)
+
+
+# -- facts are checked whatever the cache holds --------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, __import__("decimal").Decimal(1), 1 + 0j])
+def test_a_non_integer_fact_is_refused_even_after_its_integer_is_cached(bad: object) -> None:
+    """x=1 cached, then x=True (or 1.0, Decimal(1), 1+0j) is still refused."""
+    rule = compile_rule("x * 1KiB")
+    assert rule.resolve({"x": 1}) == 1024
+    with pytest.raises(RuleError, match=f"fact 'x' must be an integer, got {type(bad).__name__}"):
+        rule.resolve({"x": bad})
+    two = compile_rule("x * y")
+    assert two.resolve({"x": 1, "y": 3}) == 3
+    with pytest.raises(RuleError, match="fact 'x' must be an integer"):
+        two.resolve({"x": bad, "y": 3})
+
+
+@pytest.mark.parametrize("bad", [[1], {"a": 1}, {1}])
+def test_an_unhashable_fact_is_a_rule_error(bad: object) -> None:
+    """A list, dict or set fact is a RuleError naming it, not TypeError: unhashable."""
+    with pytest.raises(RuleError, match=f"fact 'x' must be an integer, got {type(bad).__name__}"):
+        compile_rule("x * 2").resolve({"x": bad})
+
+
+def test_a_tensor_fact_is_not_kept_alive_by_the_cache() -> None:
+    """An integer tensor fact resolves, and the rule's cache holds only plain ints."""
+    import gc
+    import weakref
+
+    import torch
+
+    rule = compile_rule("x * 2")
+    fact = torch.tensor(21)
+    ref = weakref.ref(fact)
+    assert rule.resolve({"x": fact}) == 42
+    del fact
+    gc.collect()
+    assert ref() is None
+    assert rule.resolve({"x": 21}) == 42
+
+
+def test_max_of_one_argument_fails_at_compile_time() -> None:
+    """max(5) and min(x) are refused when compiled, not with a TypeError at call time."""
+    for source in ("max(5)", "min(x)"):
+        with pytest.raises(RuleError, match=r"takes at least 2 argument\(s\), got 1"):
+            compile_rule(source)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_cached_sizes_are_served_only_to_integer_facts_for_any_fact_count(count: int) -> None:
+    """With 1 to 4 facts, a cached size is reused for ints and refused for True in any position."""
+    names = [f"f{i}" for i in range(count)]
+    rule = compile_rule(" + ".join(names) + " + 1")
+    ints = dict.fromkeys(names, 1)
+    assert rule.resolve(ints) == count + 1
+    assert rule.resolve(dict(ints)) == count + 1
+    for name in names:
+        with pytest.raises(RuleError, match=f"fact '{name}' must be an integer, got bool"):
+            rule.resolve({**ints, name: True})

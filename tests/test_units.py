@@ -90,3 +90,10 @@ def test_parse_size_never_crashes(value: object) -> None:
     except SizeError:
         return
     assert 0 <= nbytes <= MAX_SIZE_BYTES
+
+
+@pytest.mark.parametrize("text", ["１２", "١٢", "12０MiB", "٣KiB"])
+def test_only_ascii_digits_make_a_size(text: str) -> None:
+    """Fullwidth and Arabic-Indic digits are not sizes."""
+    with pytest.raises(SizeError, match="invalid size"):
+        parse_size(text)

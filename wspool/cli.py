@@ -6,13 +6,16 @@ Bad input exits with status 2 and one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from wspool.config import Provenance, WspoolSettings, iter_settings, load_settings_with_provenance, profile_settings
-from wspool.errors import WspoolError, describe_setting
+from wspool.errors import WspoolError, describe_setting, printable
 from wspool.registry import PoolRegistry
 from wspool.units import format_size
 
@@ -32,14 +35,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+#: Names a fact cannot take: they are parameters of PoolRegistry.workspace/resolve/reserve.
+RESERVED_FACTS = frozenset({"self", "pool", "rule", "lane", "device", "nbytes"})
+
+
 def _fact(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
-    if not sep or not name.isidentifier():
+    if not sep or not name.isidentifier() or not name.isascii():
         raise argparse.ArgumentTypeError(f"expected NAME=INTEGER, got {text!r}")
+    if name in RESERVED_FACTS:
+        raise argparse.ArgumentTypeError(
+            f"a fact cannot be named {name!r}: {', '.join(sorted(RESERVED_FACTS))} are parameters of "
+            f"PoolRegistry.workspace(), so no call can pass such a fact"
+        )
     try:
+        if not value.isascii():
+            raise ValueError
         return name, int(value, 0)
     except ValueError:
         raise argparse.ArgumentTypeError(f"fact {name!r} must be an integer, got {value!r}") from None
+
+
+def _device(text: str, *, allow_meta: bool = False) -> str:
+    """Check that ``--device`` names a device this machine has (cpu, an available CUDA device, meta for bench)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"--device {text!r} is not a device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {text!r}: no CUDA device is available on this machine")
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"--device {text!r}: this machine has {count} CUDA device(s)")
+    elif device.type != "cpu" and not (allow_meta and device.type == "meta"):
+        allowed = "cpu, meta or a CUDA device" if allow_meta else "cpu or a CUDA device"
+        raise UsageError(f"--device {text!r}: this command runs on {allowed}")
+    return text
 
 
 def _add_config_option(parser: argparse.ArgumentParser) -> None:
@@ -85,11 +119,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
         }
         print(json.dumps(data, indent=2))
         return 0
-    print(f"config file: {provenance.config_file or '(none: built-in defaults and environment)'}")
-    print(f"profile: {given.profile} (from {provenance.source_of(('profile',))})")
+    print(f"config file: {printable(str(provenance.config_file or '(none: built-in defaults and environment)'))}")
+    print(f"profile: {printable(given.profile)} (from {printable(provenance.source_of(('profile',)))})")
     for entry in devices:
         shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
-        print(f"device {entry['device']}: profile {entry['profile']} ({entry['reason']}); device facts: {shown}")
+        reason = printable(entry["reason"])
+        print(f"device {entry['device']}: profile {entry['profile']} ({reason}); device facts: {shown}")
     from wspool.profiles import load_profile
 
     for name in profiles:
@@ -98,7 +133,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         if len(profiles) > 1:
             print(f"settings under profile {name}:")
         table = [
-            (".".join(path), _show_value(path, value), prov.source_of(path)) for path, value in iter_settings(settings)
+            (printable(".".join(path)), _show_value(path, value), printable(prov.source_of(path)))
+            for path, value in iter_settings(settings)
         ]
         width = max(len(key) for key, _, _ in table)
         vwidth = max(len(value) for _, value, _ in table)
@@ -110,7 +146,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _show_value(path: tuple[str, ...], value: object) -> str:
     if path and path[-1] == "max_bytes" and isinstance(value, int):
         return f"{value} ({format_size(value)})"
-    return str(value)
+    return printable(str(value))
 
 
 def _cmd_resolve(args: argparse.Namespace) -> int:
@@ -139,10 +175,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if (args.runs is not None and args.runs < 1) or args.repeats < 1:
         raise UsageError(f"--runs and --repeats must be at least 1, got {args.runs} and {args.repeats}")
+    if args.device is not None:
+        _device(args.device, allow_meta=True)
     if args.plot_from:
         if not args.plot:
             raise UsageError("--plot-from needs --plot FILE.png")
-        figures = load_figures(args.plot_from)
+        try:
+            figures = load_figures(args.plot_from)
+            plot_memory(figures, args.plot)
+        except (KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+            raise UsageError(f"--plot-from {args.plot_from}: malformed figures ({type(exc).__name__})") from None
+        print(f"wrote {args.plot}")
+        return 0
     else:
         sections = [s.strip() for s in args.sections.split(",") if s.strip()]
         unknown = sorted(set(sections) - set(SECTIONS))
@@ -221,6 +265,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from wspool.demo import run_demo
 
+    if args.device is not None:
+        _device(args.device)
     registry = PoolRegistry.from_config(args.config)
     return 0 if run_demo(registry, args.device) else 1
 
@@ -322,17 +368,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _quiet_logger() -> Iterator[None]:
+    """Keep wspool's log records off stderr (Python's last-resort handler) unless the caller set up logging."""
+    logger = logging.getLogger("wspool")
+    if logger.hasHandlers():
+        yield
+        return
+    handler = logging.NullHandler()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def _error(command: str, message: str) -> int:
+    """Print the one error line (control characters escaped) and return exit status 2."""
+    line = printable(" ".join(message.split()))
+    with contextlib.suppress(OSError, ValueError):
+        print(f"wspool {command}: error: {line}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: _Handler = args.handler
+    if sys.stdout is None:  # started with file descriptor 1 closed
+        return _error(args.command, "cannot write the output: standard output is closed")
     try:
-        return handler(args)
+        with _quiet_logger():
+            status = handler(args)
+            sys.stdout.flush()  # a closed pipe or a full disk surfaces here, not at exit
+        return status
     except (WspoolError, UsageError, ValueError) as exc:
-        message = " ".join(str(exc).split())
-        print(f"wspool {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        return _error(args.command, str(exc))
+    except OSError as exc:  # stdout is a closed pipe or /dev/full
+        with contextlib.suppress(OSError, ValueError):
+            # Nothing more can reach stdout: point it at /dev/null so the interpreter's exit flush is silent.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _error(args.command, f"cannot write the output: {exc.strerror or exc}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,8 +14,10 @@ Hostile input: the YAML file is read with the safe loader, must be at most
 :data:`MAX_CONFIG_FILE_BYTES`, and may hold at most :data:`MAX_CONFIG_VALUES`
 values nested at most :data:`MAX_CONFIG_DEPTH` deep after expanding aliases
 (so an alias bomb is refused before validation walks it). Values quoted back
-in errors are shortened. Whatever the file or the environment holds, loading
-raises nothing but :class:`~wspool.errors.ConfigError`.
+in errors are shortened. Nothing is silently dropped: a key given twice in one
+YAML mapping, a ``WSPOOL_*`` variable that names no setting, and pool names that
+differ only in case are errors. Whatever the file or the environment holds,
+loading raises nothing but :class:`~wspool.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pydantic_settings import (
 )
 
 from wspool.engine_knobs import engine_knob_layers, engine_knob_settings
-from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, setting_names
+from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
 from wspool.profiles import AUTO, PROFILE_NAMES, load_profile
 from wspool.rules import FUNCTIONS, LiteralRule, compile_rule
 from wspool.units import format_size, parse_size
@@ -51,22 +53,32 @@ from wspool.units import format_size, parse_size
 __all__ = [
     "BUILTIN_DEFAULTS",
     "CONFIG_ENV_VAR",
+    "EXTRA_ENV_VARS",
     "GROWTH_POLICIES",
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
+    "MAX_REPORTED_ERRORS",
     "RESERVED_FACT_NAMES",
     "PoolConfig",
     "Provenance",
     "WspoolSettings",
+    "check_pool_names",
     "iter_settings",
     "load_settings",
     "load_settings_with_provenance",
     "profile_settings",
+    "validate_pool",
 ]
 
 #: The environment variable that names the YAML file.
 CONFIG_ENV_VAR = "WSPOOL_CONFIG"
+#: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
+#: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
+#: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``.
+EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_VLLM", "WSPOOL_VLLM_DEVICE")
+#: Validation errors quoted in one ConfigError; the rest are counted.
+MAX_REPORTED_ERRORS = 5
 
 #: The seed's sizes: 128 MiB for plain MLA decode, 256 MiB when the LSE is returned.
 #: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
@@ -340,7 +352,12 @@ def _config_file_from(config_file: str | os.PathLike[str] | None) -> tuple[Path 
 
 
 def _read_yaml(path: Path, how: str) -> dict[str, Any]:
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
+        why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
+        raise ConfigError(f"cannot read config file {_quote.repr(str(path))} ({how}): {why}") from None
+    if not is_file:
         raise ConfigError(f"config file {path} ({how}) does not exist or is not a file")
     try:
         with path.open(encoding="utf-8") as handle:
@@ -350,7 +367,7 @@ def _read_yaml(path: Path, how: str) -> dict[str, Any]:
                 f"config file {path} ({how}) is larger than {format_size(MAX_CONFIG_FILE_BYTES)}; "
                 f"a wspool configuration is a few hundred bytes"
             )
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -360,6 +377,13 @@ def _read_yaml(path: Path, how: str) -> dict[str, Any]:
         raise ConfigError(f"invalid YAML in config file {path}: it nests too deeply") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path} ({how}): {exc}") from None
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        # PyYAML's constructors raise these for tagged or date-like scalars they cannot build
+        # (!!timestamp x, !!bool maybe, 2021-13-45, !!int abc, an integer of 5,000 digits).
+        detail = _quote.repr(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise ConfigError(f"invalid YAML value in config file {path}: {detail}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -372,6 +396,45 @@ def _read_yaml(path: Path, how: str) -> dict[str, Any]:
             )
     _check_size_and_depth(data, path)
     return data
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping (the last one would win silently).
+
+    A scalar PyYAML cannot build (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``,
+    ``!!int abc``, an integer of 5,000 digits) becomes a YAML error at its line.
+    """
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)  # type: ignore[no-untyped-call]
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            shown = _quote.repr(node.value) if isinstance(node, yaml.ScalarNode) else node.tag
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(exc).__name__})",
+                node.start_mark,
+            ) from None  # fmt: skip
+
+
+def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: dict[object, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping refuses it with its own message
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {_quote.repr(key)} (first given on line {first.start_mark.line + 1})",
+                key_node.start_mark,
+            )  # fmt: skip
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_strict_mapping)
 
 
 def _check_size_and_depth(data: object, path: Path) -> None:
@@ -450,6 +513,7 @@ def _load(
             (WspoolSettings,),
             {"model_config": {**WspoolSettings.model_config, "yaml_file": path}, "_profile_layer": profile_layer},
         )
+    _check_env_names()
     try:
         env_data = EnvSettingsSource(settings_cls)()
     except (SettingsError, RecursionError) as exc:
@@ -464,9 +528,87 @@ def _load(
         raise _env_error(exc) from None
     except ValidationError as exc:
         raise _config_error(exc, provenance) from None
+    _check_names(settings, provenance)
     _check_shared_pools(settings, provenance)
     settings._load_inputs = (path, overrides)
     return settings, provenance
+
+
+def _check_env_names() -> None:
+    """Refuse a ``WSPOOL_*`` variable that names no setting (pydantic-settings would ignore it)."""
+    fields = {name.upper() for name in WspoolSettings.model_fields}
+    unknown = []
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in EXTRA_ENV_VARS:
+            continue
+        head, nested, _ = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
+        if head not in fields or (nested and head != "POOLS"):
+            unknown.append(name)
+    if unknown:
+        known = ", ".join([*EXTRA_ENV_VARS, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
+        shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
+        more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
+        raise ConfigError(
+            f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
+            f"(check the spelling; the variables are {known}, and pools are set through "
+            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)",
+            path=(unknown[0][len(ENV_PREFIX) :].lower(),),
+        )
+
+
+def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:
+    """Refuse empty pool or rule names, and pool names that differ only in case.
+
+    Environment variables are matched case-insensitively, so ``WSPOOL_POOLS__MYPOOL__...``
+    names ``mypool``: a YAML pool ``MyPool`` next to it would otherwise be a second pool.
+    """
+    where = source_of or (lambda path: "code")
+    by_folded: dict[str, str] = {}
+    for name, pool in pools.items():
+        if not name.strip():
+            raise ConfigError(
+                f"invalid wspool configuration: a pool name is empty ({_quote.repr(name)})", path=("pools",)
+            )
+        for rule in pool.rules:
+            if not rule.strip():
+                path = ("pools", name, "rules")
+                raise ConfigError(
+                    f"invalid wspool configuration: pool {name!r} has a rule with an empty name "
+                    f"({_quote.repr(rule)}, from {where(path)})",
+                    path=path,
+                )
+        other = by_folded.setdefault(name.lower(), name)
+        if other != name:
+            first, second = sorted((other, name))
+            raise ConfigError(
+                f"invalid wspool configuration: pools {first!r} (from {where(('pools', first))}) and {second!r} "
+                f"(from {where(('pools', second))}) differ only in case; environment variables name pools in "
+                f"lower case ({ENV_PREFIX}POOLS{ENV_DELIMITER}{name.upper()}{ENV_DELIMITER}... is "
+                f"pools.{name.lower()}), so write the pool's name in lower case",
+                path=("pools", first),
+            )
+
+
+def validate_pool(name: str, values: Mapping[str, Any]) -> PoolConfig:
+    """Validate one pool's settings given in code exactly as a YAML file's ``pools.<name>`` is.
+
+    Raises:
+        ConfigError: Naming each offending key, as for a file.
+    """
+    provenance = Provenance([("code (declare_pool)", {"pools": {name: dict(values)}})], None)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"invalid pool name {_quote.repr(name)}: a pool name must be a non-empty string")
+    try:
+        pool = PoolConfig(**values)
+    except ValidationError as exc:
+        raise _config_error(exc, provenance, prefix=("pools", name)) from None
+    check_pool_names({name: pool}, provenance.source_of)
+    return pool
+
+
+def _check_names(settings: WspoolSettings, provenance: Provenance) -> None:
+    check_pool_names(settings.pools, provenance.source_of)
 
 
 def _check_shared_pools(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
@@ -539,11 +681,11 @@ def _undecodable_env_var(field: str, doc: object) -> str | None:
     return None
 
 
-def _config_error(exc: ValidationError, provenance: Provenance) -> ConfigError:
+def _config_error(exc: ValidationError, provenance: Provenance, prefix: tuple[str, ...] = ()) -> ConfigError:
     lines = []
     first_path: tuple[str, ...] | None = None
     for error in exc.errors(include_url=False):
-        loc = [str(p) for p in error["loc"] if not str(p).startswith("function-")]
+        loc = [*prefix, *(str(p) for p in error["loc"] if not str(p).startswith("function-"))]
         path = tuple(p for p in loc if p != "[key]")
         if first_path is None:
             first_path = path
@@ -551,7 +693,7 @@ def _config_error(exc: ValidationError, provenance: Provenance) -> ConfigError:
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and nesting)"
-        if "[key]" in loc and error["type"] == "string_type":
+        if "[key]" in loc and not isinstance(error.get("input"), str):
             message = f"a key must be a string, not {type(error.get('input')).__name__}"
         if error["type"] == "rule_above_max_bytes":
             lines.append(_rule_above_max_bytes(path, error.get("ctx") or {}, provenance))
@@ -561,7 +703,10 @@ def _config_error(exc: ValidationError, provenance: Provenance) -> ConfigError:
         lines.append(f"{key}{shown} (from {provenance.source_of(path)}): {message}; set {key} / {env}")
     count = len(lines)
     header = "invalid wspool configuration" + (f" ({count} errors)" if count > 1 else "")
-    return ConfigError(header + ": " + "; ".join(lines), path=first_path)
+    reported = lines[:MAX_REPORTED_ERRORS]
+    if count > MAX_REPORTED_ERRORS:
+        reported.append(f"and {count - MAX_REPORTED_ERRORS} more")
+    return ConfigError(header + ": " + "; ".join(reported), path=first_path)
 
 
 def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provenance: Provenance) -> str:

@@ -17,11 +17,19 @@ __all__ = [
     "WorkspaceLimitError",
     "WorkspaceOverflowError",
     "WspoolError",
+    "printable",
     "setting_names",
 ]
 
 ENV_PREFIX = "WSPOOL_"
 ENV_DELIMITER = "__"
+
+
+def printable(text: str) -> str:
+    """Return ``text`` with control characters escaped (``"\\x1b"``, ``"\\n"``), so it cannot forge terminal output."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def setting_names(path: Sequence[str]) -> tuple[str, str]:
@@ -33,7 +41,7 @@ def setting_names(path: Sequence[str]) -> tuple[str, str]:
     Returns:
         ``("pools.flashinfer_mla.rules.lse", "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE")``.
     """
-    parts = [str(p) for p in path]
+    parts = [printable(str(p)) for p in path]
     return ".".join(parts), ENV_PREFIX + ENV_DELIMITER.join(p.upper() for p in parts)
 
 

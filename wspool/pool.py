@@ -25,7 +25,8 @@ by the pool and freed by PyTorch when the caller's last reference to it goes
 ``torch.cuda.empty_cache()``.
 
 Thread semantics: every method is thread-safe; concurrent first requests
-allocate once. Using one buffer from two CUDA streams at once is a data race:
+allocate once. No lock is held while the pool logs or calls its allocator or
+capture probe, so those may read the pool's statistics. Using one buffer from two CUDA streams at once is a data race:
 give each stream its own lane; :mod:`wspool.streams` can watch for it.
 """
 
@@ -38,14 +39,14 @@ import threading
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError, describe_setting
+from wspool.errors import SizeError, WorkspaceFrozenError, WorkspaceLimitError, WspoolError, describe_setting
 from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.streams import StreamOrderWatch
-from wspool.units import format_size
+from wspool.units import MAX_SIZE_BYTES, format_size
 
 __all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool", "cuda_capture_probe"]
 
@@ -189,25 +190,53 @@ class _RuleSlot:
 class _FreezeState:
     """Shared by a registry's pools: growth is refused while ``frozen``.
 
-    ``epoch`` counts the times it was frozen, so a pool can tell at growth
-    whether its buffer was current during a freeze (and so may be in a graph).
+    Frozen while :meth:`freeze` holds it or any ``frozen()`` block is open (the
+    blocks are counted, so blocks overlapping across threads keep the freeze
+    until the last one closes). ``epoch`` counts the times it became frozen, so a
+    pool can tell at growth whether its buffer was current during a freeze (and
+    so may be in a graph).
     """
 
-    __slots__ = ("_frozen", "epoch")
+    __slots__ = ("_blocks", "_held", "_lock", "_resets", "epoch")
 
     def __init__(self) -> None:
-        self._frozen = False
+        self._held = False
+        self._blocks = 0
+        self._resets = 0
+        self._lock = threading.Lock()
         self.epoch = 0
 
     @property
     def frozen(self) -> bool:
-        return self._frozen
+        return self._held or self._blocks > 0
 
     @frozen.setter
     def frozen(self, value: bool) -> None:
-        if value and not self._frozen:
-            self.epoch += 1
-        self._frozen = bool(value)
+        with self._lock:
+            if value and not self.frozen:
+                self.epoch += 1
+            self._held = bool(value)
+
+    def enter(self) -> int:
+        """Open a frozen block; returns the token that :meth:`leave` takes."""
+        with self._lock:
+            if not self.frozen:
+                self.epoch += 1
+            self._blocks += 1
+            return self._resets
+
+    def leave(self, token: int) -> None:
+        """Close a block opened by :meth:`enter` (a no-op after :meth:`clear`)."""
+        with self._lock:
+            if token == self._resets and self._blocks > 0:
+                self._blocks -= 1
+
+    def clear(self) -> None:
+        """Unfreeze completely; blocks open now no longer count."""
+        with self._lock:
+            self._held = False
+            self._blocks = 0
+            self._resets += 1
 
 
 def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
@@ -275,6 +304,10 @@ class WorkspacePool:
         if debug_streams and device.type == "cuda":
             self._watch = StreamOrderWatch(f"pool {spec.name!r} on {device} (lane {lane})", device)
         self._lock = threading.Lock()
+        # The one thread allocating a new buffer, if any; the others wait on _grown, so
+        # concurrent first requests allocate once while the allocator runs without the lock.
+        self._grower: int | None = None
+        self._grown = threading.Condition(self._lock)
         # (buffer, capacity) replaced as one object, so unlocked readers never see a
         # new capacity with the old, smaller buffer.
         self._state: tuple[torch.Tensor | None, int] = (None, 0)
@@ -376,7 +409,16 @@ class WorkspacePool:
         return MappingProxyType(slot.defaults)
 
     def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
-        """Return the buffer for an explicit size in bytes, grown first if needed."""
+        """Return the buffer for an explicit size in bytes, grown first if needed.
+
+        Raises:
+            SizeError: ``nbytes`` is not a positive integer (nothing is counted).
+            WorkspaceFrozenError: Growth was needed while frozen or capturing.
+            WorkspaceLimitError: Growth was needed beyond ``max_bytes``, wspool's size
+                limit or the device's memory.
+        """
+        if type(nbytes) is not int or nbytes <= 0:
+            self._check_request_size(nbytes)
         # The serve steps below repeat workspace()'s on purpose: that one is the
         # per-call path, where a shared helper's call measured about a fifth of its cost.
         slot = self._slots.get(reason)
@@ -396,20 +438,24 @@ class WorkspacePool:
             return buffer  # type: ignore[return-value]
         return self._serve_growing(slot, nbytes)
 
+    def _check_request_size(self, nbytes: object) -> None:
+        """Refuse a request size that is not a positive integer (``int`` subclasses other than bool pass)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise SizeError(
+                f"pool {self.spec.name!r}: a request needs a positive integer number of bytes, got {nbytes!r}"
+            )
+
     def _note_peak(self, nbytes: int) -> None:
         with self._lock:
             if nbytes > self._peak:
                 self._peak = nbytes
 
     def _serve_growing(self, slot: _RuleSlot, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            buffer, capacity = self._state
-            if nbytes > capacity:
-                buffer = self._grow_locked(nbytes, slot.label, slot.setting)
-            next(slot.counter)
-            if nbytes > self._peak:
-                self._peak = nbytes
-            return buffer  # type: ignore[return-value]
+        buffer = self._grow(nbytes, slot.label, slot.setting)
+        next(slot.counter)
+        if nbytes > self._peak:
+            self._note_peak(nbytes)
+        return buffer
 
     # -- growth ------------------------------------------------------------
 
@@ -428,60 +474,100 @@ class WorkspacePool:
             WorkspaceFrozenError: While frozen or capturing.
             WorkspaceLimitError: Beyond ``max_bytes`` or the device's memory.
         """
-        with self._lock:
-            buffer, capacity = self._state
-            if nbytes <= capacity:
-                return buffer  # type: ignore[return-value]
-            return self._grow_locked(nbytes, reason, setting)
+        return self._grow(nbytes, reason, setting)
 
-    def _grow_locked(self, nbytes: int, reason: str, setting: str | None = None) -> torch.Tensor:
-        spec = self.spec
-        setting = setting or spec.setting("rules", "<rule>")
-        previous, old = self._state
-        if spec.max_bytes is not None and nbytes > spec.max_bytes:
-            self._refused += 1
-            logger.warning(
-                "wspool: refused %s on %s lane %s: %s (%s) needs %d bytes, above max_bytes %d",
-                spec.name,
-                self.device,
-                self.lane,
-                reason,
-                format_size(nbytes),
-                nbytes,
-                spec.max_bytes,
-            )
-            raise WorkspaceLimitError(
-                f"pool {spec.name!r} on {self.device} (lane {self.lane}) needs {nbytes} bytes "
-                f"({format_size(nbytes)}) for {reason}, above max_bytes = {spec.max_bytes} bytes "
-                f"({format_size(spec.max_bytes)}); raise {spec.setting('max_bytes')}"
-            )
+    def _grow(self, nbytes: int, reason: str, setting: str | None) -> torch.Tensor:
+        """Grow to ``nbytes`` unless it fits; one thread allocates, the others wait for it.
+
+        The lock guards the state only: the allocator runs, and every log line is
+        written, with it released, so a handler or an allocator that reads the
+        pool's statistics cannot deadlock.
+        """
+        setting = setting or self.spec.setting("rules", "<rule>")
+        # Asked before taking the lock: an engine's probe is its own code.
         capturing = self._capture_probe is not None and bool(self._capture_probe())
+        while True:
+            with self._lock:
+                buffer, capacity = self._state
+                if nbytes <= capacity:
+                    return buffer  # type: ignore[return-value]
+                refusal = self._refusal_locked(nbytes, reason, setting, capturing)
+                if refusal is None:
+                    if self._grower is not None:
+                        if self._grower == threading.get_ident():
+                            raise RuntimeError(f"pool {self.spec.name!r}: its allocator asked the same pool for memory")
+                        self._grown.wait()  # another thread allocates: wait, then look again
+                        continue
+                    self._grower = threading.get_ident()
+                    old = capacity
+                    new_capacity = self.spec.capacity_for(nbytes)
+            if refusal is not None:
+                self._report_refusal(*refusal)
+            try:
+                return self._allocate_and_install(nbytes, new_capacity, old, reason, setting)
+            finally:
+                with self._lock:
+                    self._grower = None
+                    self._grown.notify_all()
+
+    def _refusal_locked(
+        self, nbytes: int, reason: str, setting: str, capturing: bool
+    ) -> tuple[Exception, str, tuple[object, ...]] | None:
+        """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
+        spec = self.spec
+        old = self._state[1]
+        limit = spec.max_bytes
+        if (limit is not None and nbytes > limit) or nbytes > MAX_SIZE_BYTES:
+            self._refused += 1
+            shown = limit if limit is not None and nbytes > limit else MAX_SIZE_BYTES
+            what = "max_bytes" if shown == limit else "wspool's size limit"
+            hint = f"raise {spec.setting('max_bytes')}" if shown == limit else f"lower {setting}"
+            return (
+                WorkspaceLimitError(
+                    f"pool {spec.name!r} on {self.device} (lane {self.lane}) needs {nbytes} bytes "
+                    f"({format_size(nbytes)}) for {reason}, above {what} = {shown} bytes "
+                    f"({format_size(shown)}); {hint}"
+                ),
+                "wspool: refused %s on %s lane %s: %s (%s) needs %d bytes, above %s %d",
+                (spec.name, self.device, self.lane, reason, format_size(nbytes), nbytes, what, shown),
+            )
         if self._freeze.frozen or capturing:
             self._refused += 1
             why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
-            logger.warning(
+            return (
+                WorkspaceFrozenError(
+                    f"pool {spec.name!r} on {self.device} (lane {self.lane}) would have to grow {why}: "
+                    f"{reason} needs {nbytes} bytes ({format_size(nbytes)}), {old} bytes available. "
+                    f"Reserve or warm up that size before capturing/freezing, or raise {setting}"
+                ),
                 "wspool: refused growth of %s on %s lane %s %s: %s needs %d bytes, %d available",
-                spec.name,
-                self.device,
-                self.lane,
-                why,
-                reason,
-                nbytes,
-                old,
+                (spec.name, self.device, self.lane, why, reason, nbytes, old),
             )
-            raise WorkspaceFrozenError(
-                f"pool {spec.name!r} on {self.device} (lane {self.lane}) would have to grow {why}: "
-                f"{reason} needs {nbytes} bytes ({format_size(nbytes)}), {old} bytes available. "
-                f"Reserve or warm up that size before capturing/freezing, or raise {setting}"
-            )
-        capacity = spec.capacity_for(nbytes)
+        return None
+
+    @staticmethod
+    def _report_refusal(error: Exception, message: str, args: tuple[object, ...]) -> NoReturn:
+        logger.warning(message, *args)
+        raise error
+
+    def _allocate_and_install(self, nbytes: int, capacity: int, old: int, reason: str, setting: str) -> torch.Tensor:
+        """Allocate outside the lock (this thread is the pool's one grower), then install under it."""
+        spec = self.spec
         try:
             # Never an inference tensor, even when the first request comes under torch.inference_mode:
             # the buffer outlives that context, and kernels may write to it in place outside it.
             with torch.inference_mode(False):
                 buffer = self._allocate(capacity, self.device)
-        except torch.OutOfMemoryError as exc:
-            self._refused += 1
+        except WspoolError:
+            raise
+        except (RuntimeError, MemoryError, OverflowError) as exc:  # torch's OutOfMemoryError is a RuntimeError
+            with self._lock:
+                self._refused += 1
+            if isinstance(exc, torch.OutOfMemoryError):
+                cause = "the device is out of memory"
+            else:
+                first = (str(exc).splitlines() or [""])[0][:120]
+                cause = f"the allocation failed ({type(exc).__name__}: {first})"
             logger.warning(
                 "wspool: out of memory growing %s on %s lane %s from %d to %d bytes for %s",
                 spec.name,
@@ -493,19 +579,25 @@ class WorkspacePool:
             )
             raise WorkspaceLimitError(
                 f"pool {spec.name!r} on {self.device} (lane {self.lane}) could not grow from {old} to "
-                f"{capacity} bytes ({format_size(capacity)}) for {reason}: the device is out of memory; "
-                f"the pool keeps its {format_size(old) if old else 'empty'} buffer. Lower {setting} "
-                f"or free device memory"
+                f"{capacity} bytes ({format_size(capacity)}) for {reason}: {cause}; "
+                f"the pool keeps its {format_size(old) if old else 'empty'} buffer. "
+                f"Lower {setting} or free device memory"
             ) from exc
-        if previous is not None and (self._captured or self._buffer_epoch != self._freeze.epoch):
-            self._retired.append(previous)  # a graph may replay into it: keep it until release_retired()
-        self.buffer_cache = {}  # before the new state: a reader that sees the new buffer sees the new cache
-        self._state = (buffer, capacity)
-        self._captured = False
-        self._buffer_epoch = self._freeze.epoch
-        self._grows += 1
-        self.generation += 1
-        self._last_reason = f"{reason}: {format_size(nbytes)}"
+        with self._lock:
+            refusal = self._refusal_locked(nbytes, reason, setting, False) if self._freeze.frozen else None
+            if refusal is None:
+                previous = self._state[0]
+                if previous is not None and (self._captured or self._buffer_epoch != self._freeze.epoch):
+                    self._retired.append(previous)  # a graph may replay into it: keep it until release_retired()
+                self.buffer_cache = {}  # before the new state: a reader that sees the new buffer sees the new cache
+                self._state = (buffer, capacity)
+                self._captured = False
+                self._buffer_epoch = self._freeze.epoch
+                self._grows += 1
+                self.generation += 1
+                self._last_reason = f"{reason}: {format_size(nbytes)}"
+        if refusal is not None:  # frozen while allocating: the new buffer is dropped
+            self._report_refusal(*refusal)
         logger.info(
             "wspool: pool %s on %s lane %s grew %s -> %s for %s (requested %d bytes)",
             spec.name,

@@ -27,11 +27,11 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from wspool.config import WspoolSettings, _check_shared_pools, load_settings, profile_settings
+from wspool.config import WspoolSettings, _check_shared_pools, load_settings, profile_settings, validate_pool
 from wspool.device_facts import DeviceDescription
 from wspool.device_facts import describe_device as describe_any_device
 from wspool.devices import DeviceLike, is_dynamic, resolve_device
@@ -45,6 +45,15 @@ __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
 _PoolKey = tuple[str, torch.device, str]
 #: Describes a device for its facts and profile; ``None`` for a device that is not a GPU.
 DeviceDescriber = Callable[[torch.device], DeviceDescription | None]
+
+
+class _Declaration(NamedTuple):
+    """A pool declaration staged for one profile view: applied only once every view validated it."""
+
+    spec: PoolSpec  # what declare_pool returns
+    specs: dict[str, PoolSpec] | None  # the view's new specs; None: nothing changes
+    host: str  # the pool whose buffer it draws from
+    linked: PoolSpec | None  # the host buffer's new spec, when it is shared
 
 
 class PoolRegistry:
@@ -122,7 +131,7 @@ class PoolRegistry:
         view._build_specs()
         with self._lock:
             for name, declared in self._declared.items():
-                view._declare_locked(name, **declared, replay=True)
+                view._apply_declaration(view._stage_declaration(name, declared, replay=True))
             return self._views.setdefault(profile, view)
 
     def _device_entry(self, device: torch.device) -> tuple[PoolRegistry, ProfileChoice, Mapping[str, int]]:
@@ -335,50 +344,62 @@ class PoolRegistry:
         Raises:
             ConfigError: A declared rule is invalid.
         """
+        declared: dict[str, Any] = {"rules": dict(rules), "growth": growth, "max_bytes": max_bytes}
         with self._lock:
-            declared: dict[str, Any] = {"rules": dict(rules), "growth": growth, "max_bytes": max_bytes}
-            spec = self._declare_locked(name, **declared)
-            for view in {id(v): v for v in self._views.values()}.values():
-                if view is not self:
-                    view._declare_locked(name, **declared)
+            views = [self, *(v for v in {id(v): v for v in self._views.values()}.values() if v is not self)]
+            # Every profile view's change is built and validated before any is applied:
+            # a declaration that fails anywhere changes nothing.
+            staged = [view._stage_declaration(name, declared) for view in views]
+            for view, change in zip(views, staged, strict=True):
+                view._apply_declaration(change)
             self._declared[name] = declared
-            return spec
+            return staged[0].spec
 
-    def _declare_locked(
-        self, name: str, rules: Mapping[str, str | int], growth: str, max_bytes: int | str | None, replay: bool = False
-    ) -> PoolSpec:
+    def _stage_declaration(self, name: str, declared: Mapping[str, Any], replay: bool = False) -> _Declaration:
+        """Build this view's spec for a declaration, validated as YAML is; change nothing (lock held)."""
+        values: dict[str, Any] = {**declared, "rules": dict(declared["rules"])}
         configured = self.settings.pools.get(name)
-        merged_rules: dict[str, str | int] = dict(rules)
         if configured is not None:
-            merged_rules.update(configured.rules)
-            if "growth" in configured.model_fields_set:
-                growth = configured.growth
-            if "max_bytes" in configured.model_fields_set:
-                max_bytes = configured.max_bytes
-        from wspool.units import parse_size
-
-        limit = None if max_bytes is None else parse_size(max_bytes, setting=("pools", name, "max_bytes"))
-        spec = PoolSpec(name, merged_rules, growth, limit, facts=configured.facts if configured else None)
+            values["rules"].update(configured.rules)
+            for key in ("growth", "max_bytes"):
+                if key in configured.model_fields_set:
+                    values[key] = getattr(configured, key)
+        # Validated as YAML is (max_bytes 0, a fixed rule above max_bytes, growth's case).
+        validated = validate_pool(name, values)
+        spec = PoolSpec(
+            name, validated.rules, validated.growth, validated.max_bytes, facts=configured.facts if configured else None
+        )
         host = self._hosts.get(name, name)
         current = self._specs.get(name)
         if not replay and current is not None and any(key[0] == host for key in self._pools):
             if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
                 raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
-            return current
-        self._specs[name] = spec
-        if host in self._buffer_specs:
-            self._link(host)
-        return spec
+            return _Declaration(current, None, host, None)
+        specs = {**self._specs, name: spec}
+        linked = self._linked(host, specs) if host in self._buffer_specs else None  # may raise: nothing set yet
+        return _Declaration(spec, specs, host, linked)
+
+    def _apply_declaration(self, change: _Declaration) -> None:
+        """Install a staged declaration (lock held); swapping whole dicts keeps lock-free readers consistent."""
+        if change.specs is None:
+            return
+        self._specs = change.specs
+        if change.linked is not None:
+            self._buffer_specs[change.host] = change.linked
 
     def _link(self, host: str) -> None:
-        """Build the spec of ``host``'s buffer: its own rules and those of the pools that share it."""
-        own = self.spec(host)
+        """Build the spec of ``host``'s buffer from the current specs."""
+        self._buffer_specs[host] = self._linked(host, self._specs)
+
+    def _linked(self, host: str, specs: Mapping[str, PoolSpec]) -> PoolSpec:
+        """Return the spec of ``host``'s buffer: its own rules and those of the pools that share it."""
+        own = specs[host] if host in specs else self.spec(host)
         rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
         owners: dict[str, str] = {}
         facts: dict[str, Mapping[str, int]] = {}
         for guest in sorted(g for g, h in self._hosts.items() if h == host):
-            facts.update(dict.fromkeys(self.spec(guest).rules, self.spec(guest).facts))
-            for rule, compiled in self.spec(guest).rules.items():
+            facts.update(dict.fromkeys(specs[guest].rules, specs[guest].facts))
+            for rule, compiled in specs[guest].rules.items():
                 if rule in rules:
                     raise ConfigError(
                         f"pools {guest!r} and {host!r} share one buffer (pools.{guest}.shared_with) and both "
@@ -388,9 +409,7 @@ class PoolRegistry:
                     )
                 rules[rule] = compiled.source
                 owners[rule] = guest
-        self._buffer_specs[host] = PoolSpec(
-            host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts
-        )
+        return PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts)
 
     def buffer_pool(self, name: str) -> str:
         """Return the pool whose buffer ``name`` draws from: its ``shared_with`` host, else itself."""
@@ -489,7 +508,7 @@ class PoolRegistry:
         self._freeze.frozen = True
 
     def unfreeze(self) -> None:
-        """Allow growth again."""
+        """Undo :meth:`freeze`; growth stays refused while a :meth:`frozen` block is open."""
         self._freeze.frozen = False
 
     @property
@@ -499,13 +518,17 @@ class PoolRegistry:
 
     @contextmanager
     def frozen(self) -> Iterator[PoolRegistry]:
-        """Refuse growth inside the block; restores the previous state after it."""
-        previous = self._freeze.frozen
-        self._freeze.frozen = True
+        """Refuse growth inside the block.
+
+        Blocks are counted: with blocks open in several threads at once, the
+        registry stays frozen until the last one closes, and then is frozen
+        exactly when :meth:`freeze` was called without :meth:`unfreeze`.
+        """
+        token = self._freeze.enter()
         try:
             yield self
         finally:
-            self._freeze.frozen = previous
+            self._freeze.leave(token)
 
     def release_retired(self) -> int:
         """Free buffers kept for captured graphs; call once those graphs are gone.
@@ -521,7 +544,7 @@ class PoolRegistry:
             self._pools.clear()
             self._fast.clear()
             self.op_state.clear()
-            self._freeze.frozen = False
+            self._freeze.clear()
 
 
 _default: PoolRegistry | None = None

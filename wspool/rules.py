@@ -47,7 +47,7 @@ _Eval = Callable[[_Facts], int]
 
 _SIZE_LITERAL_RE = re.compile(
     r"(?<![\w.])(\d+(?:\.\d+)?)\s*(" + "|".join(u for u in UNIT_BYTES if u) + r")(?!\w)",
-    re.IGNORECASE,
+    re.IGNORECASE | re.ASCII,
 )
 
 
@@ -63,7 +63,7 @@ def _ceil_div(value: int, divisor: int) -> int:
     return -(-value // divisor)
 
 
-#: The functions an expression may call, with their arity (None: one or more).
+#: The functions an expression may call, with their arity (None: two or more).
 FUNCTIONS: dict[str, tuple[Callable[..., int], int | None]] = {
     "max": (max, None),
     "min": (min, None),
@@ -157,21 +157,38 @@ class ExpressionRule(SizeRule):
     def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
         try:
             key = self._key_of(facts)
+            nbytes = self._cache.get(key)
         except KeyError:
-            if not defaults:
-                raise self._missing(facts) from None
-            # A caller that gives some facts and leaves the rest to the defaults pays one merge.
-            facts = {**defaults, **facts}
-            try:
-                key = self._key_of(facts)
-            except KeyError:
-                raise self._missing(facts) from None
+            return self._with_defaults(facts, defaults)
+        except TypeError:  # an unhashable fact: _resolve_miss names it
+            nbytes = None
+        if nbytes is not None:
+            # Only exact ints hit the cache: True, 1.0, Decimal(1) and 1+0j hash and compare
+            # equal to 1, so a hit with them must not skip the type check. The subclasses
+            # below unroll this loop for one to three facts; __class__ reads faster than type().
+            for value in key:  # type: ignore[attr-defined]
+                if type(value) is not int:
+                    break
+            else:
+                return nbytes
+        return self._resolve_miss(facts)
+
+    def _with_defaults(self, facts: _Facts, defaults: _Facts | None) -> int:
+        """Resolve a call that leaves facts to the defaults: it pays one merge, then the cached path."""
+        if not defaults:
+            raise self._missing(facts) from None
+        return self.resolve({**defaults, **facts})
+
+    def _resolve_miss(self, facts: _Facts) -> int:
+        """Check the facts' types, then look up or compute the size under a key of plain ints."""
+        checked = self._checked(facts)
+        key = self._key_of(checked)
         nbytes = self._cache.get(key)
         if nbytes is None:
-            nbytes = self._compute(facts)
+            nbytes = self._compute(checked)
             if len(self._cache) >= RESOLVE_CACHE_SIZE:
                 self._cache.clear()
-            self._cache[key] = nbytes
+            self._cache[key] = nbytes  # plain ints only: a tensor fact is never kept alive here
         return nbytes
 
     def evaluate(self, facts: _Facts) -> int:
@@ -180,7 +197,7 @@ class ExpressionRule(SizeRule):
             self._key_of(facts)
         except KeyError:
             raise self._missing(facts) from None
-        return self._compute(facts)
+        return self._compute(self._checked(facts))
 
     def _missing(self, facts: _Facts) -> RuleError:
         missing = [n for n in self.names if n not in facts]
@@ -196,24 +213,36 @@ class ExpressionRule(SizeRule):
             path=self.setting or None,
         )
 
-    def _compute(self, facts: _Facts) -> int:
+    def _checked(self, facts: _Facts) -> _Facts:
+        """Return the facts the rule reads as plain ints, or raise naming the first one that is not an integer.
+
+        Integers of other types (numpy integers, one-element integer tensors) are converted with
+        ``operator.index``; bool, float, Decimal, complex and anything unhashable are refused.
+        """
+        plain: dict[str, object] = dict(facts)
         for name in self.names:
             value = facts[name]
-            if isinstance(value, bool) or not isinstance(value, int):
+            if type(value) is not int:
                 try:
                     if isinstance(value, bool):
                         raise TypeError
-                    facts = {**facts, name: operator.index(value)}  # type: ignore[arg-type]
-                except TypeError:
+                    value = operator.index(value)  # type: ignore[arg-type]
+                except (TypeError, ValueError, RuntimeError):
                     raise RuleError(
-                        f"rule {self._where()}: fact {name!r} must be an integer, got {type(value).__name__} {value!r}",
+                        f"rule {self._where()}: fact {name!r} must be an integer, got "
+                        f"{type(value).__name__} {_short(value)}",
                         path=self.setting or None,
                     ) from None
-            if abs(facts[name]) > MAX_MAGNITUDE:  # type: ignore[arg-type]
+                plain[name] = int(value)
+            if abs(plain[name]) > MAX_MAGNITUDE:  # type: ignore[arg-type]
                 raise RuleError(
-                    f"rule {self._where()}: fact {name!r} = {facts[name]} is out of range",
+                    f"rule {self._where()}: fact {name!r} = {_short(plain[name])} is out of range",
                     path=self.setting or None,
                 )
+        return plain
+
+    def _compute(self, facts: _Facts) -> int:
+        """Evaluate for facts :meth:`_checked` returned."""
         try:
             nbytes = self._evaluate(facts)
         except (ZeroDivisionError, OverflowError) as exc:
@@ -231,9 +260,76 @@ class ExpressionRule(SizeRule):
         return nbytes
 
 
+class _OneFactRule(ExpressionRule):
+    """An expression of one fact: itemgetter returns the value itself."""
+
+    __slots__ = ()
+
+    def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
+        try:
+            key = self._key_of(facts)
+            nbytes = self._cache.get(key)
+        except KeyError:
+            return self._with_defaults(facts, defaults)
+        except TypeError:
+            nbytes = None
+        if nbytes is not None and key.__class__ is int:
+            return nbytes
+        return self._resolve_miss(facts)
+
+
+class _TwoFactRule(ExpressionRule):
+    """An expression of two facts (the type check unrolled)."""
+
+    __slots__ = ()
+
+    def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
+        try:
+            key = self._key_of(facts)
+            nbytes = self._cache.get(key)
+        except KeyError:
+            return self._with_defaults(facts, defaults)
+        except TypeError:
+            nbytes = None
+        if nbytes is not None:
+            a, b = key  # type: ignore[misc,has-type]
+            if a.__class__ is int and b.__class__ is int:  # type: ignore[has-type]
+                return nbytes
+        return self._resolve_miss(facts)
+
+
+class _ThreeFactRule(ExpressionRule):
+    """An expression of three facts (the type check unrolled)."""
+
+    __slots__ = ()
+
+    def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
+        try:
+            key = self._key_of(facts)
+            nbytes = self._cache.get(key)
+        except KeyError:
+            return self._with_defaults(facts, defaults)
+        except TypeError:
+            nbytes = None
+        if nbytes is not None:
+            a, b, c = key  # type: ignore[misc,has-type]
+            if a.__class__ is int and b.__class__ is int and c.__class__ is int:  # type: ignore[has-type]
+                return nbytes
+        return self._resolve_miss(facts)
+
+
+_BY_ARITY: dict[int, type[ExpressionRule]] = {1: _OneFactRule, 2: _TwoFactRule, 3: _ThreeFactRule}
+
+
 def _label(setting: tuple[str, ...], source: str) -> str:
     """Return ``"key / ENV = 'source'"``, or just ``"'source'"`` for a rule outside any config."""
     return f"{describe_setting(setting)} = {source!r}" if setting else repr(source)
+
+
+def _short(value: object) -> str:
+    """A fact's repr, shortened and with control characters escaped."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:38] + "..." + text[-38:]
 
 
 def _show_facts(facts: _Facts, names: Sequence[str]) -> str:
@@ -299,8 +395,8 @@ class _Compiler:
         if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
             raise self.fail(f"{name}() takes positional arguments only")
         func, arity = FUNCTIONS[name]
-        if (arity is None and not node.args) or (arity is not None and len(node.args) != arity):
-            wanted = "at least 1" if arity is None else str(arity)
+        if (arity is None and len(node.args) < 2) or (arity is not None and len(node.args) != arity):
+            wanted = "at least 2" if arity is None else str(arity)
             raise self.fail(f"{name}() takes {wanted} argument(s), got {len(node.args)}")
         args = tuple(self.build(a, depth + 1) for a in node.args)
         if len(args) == 2:
@@ -368,7 +464,7 @@ def compile_rule(source: object, setting: Sequence[str] = ()) -> SizeRule:
     if nbytes is None:
         evaluate, names = _compile_expression(text, path)
         if names:
-            return ExpressionRule(text, evaluate, names, path)
+            return _BY_ARITY.get(len(names), ExpressionRule)(text, evaluate, names, path)
         rule = ExpressionRule(text, evaluate, (), path)
         nbytes = rule.evaluate({})
     if nbytes <= 0:

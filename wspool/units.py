@@ -33,7 +33,8 @@ UNIT_BYTES: dict[str, int] = {
     "tib": 1 << 40,
 }
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+# ASCII only: \d and str.isdigit would take fullwidth and Arabic-Indic digits.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
 _BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 

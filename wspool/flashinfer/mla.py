@@ -54,6 +54,7 @@ from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
 from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
 from wspool.kernel_buffers import track_kernel_buffers
+from wspool.lanes import current_lane
 from wspool.pool import WorkspacePool
 from wspool.registry import PoolRegistry, get_registry
 
@@ -752,6 +753,8 @@ def mla_decode(
     plans: dict[tuple[Any, ...], MLADecodePlan] | None = registry.op_state.get("mla_decode")
     if plans is None:
         plans = registry.op_state.setdefault("mla_decode", {})
+    if lane is None:
+        lane = current_lane()  # the lane in effect keys the plan: a plan holds its lane's buffer
     key = (pool, lane, backend, return_lse)
     plan: MLADecodePlan | None = plans.get(key)
     # Reuse: the same metadata tensors and a call signature the plan serves.
