@@ -13,6 +13,7 @@ from wspool.errors import WorkspaceFrozenError
 from wspool.flashinfer import mla as mla_module
 from wspool.flashinfer import mla_decode, mla_decode_plan, mla_decode_reference
 from wspool.flashinfer.mla import _BLACKWELL, _arch
+from wspool.units import format_size
 
 pytestmark = pytest.mark.gpu
 
@@ -68,12 +69,13 @@ def test_matches_fp32_reference(batch: int, heads: int, lengths: list[int], retu
 
 
 def test_pool_holds_the_rule_size_and_reuses_it() -> None:
-    """The pool holds exactly what the rule resolved; later calls reuse the same buffer."""
+    """The pool holds exactly what the device's lse rule resolved; later calls reuse the same buffer."""
     registry = wspool.get_registry()
     inputs = _inputs(32, 128, [4096] * 32)
     _decode(inputs, return_lse=True)
     stats = registry.stats("flashinfer_mla", device="cuda")
-    assert stats.capacity_bytes == registry.resolve("flashinfer_mla", rule="lse") == 256 * MiB
+    assert stats.capacity_bytes == registry.resolve("flashinfer_mla", rule="lse", device="cuda")
+    assert stats.last_grow_reason == f"rule lse: {format_size(stats.capacity_bytes)}"  # the rule, no recovery
     pointer = registry.pool("flashinfer_mla", "cuda").buffer.data_ptr()  # type: ignore[union-attr]
     _decode(_inputs(32, 128, [4000] * 32, seed=1), return_lse=True)
     after = registry.stats("flashinfer_mla", device="cuda")
@@ -190,9 +192,13 @@ def test_cuda_graph_capture_and_replay(return_lse: bool) -> None:
         registry.unfreeze()
 
 
-def test_capture_that_would_grow_raises_and_first_graph_survives() -> None:
-    """A capture needing growth raises WorkspaceFrozenError; the graph captured before still replays right."""
+def test_capture_that_would_grow_raises_and_first_graph_survives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture needing growth (fixed profile: lse 256MiB over default 128MiB) raises; the first graph replays."""
+    monkeypatch.setenv("WSPOOL_PROFILE", "fixed")  # rules lse and default differ on every device
     registry = wspool.get_registry()
+    assert registry.resolve("flashinfer_mla", rule="lse", device="cuda") > registry.resolve(
+        "flashinfer_mla", rule="default", device="cuda"
+    )
     inputs = _inputs(8, 16, [1500] * 8)
     plan = mla_decode_plan(
         inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=16, sm_scale=inputs.sm_scale,

@@ -43,8 +43,11 @@ def _counter_bytes(max_batch: int, heads: int, device: torch.device) -> int:
     return int(get_trtllm_gen_multi_ctas_kv_counter_bytes(max_batch, heads, sm_count))
 
 
-def test_mla_workspace_is_an_int8_view_on_the_current_device(on_cuda: torch.device) -> None:
+def test_mla_workspace_is_an_int8_view_on_the_current_device(
+    on_cuda: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """_get_workspace_buffer(return_lse) gives a zeroed int8 buffer on cuda:0, the same tensor per call, grown once."""
+    monkeypatch.setenv("WSPOOL_PROFILE", "fixed")  # 128MiB, then 256MiB with the LSE: one growth between them
     plain = ws.get_mla_workspace_buffer(False)
     assert (plain.dtype, plain.device, plain.numel()) == (torch.int8, on_cuda, 128 * MiB)
     assert int(plain.count_nonzero()) == 0
@@ -52,6 +55,19 @@ def test_mla_workspace_is_an_int8_view_on_the_current_device(on_cuda: torch.devi
     lse = ws.get_mla_workspace_buffer(True)
     assert (lse.dtype, lse.numel()) == (torch.int8, 256 * MiB) and ws.get_mla_workspace_buffer(False) is lse
     assert lse.view(torch.uint8).data_ptr() == wspool.get_registry().pool("flashinfer_mla", on_cuda).buffer.data_ptr()
+
+
+def test_mla_workspace_serves_the_device_profile_rules(on_cuda: torch.device) -> None:
+    """Under profile auto the plugin serves the device's own default and lse rules (on an H200: hopper's size)."""
+    registry = wspool.get_registry()
+    default = registry.resolve("flashinfer_mla", "default", device=on_cuda)
+    lse = registry.resolve("flashinfer_mla", "lse", device=on_cuda)
+    assert ws.get_mla_workspace_buffer(False).numel() == default
+    assert ws.get_mla_workspace_buffer(True).numel() == max(default, lse)
+    if registry.profile_of(on_cuda).profile == "hopper":
+        sm_count = torch.cuda.get_device_properties(on_cuda).multi_processor_count
+        assert default == lse == 64 * sm_count * (4 * 512 + 8)
+        assert registry.stats("flashinfer_mla", on_cuda).grow_count == 1
 
 
 def test_counters_are_zeroed_and_persist(on_cuda: torch.device) -> None:
@@ -66,8 +82,9 @@ def test_counters_are_zeroed_and_persist(on_cuda: torch.device) -> None:
     assert wspool.get_registry().buffer_pool("flashinfer_mla_counters") == "flashinfer_mla_counters"
 
 
-def test_vllm_lock_freezes_and_capture_refuses_growth(on_cuda: torch.device) -> None:
+def test_vllm_lock_freezes_and_capture_refuses_growth(on_cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under vLLM's lock a layer that fits is captured; one that would grow raises; unlock allows growth again."""
+    monkeypatch.setenv("WSPOOL_PROFILE", "fixed")  # rule lse (256MiB) needs more than rule default (128MiB)
 
     class Manager:  # vLLM's WorkspaceManager.lock/unlock, wrapped as the plugin wraps them
         locked = False
