@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 
 import wspool
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # CI runs each property at least 2,000 times; local runs stay quick.
 settings.register_profile("ci", max_examples=2000, deadline=None)
@@ -23,7 +20,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 @pytest.fixture(autouse=True)
 def clean_wspool_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Remove WSPOOL_* variables and engine knobs, and forget the default registry around each test."""
-    from wspool.engine_knobs import ENGINE_KNOBS
+    from wspool.settings.engine_knobs import ENGINE_KNOBS
 
     knobs = {name for name, _, _ in ENGINE_KNOBS}
     for name in list(os.environ):

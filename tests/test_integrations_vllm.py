@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import wspool
-from tests.conftest import REPO_ROOT
+from tests.helpers.paths import REPO_ROOT
 from wspool.errors import RuleError, WorkspaceFrozenError
 from wspool.integrations import vllm as plugin
 from wspool.integrations import vllm_workspaces as ws

@@ -4,7 +4,6 @@
 context; pools allocate on their first request, on the device it names.
 """
 
-from wspool.config import PoolConfig, WspoolSettings, load_settings
 from wspool.errors import (
     ConfigError,
     RuleError,
@@ -17,6 +16,7 @@ from wspool.lanes import current_lane, lane
 from wspool.pool import PoolSpec, PoolStats, WorkspacePool
 from wspool.registry import PoolRegistry, get_registry, reset_registry, set_registry
 from wspool.rules import SizeRule, compile_rule
+from wspool.settings.config import PoolConfig, WspoolSettings, load_settings
 from wspool.units import format_size, parse_size
 
 __version__ = "0.1.0"

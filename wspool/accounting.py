@@ -35,7 +35,7 @@ from wspool.pool import Allocator, PoolStats, zeros_allocator
 from wspool.units import format_size
 
 if TYPE_CHECKING:
-    from wspool.registry import PoolRegistry
+    from wspool.pool_source import PoolSource
 
 __all__ = ["dry_run", "mem_pool_allocator", "memory_stats", "memory_summary"]
 
@@ -86,7 +86,7 @@ def _torch_figures(device: str) -> dict[str, int] | None:
     }
 
 
-def memory_stats(registry: PoolRegistry) -> dict[str, Any]:
+def memory_stats(registry: PoolSource) -> dict[str, Any]:
     """Return what the registry's buffers hold, as plain data.
 
     Returns:
@@ -140,7 +140,7 @@ def _backends_text(backends: Mapping[str, Mapping[str, int]]) -> str:
     return "; ".join(parts) or "-"
 
 
-def memory_summary(registry: PoolRegistry) -> str:
+def memory_summary(registry: PoolSource) -> str:
     """Return a table of the registry's buffers, with totals per device and PyTorch's figures."""
     data = memory_stats(registry)
     header = ("pool", "device", "lane", "capacity", "peak request", "grows", "backends (requests per rule)")
@@ -185,7 +185,7 @@ def memory_summary(registry: PoolRegistry) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def dry_run(registry: PoolRegistry, facts: Mapping[str, int], device: str = "meta") -> dict[str, Any]:
+def dry_run(registry: PoolSource, facts: Mapping[str, int], device: str = "meta") -> dict[str, Any]:
     """Request every configured rule once with ``facts`` on ``device`` (``meta``: nothing is allocated).
 
     Returns:

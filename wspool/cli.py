@@ -14,9 +14,15 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from wspool.config import Provenance, WspoolSettings, iter_settings, load_settings_with_provenance, profile_settings
 from wspool.errors import WspoolError, describe_setting, printable
 from wspool.registry import PoolRegistry
+from wspool.settings.config import (
+    Provenance,
+    WspoolSettings,
+    iter_settings,
+    load_settings_with_provenance,
+    profile_settings,
+)
 from wspool.units import format_size
 
 __all__ = ["main"]
@@ -125,7 +131,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
         reason = printable(entry["reason"])
         print(f"device {entry['device']}: profile {entry['profile']} ({reason}); device facts: {shown}")
-    from wspool.profiles import load_profile
+    from wspool.settings.profiles import load_profile
 
     for name in profiles:
         print(f"profile {name}: {load_profile(name).description}")
@@ -169,9 +175,9 @@ def _cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from wspool.bench import SECTIONS, run_benchmarks
-    from wspool.bench_report import failed_sections, format_report, load_figures, plot_memory, save_figures
-    from wspool.sweep import DEFAULT_SHAPES, load_shapes
+    from wspool.tools.bench import SECTIONS, run_benchmarks
+    from wspool.tools.bench_report import failed_sections, format_report, load_figures, plot_memory, save_figures
+    from wspool.tools.sweep import DEFAULT_SHAPES, load_shapes
 
     if (args.runs is not None and args.runs < 1) or args.repeats < 1:
         raise UsageError(f"--runs and --repeats must be at least 1, got {args.runs} and {args.repeats}")
@@ -214,7 +220,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _shape_arg(text: str) -> object:
-    from wspool.sweep import ShapeError, parse_shape
+    from wspool.tools.sweep import ShapeError, parse_shape
 
     try:
         return parse_shape(text)
@@ -231,9 +237,9 @@ def _write(path: str, text: str) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from wspool.calibrate import run_calibration
-    from wspool.flashinfer.mla_probe import MLAWorkspaceProbe
-    from wspool.sweep import DEFAULT_SHAPES, load_shapes
+    from wspool.tools.calibrate import run_calibration
+    from wspool.tools.mla_probe import MLAWorkspaceProbe
+    from wspool.tools.sweep import DEFAULT_SHAPES, load_shapes
 
     shapes = [*(load_shapes(args.shapes) if args.shapes else []), *(args.shape or [])] or list(DEFAULT_SHAPES)
     probe = MLAWorkspaceProbe(args.device, backend=args.backend)
@@ -263,7 +269,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from wspool.demo import run_demo
+    from wspool.tools.demo import run_demo
 
     if args.device is not None:
         _device(args.device)
@@ -273,9 +279,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from wspool.accounting import dry_run, memory_summary
-    from wspool.config import load_settings
     from wspool.device_facts import describe_device
     from wspool.devices import resolve_device
+    from wspool.settings.config import load_settings
 
     # The meta device stands in for the current one: its profile and device facts size the rules.
     current = resolve_device(None)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from wspool.pool import WorkspacePool
-    from wspool.registry import PoolRegistry
+    from wspool.pool_source import PoolSource
 
 __all__ = [
     "AgreedChange",
@@ -136,7 +136,7 @@ class AgreementConfigError(AgreementError, ConfigError):
 
 
 def agree(
-    registry: PoolRegistry,
+    registry: PoolSource,
     group: ProcessGroup | None = None,
     *,
     device: DeviceLike = None,
@@ -250,7 +250,7 @@ def _distributed() -> Any:
     return dist
 
 
-def _local_pools(registry: PoolRegistry, device: torch.device) -> dict[_Key, WorkspacePool]:
+def _local_pools(registry: PoolSource, device: torch.device) -> dict[_Key, WorkspacePool]:
     return {(p.spec.name, p.lane): p for p in registry.pools() if p.device == device}
 
 
@@ -272,7 +272,7 @@ def _collective_device(dist: Any, group: ProcessGroup | None, local: torch.devic
 
 
 def _check(
-    registry: PoolRegistry,
+    registry: PoolSource,
     pool: WorkspacePool | None,
     key: _Key,
     target: int,

@@ -36,7 +36,7 @@ import torch
 
 if TYPE_CHECKING:
     from wspool.pool import WorkspacePool
-    from wspool.registry import PoolRegistry
+    from wspool.pool_source import PoolSource
 
 __all__ = ["KernelBufferStats", "kernel_buffer_stats", "track_kernel_buffers"]
 
@@ -71,7 +71,7 @@ class _Tracked:
 
 
 def track_kernel_buffers(
-    registry: PoolRegistry, pool: WorkspacePool, wrapper: Any, supplied: Iterable[torch.Tensor] = ()
+    registry: PoolSource, pool: WorkspacePool, wrapper: Any, supplied: Iterable[torch.Tensor] = ()
 ) -> None:
     """Count ``wrapper``'s own buffers against ``pool`` for as long as the wrapper lives.
 
@@ -102,7 +102,7 @@ def _own_tensors(wrapper: Any) -> Iterable[torch.Tensor]:
             yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
 
 
-def kernel_buffer_stats(registry: PoolRegistry) -> list[KernelBufferStats]:
+def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
     """Return, per pool, device and lane, what the live wrappers hold besides the pool's buffer; sorted."""
     tracked: _Tracked | None = registry.op_state.get(_STATE_KEY)
     if tracked is None:

@@ -9,7 +9,7 @@ sequential use on one stream; concurrent streams need separate pools or lanes
 buffer holds and which backends drew from it.
 
 Profiles: each device's pools are configured by the profile the ``profile``
-setting gives that device (:mod:`wspool.profiles`; ``auto`` picks per compute
+setting gives that device (:mod:`wspool.settings.profiles`; ``auto`` picks per compute
 capability), layered just above the built-in defaults; :meth:`PoolRegistry.profile_of`
 says which and why. Facts: a rule reads a fact its call lacks from the pool's
 default facts (``pools.<pool>.facts``), then from the device's
@@ -31,14 +31,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from wspool.config import WspoolSettings, _check_shared_pools, load_settings, profile_settings, validate_pool
 from wspool.device_facts import DeviceDescription
 from wspool.device_facts import describe_device as describe_any_device
 from wspool.devices import DeviceLike, is_dynamic, resolve_device
 from wspool.errors import ConfigError, describe_setting
 from wspool.lanes import current_lane
 from wspool.pool import Allocator, PoolSpec, PoolStats, WorkspacePool, _FreezeState
-from wspool.profiles import ProfileChoice, choose_profile
+from wspool.settings.config import WspoolSettings, _check_shared_pools, load_settings, profile_settings, validate_pool
+from wspool.settings.profiles import ProfileChoice, choose_profile
 
 __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
 

@@ -1,0 +1,97 @@
+"""Tests for pools that share a buffer (pools.<pool>.shared_with): validation, the registry, statistics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import wspool
+from wspool.errors import ConfigError
+from wspool.settings.config import load_settings
+
+MiB = 1 << 20
+
+
+def _registry(pools: dict[str, object]) -> wspool.PoolRegistry:
+    return wspool.PoolRegistry.from_config(pools=pools)
+
+
+def test_guest_rules_are_served_by_the_host_buffer() -> None:
+    """A pool with shared_with draws from its host's buffer, which grows to the largest of both pools' rules."""
+    reg = _registry({"a": {"rules": {"x": "64MiB"}}, "b": {"shared_with": "a", "rules": {"y": "96MiB"}}})
+    assert reg.pool("b", "cpu") is reg.pool("a", "cpu") and reg.buffer_pool("b") == "a"
+    small = reg.workspace("a", "cpu", rule="x")
+    big = reg.workspace("b", "cpu", rule="y")
+    assert (small.numel(), big.numel()) == (64 * MiB, 96 * MiB)
+    assert reg.workspace("a", "cpu", rule="x") is big
+    stats = reg.stats("b", "cpu")
+    assert (stats.pool, stats.capacity_bytes, dict(stats.requests_by_rule)) == ("a", 96 * MiB, {"x": 2, "y": 1})
+    assert reg.resolve("b", "y") == 96 * MiB and list(reg.spec("b").rules) == ["y"]
+
+
+def test_host_limit_applies_and_errors_name_the_guest_key() -> None:
+    """The host's max_bytes caps the shared buffer; a refused growth names the key of the guest's rule."""
+    reg = _registry(
+        {"a": {"rules": {"x": "1MiB"}, "max_bytes": "8MiB"}, "b": {"shared_with": "a", "rules": {"y": "n * 1MiB"}}}
+    )
+    with pytest.raises(
+        wspool.WorkspaceLimitError, match=r"pool 'a' .* for rule y, above max_bytes .* pools\.a\.max_bytes"
+    ):
+        reg.workspace("b", "cpu", rule="y", n=16)
+    reg.workspace("b", "cpu", rule="y", n=2)
+    with (
+        reg.frozen(),
+        pytest.raises(wspool.WorkspaceFrozenError, match=r"raise pools\.b\.rules\.y / WSPOOL_POOLS__B__RULES__Y"),
+    ):
+        reg.workspace("b", "cpu", rule="y", n=4)
+    with pytest.raises(wspool.RuleError, match=r"pools\.b\.rules\.y .*needs fact"):
+        reg.workspace("b", "cpu", rule="y")
+
+
+def test_lanes_and_devices_stay_apart() -> None:
+    """Sharing is per device and lane: another lane of the guest is another lane of the host."""
+    reg = _registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a", "rules": {"y": "2MiB"}}})
+    with wspool.lane("ubatch1"):
+        reg.workspace("b", "cpu", rule="y")
+    reg.workspace("a", "cpu", rule="x")
+    assert sorted((s.pool, s.lane, s.capacity_bytes) for s in reg.all_stats()) == [
+        ("a", "main", MiB), ("a", "ubatch1", 2 * MiB),
+    ]  # fmt: skip
+
+
+def test_declared_guest_rules_join_the_host() -> None:
+    """A backend declaring its shared pool's default rules makes them part of the host buffer's rules."""
+    reg = _registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a"}})
+    reg.declare_pool("b", {"y": "3MiB"})
+    assert reg.workspace("b", "cpu", rule="y").numel() == 3 * MiB
+    assert reg.pool("a", "cpu").spec.rule_pools == {"x": "a", "y": "b"}
+
+
+@pytest.mark.parametrize(
+    ("pools", "match"),
+    [
+        ({"a": {"shared_with": "a"}}, r"pools\.a\.shared_with = 'a' \(from code\): a pool cannot share its own"),
+        ({"a": {"shared_with": "nope"}}, r"there is no pool 'nope' \(configured: a, flashinfer, flashinfer_mla\)"),
+        ({"a": {"shared_with": "flashinfer"}}, r"pool 'flashinfer' itself draws from 'flashinfer_mla'; name "),
+        ({"a": {"shared_with": "flashinfer_mla", "max_bytes": "1GiB"}}, r"set growth and max_bytes under pools\.fl"),
+        ({"a": {"shared_with": "flashinfer_mla", "rules": {"lse": 1}}}, r"both pools have a rule 'lse'"),
+        ({"a": {"shared_with": 3}}, r"pools\.a\.shared_with = 3 .*expected the name of another pool"),
+    ],
+)
+def test_bad_sharing_is_a_config_error(pools: dict[str, object], match: str) -> None:
+    """A shared_with naming no pool, itself, another guest, or with clashing rules or limits is refused."""
+    with pytest.raises(ConfigError, match=match) as info:
+        load_settings(pools=pools)
+    assert info.value.key in ("pools.a.shared_with", "pools.a")
+
+
+def test_default_configuration_shares_and_can_be_undone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """By default paged attention shares flashinfer_mla's buffer; an empty variable or YAML null undoes it."""
+    assert wspool.get_registry().buffer_pool("flashinfer") == "flashinfer_mla"
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER__SHARED_WITH", "")
+    assert wspool.PoolRegistry().buffer_pool("flashinfer") == "flashinfer"
+    monkeypatch.delenv("WSPOOL_POOLS__FLASHINFER__SHARED_WITH")
+    path = tmp_path / "c.yaml"
+    path.write_text("pools:\n  flashinfer:\n    shared_with: null\n")
+    assert wspool.PoolRegistry.from_config(path).buffer_pool("flashinfer") == "flashinfer"

@@ -1,0 +1,570 @@
+"""Tests for wspool.flashinfer.mla on the CPU: paths, plan reuse and invalidation, overflow recovery."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import wspool
+from tests.helpers.mla_doubles import TrtllmDouble, WrapperDouble, fake_flashinfer_mla
+from tests.helpers.mla_inputs import MLAInputs, make_inputs
+from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError
+from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_decode_reference, select_path
+from wspool.flashinfer import kernels as fi_kernels
+from wspool.flashinfer import mla as mla_module
+
+MiB = 1 << 20
+
+
+def _reference(inputs: MLAInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla_decode_reference(
+        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, sm_scale=inputs.sm_scale
+    )
+
+
+def _decode(inputs: MLAInputs, **kwargs: object) -> object:
+    return mla_decode(
+        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+        sm_scale=inputs.sm_scale, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+@pytest.fixture
+def hopper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pretend the CPU is an SM90 GPU whose FlashInfer is the wrapper double."""
+    WrapperDouble.instances.clear()
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
+    yield
+
+
+@pytest.fixture
+def blackwell(monkeypatch: pytest.MonkeyPatch) -> TrtllmDouble:
+    """Pretend the CPU is an SM100 GPU whose trtllm-gen kernel is the carving double."""
+    double = TrtllmDouble()
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (10, 0))
+    monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla(double))
+    return double
+
+
+def test_path_selection() -> None:
+    """CPU picks the reference; GPU kernels are never replaced by it silently; unknown backends fail."""
+    cpu = torch.device("cpu")
+    assert select_path(cpu) == "reference"
+    assert select_path(cpu, "reference") == "reference"
+    with pytest.raises(ValueError, match="backend 'fa3' needs a CUDA device"):
+        select_path(cpu, "fa3")
+    with pytest.raises(ValueError, match="unknown MLA decode backend 'flash'"):
+        select_path(cpu, "flash")
+
+
+def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' resolves to a concrete path: trtllm-gen on SM100/103/107, fa3 on SM90, fa2 elsewhere."""
+    gpu = torch.device("cuda", 0)
+    for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "fa3"), ((8, 0), "fa2"),
+                       ((8, 9), "fa2"), ((12, 0), "fa2")]:  # fmt: skip
+        monkeypatch.setattr(mla_module, "_arch", lambda device, arch=arch: arch)
+        assert select_path(gpu) == path
+    assert select_path(gpu, "fa2") == "fa2"
+
+
+def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Blackwell, DCP, 64 < heads < 128 and page sizes other than 32/64 take cute-dsl; explicit choices stay."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (10, 0))
+    assert select_path(gpu, num_heads=16, page_size=32) == "trtllm-gen"
+    assert select_path(gpu, num_heads=96) == "cute-dsl"
+    assert select_path(gpu, page_size=128) == "cute-dsl"
+    assert select_path(gpu, enable_dcp=True) == "cute-dsl"
+    assert select_path(gpu, "trtllm-gen", num_heads=96) == "trtllm-gen"  # FlashInfer says why it refuses
+
+
+def test_blackwell_kernels_elsewhere_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for a Blackwell kernel on Hopper is a ValueError naming the backend, before any kernel runs."""
+    monkeypatch.setattr(mla_module, "_arch", lambda device: (9, 0))
+    with pytest.raises(ValueError, match=r"backend 'cute-dsl' needs Blackwell \(SM100/SM103/SM107\), this GPU is SM90"):
+        select_path(torch.device("cuda", 0), "cute-dsl")
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_reference_path_draws_from_the_pool(return_lse: bool) -> None:
+    """On the CPU, mla_decode computes the reference and sizes the pool by the default or lse rule."""
+    inputs = make_inputs(3, 8, [70, 1, 128])
+    result = _decode(inputs, return_lse=return_lse)
+    want_out, want_lse = _reference(inputs)
+    if return_lse:
+        out, lse = result  # type: ignore[misc]
+        torch.testing.assert_close(lse, want_lse)
+    else:
+        out = result
+    torch.testing.assert_close(out, want_out)
+    stats = wspool.get_registry().stats("flashinfer_mla", device="cpu")
+    assert stats.capacity_bytes == (256 if return_lse else 128) * MiB
+    assert dict(stats.requests_by_rule) == {("lse" if return_lse else "default"): 1}
+
+
+def test_out_and_lse_buffers_are_filled() -> None:
+    """Caller-given out and lse buffers are written and returned."""
+    inputs = make_inputs(2, 4, [10, 20])
+    out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 1, 4)
+    got_out, got_lse = _decode(inputs, return_lse=True, out=out, lse=lse)  # type: ignore[misc]
+    assert got_out is out and got_lse is lse
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda i: setattr(i, "query", i.query[:, :, :2]), "query is .* but the plan is for"),
+        (lambda i: setattr(i, "block_tables", i.block_tables.float()), "block_tables must be a 2-D int32 tensor"),
+        (lambda i: setattr(i, "seq_lens", i.seq_lens[:1]), "block_tables has 2 rows but seq_lens has 1"),
+        (lambda i: setattr(i, "max_seq_len", 0), "max_seq_len must be a positive integer"),
+        (lambda i: setattr(i, "kv_cache", i.kv_cache[..., :512]), r"kv_cache must be \[pages, 64, 576\]"),
+    ],
+)
+def test_bad_tensors_are_rejected(change: object, match: str) -> None:
+    """Malformed inputs raise a ValueError naming the tensor, before any kernel runs."""
+    inputs = make_inputs(2, 4, [10, 20])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    change(inputs)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=match):
+        if "query" in match or "kv_cache" in match:
+            plan.run(inputs.query, inputs.kv_cache)
+        else:
+            _decode(inputs)
+
+
+def test_wrapper_path_matches_reference(hopper: None) -> None:
+    """On the Hopper path, the CSR metadata built on the device gives the reference result."""
+    inputs = make_inputs(4, 8, [300, 1, 64, 65], q_len=1)
+    out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    want_out, want_lse = _reference(inputs)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    (wrapper,) = WrapperDouble.instances
+    assert wrapper.workspace.numel() == 256 * MiB
+    assert wrapper.planned["lse_mode"] == "basee"  # type: ignore[index]
+
+
+def test_one_plan_per_step(hopper: None) -> None:
+    """Sixty-one layer calls with the same metadata plan once and share one wrapper."""
+    inputs = make_inputs(2, 8, [100, 37])
+    for layer in range(61):
+        inputs.query = make_inputs(2, 8, [100, 37], seed=layer).query
+        out = _decode(inputs)
+        torch.testing.assert_close(out, _reference(inputs)[0])
+    (wrapper,) = WrapperDouble.instances
+    assert wrapper.plan_calls == 1
+    assert wspool.get_registry().stats("flashinfer_mla", device="cpu").request_count == 61
+
+
+def test_in_place_metadata_changes_replan(hopper: None) -> None:
+    """Editing the page table or lengths in place makes the next call replan; results stay right."""
+    inputs = make_inputs(2, 4, [100, 37], page_size=16)
+    _decode(inputs)
+    inputs.seq_lens[1] = 38  # the next decode step appends a token
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+    inputs.block_tables[0, 0], inputs.block_tables[0, 1] = (
+        inputs.block_tables[0, 1].item(),
+        inputs.block_tables[0, 0].item(),
+    )
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+    assert WrapperDouble.instances[0].plan_calls == 3
+
+
+def test_new_metadata_or_batch_replans(hopper: None) -> None:
+    """New tensors, another batch size or other options plan again; wrappers are reused across steps."""
+    first = make_inputs(2, 4, [50, 60])
+    _decode(first)
+    second = make_inputs(3, 4, [5, 6, 7], seed=1)
+    torch.testing.assert_close(_decode(second), _reference(second)[0])
+    torch.testing.assert_close(_decode(second, return_lse=True)[0], _reference(second)[0])  # type: ignore[index]
+    assert sum(w.plan_calls for w in WrapperDouble.instances) == 3
+    assert len(WrapperDouble.instances) == 2  # one per LSE mode, shared across steps
+
+
+def test_pool_growth_replans_on_the_new_buffer(hopper: None) -> None:
+    """When another caller grows the pool, the plan's next run replans on the new buffer."""
+    inputs = make_inputs(2, 4, [50, 60])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    old = WrapperDouble.instances[-1]
+    wspool.get_registry().reserve("flashinfer_mla", device="cpu", nbytes="200MiB")
+    torch.testing.assert_close(plan.run(inputs.query, inputs.kv_cache), _reference(inputs)[0])
+    new = WrapperDouble.instances[-1]
+    assert new is not old and new.workspace.numel() == 200 * MiB and plan.plan_calls == 2
+
+
+def test_plan_taken_over_by_another_plan_replans(hopper: None) -> None:
+    """Two live plans sharing a wrapper never run on each other's metadata."""
+    a = make_inputs(2, 4, [50, 60], seed=1)
+    b = make_inputs(2, 4, [7, 90], seed=2)
+    kwargs = {"num_heads": 4, "sm_scale": a.sm_scale, "page_size": 64}
+    plan_a = mla_decode_plan(a.block_tables, a.seq_lens, a.max_seq_len, **kwargs)  # type: ignore[arg-type]
+    plan_b = mla_decode_plan(b.block_tables, b.seq_lens, b.max_seq_len, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(plan_a.run(a.query, a.kv_cache), _reference(a)[0])
+    torch.testing.assert_close(plan_b.run(b.query, b.kv_cache), _reference(b)[0])
+    assert len(WrapperDouble.instances) == 1
+
+
+def test_undersized_rule_recovers_once_with_a_warning(hopper: None, caplog: pytest.LogCaptureFixture) -> None:
+    """An 8MiB rule overflows FlashInfer's plan; the pool grows once, with one warning naming the key."""
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 2 and stats.capacity_bytes >= WrapperDouble.partial_bytes
+    assert stats.last_grow_reason.startswith("overflow recovery (mla_partial_o)")  # type: ignore[union-attr]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0].getMessage()
+    _decode(inputs, registry=registry)
+    assert registry.stats("flashinfer_mla", device="cpu").grow_count == 2
+
+
+def test_overflow_while_frozen_raises_with_the_key(hopper: None) -> None:
+    """A frozen pool does not grow on overflow: the error names the bytes needed and the key."""
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    registry.reserve("flashinfer_mla", device="cpu", nbytes="8MiB")
+    with (
+        registry.frozen(),
+        pytest.raises(
+            WorkspaceFrozenError, match=r"overflow recovery \(mla_partial_o\) needs \d+ bytes.*RULES__DEFAULT"
+        ),
+    ):
+        _decode(inputs, registry=registry)
+    assert registry.stats("flashinfer_mla", device="cpu").capacity_bytes == 8 * MiB
+
+
+def test_trtllm_path_uses_pool_buffers(blackwell: TrtllmDouble) -> None:
+    """On Blackwell, the kernel gets the pool's workspace, the counter pool's buffer and basee LSE."""
+    inputs = make_inputs(2, 16, [50, 60])
+    _out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    call = blackwell.calls[-1]
+    registry = wspool.get_registry()
+    assert call["workspace_buffer"].data_ptr() == registry.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
+    assert call["multi_ctas_kv_counter_buffer"].numel() == 2 * 16 * 4  # round_up(max(B*H, sm_count=1), 8) * 4
+    assert call["return_lse_base"] == "basee" and call["backend"] == "trtllm-gen"
+
+
+def test_seed_regression_128mib_fails_and_default_serves(blackwell: TrtllmDouble) -> None:
+    """The seed's crash: an LSE call at 128 heads x 512 requests needs more than 128MiB; the default serves it."""
+    inputs = make_inputs(512, 128, [1] * 512, page_size=64)
+    seed_fixed_size = wspool.PoolRegistry.from_config(
+        pools={"flashinfer_mla": {"rules": {"default": "128MiB", "lse": "128MiB"}, "max_bytes": "128MiB"}}
+    )
+    # The path's need (the seed's 129MiB slab and the scratch) is known before the kernel runs.
+    with pytest.raises(
+        WorkspaceLimitError,
+        match=r"for the trtllm-gen kernel path.*above max_bytes = 134217728 bytes \(128MiB\); "
+        r"raise pools\.flashinfer_mla\.max_bytes",
+    ):
+        _decode(inputs, return_lse=True, registry=seed_fixed_size)
+    assert blackwell.calls == [] and seed_fixed_size.stats("flashinfer_mla", "cpu").capacity_bytes == 0
+    _out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    stats = wspool.get_registry().stats("flashinfer_mla", device="cpu")
+    assert (stats.capacity_bytes, stats.grow_count) == (256 * MiB, 1)
+
+
+def test_plan_object_is_the_explicit_form(hopper: None) -> None:
+    """mla_decode_plan + run per layer gives the same results with one plan."""
+    inputs = make_inputs(3, 8, [20, 30, 40])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=8, sm_scale=inputs.sm_scale,
+        page_size=64, return_lse=True,
+    )  # fmt: skip
+    assert isinstance(plan, MLADecodePlan) and plan.rule == "lse" and plan.facts["batch_size"] == 3
+    for _ in range(5):
+        _out, lse = plan.run(inputs.query, inputs.kv_cache)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    assert plan.plan_calls == 1
+
+
+@pytest.mark.parametrize("path", ["hopper", "reference"])
+def test_packed_query_form(path: str, request: pytest.FixtureRequest) -> None:
+    """A packed [tokens, heads, dim] query returns packed results equal to the 4-D form's."""
+    if path == "hopper":
+        request.getfixturevalue("hopper")
+    inputs = make_inputs(3, 4, [20, 30, 40])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale,
+        page_size=64, return_lse=True,
+    )  # fmt: skip
+    out = torch.empty(3, 4, 512, dtype=torch.bfloat16)
+    got_out, got_lse = plan.run(inputs.query.view(3, 4, 576), inputs.kv_cache, out=out)  # type: ignore[misc]
+    want_out, want_lse = _reference(inputs)
+    assert got_out is out and got_lse.shape == (3, 4)
+    torch.testing.assert_close(got_out, want_out.view(3, 4, 512))
+    torch.testing.assert_close(got_lse, want_lse.view(3, 4))
+    with pytest.raises(ValueError, match=r"or packed \(3, 4, 576\)"):
+        plan.run(inputs.query.view(12, 1, 576), inputs.kv_cache)
+
+
+def test_bad_kv_cache_on_the_fast_path(hopper: None) -> None:
+    """A packed query with a KV cache of the wrong rank or page size gets a clear ValueError."""
+    inputs = make_inputs(2, 4, [10, 20])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    packed = inputs.query.view(2, 4, 576)
+    for bad in (inputs.kv_cache.view(-1), inputs.kv_cache.view(-1, 32, 576)):
+        with pytest.raises(ValueError, match=r"kv_cache must be \[pages, 64, 576\]"):
+            plan.run(packed, bad)
+
+
+def test_mla_decode_returns_the_callers_buffers(hopper: None) -> None:
+    """On the wrapper path, mla_decode fills and returns the caller's 4-D out and lse."""
+    inputs = make_inputs(2, 4, [10, 20])
+    out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 1, 4)
+    for _ in range(2):  # the first call plans, the second takes the reuse path
+        got_out, got_lse = _decode(inputs, return_lse=True, out=out, lse=lse)  # type: ignore[misc]
+        assert got_out is out and got_lse is lse
+        torch.testing.assert_close(lse, _reference(inputs)[1])
+
+
+def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
+    """Tensors resized in place (another batch) get a new plan, never a replan of the old shapes."""
+    inputs = make_inputs(3, 4, [10, 20, 30])
+    _decode(inputs)
+    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
+    inputs.seq_lens.resize_(2)
+    inputs.block_tables.resize_(2, inputs.block_tables.shape[1])
+    inputs.query = inputs.query[:2].clone()
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
+    assert second is not first and second.batch_size == 2
+
+
+def test_reset_forgets_the_plans(hopper: None) -> None:
+    """registry.reset() drops mla_decode's remembered plans with the pools."""
+    inputs = make_inputs(2, 4, [10, 20])
+    _decode(inputs)
+    registry = wspool.get_registry()
+    assert registry.op_state["mla_decode"]
+    registry.reset()
+    assert registry.op_state == {}
+    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+
+
+@pytest.mark.parametrize("path", ["hopper", "reference"])
+def test_mla_decode_takes_packed_queries(path: str, request: pytest.FixtureRequest) -> None:
+    """mla_decode accepts [batch * q_len, heads, dim] and answers in that form, sharing the 4-D call's plan."""
+    if path == "hopper":
+        request.getfixturevalue("hopper")
+    inputs = make_inputs(3, 4, [20, 30, 140], q_len=2)
+    want_out, want_lse = _reference(inputs)
+    packed = inputs.query.view(6, 4, 576)
+    got_out, got_lse = mla_decode(  # type: ignore[misc]
+        packed, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+        sm_scale=inputs.sm_scale, return_lse=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got_out, want_out.view(6, 4, 512))
+    torch.testing.assert_close(got_lse, want_lse.view(6, 4))
+    plans = wspool.get_registry().op_state["mla_decode"]
+    (plan,) = plans.values()
+    assert plan.q_len == 2
+    four_d_out, _ = _decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(four_d_out, want_out)
+    assert list(plans.values()) == [plan]  # the same plan serves both forms
+    if path == "hopper":
+        assert plan.plan_calls == 1
+
+
+def test_packed_query_must_split_evenly_over_the_batch(hopper: None) -> None:
+    """A packed query whose tokens do not divide over the batch is refused before anything is allocated."""
+    inputs = make_inputs(2, 4, [10, 20])
+    registry = wspool.PoolRegistry.from_config()
+    with pytest.raises(ValueError, match=r"packed query has 3 tokens for a batch of 2 \(seq_lens\)"):
+        mla_decode(
+            torch.zeros(3, 4, 576, dtype=torch.bfloat16), inputs.kv_cache, inputs.block_tables, inputs.seq_lens,
+            inputs.max_seq_len, sm_scale=inputs.sm_scale, registry=registry,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"query must be \[batch, q_len, heads, dim\] or packed"):
+        mla_decode(
+            inputs.query[0, 0], inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+            sm_scale=inputs.sm_scale, registry=registry,
+        )  # fmt: skip
+    assert all(s.capacity_bytes == 0 for s in registry.all_stats())
+    assert WrapperDouble.instances == []
+
+
+def test_overflow_on_a_steady_state_replan_recovers(hopper: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A later step whose plan() overflows the buffer it has run on grows the pool once and replans on the new one."""
+    inputs = make_inputs(2, 4, [50, 60])
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "20MiB"}}})
+    _decode(inputs, registry=registry)
+    (first,) = WrapperDouble.instances
+    first.partial_bytes = 24 * MiB  # this step's metadata needs more than the rule gave
+    inputs.seq_lens[0] = 51
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 2 and stats.capacity_bytes >= 24 * MiB
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    second = WrapperDouble.instances[-1]
+    assert second is not first and second.workspace.numel() == stats.capacity_bytes
+    assert first.plan_calls == 2 and second.plan_calls == 1
+
+
+def test_inference_tensor_metadata_plans_every_call(
+    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Metadata made under inference_mode has no write counter: each call replans (right results) and warns once."""
+    monkeypatch.setattr(mla_module, "_warned_unversioned", False)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="wspool"):
+        inputs = make_inputs(2, 4, [50, 60])
+        assert inputs.seq_lens.is_inference()
+        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+        inputs.seq_lens[1] = 61  # an edit torch cannot report
+        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
+        plan = mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale,
+            page_size=64,
+        )  # fmt: skip
+        assert not plan.is_current_for(inputs.block_tables, inputs.seq_lens)
+        torch.testing.assert_close(plan.run(inputs.query, inputs.kv_cache), _reference(inputs)[0])
+    (wrapper,) = WrapperDouble.instances
+    assert wrapper.plan_calls == 4  # three mla_decode calls, one explicit plan
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "inference_mode" in warnings[0] and "mla_decode_plan" in warnings[0]
+
+
+def test_explicit_replan_refuses_resized_metadata(hopper: None) -> None:
+    """plan.replan() after an in-place resize says to make a new plan instead of planning the wrong shapes."""
+    inputs = make_inputs(3, 4, [10, 20, 30])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    inputs.seq_lens.resize_(2)
+    with pytest.raises(ValueError, match=r"resized to \(3, 1\)/\(2,\) after planning for \(3, 1\)/\(3,\)"):
+        plan.replan()
+    assert plan.plan_calls == 1
+
+
+# -- the path first, then its size ------------------------------------------------
+
+
+def test_plan_reports_the_concrete_path_and_flashinfer_gets_it(hopper: None) -> None:
+    """On Hopper 'auto' is planned as fa3: plan.path says so and the wrapper is built with backend='fa3'."""
+    inputs = make_inputs(2, 4, [50, 60])
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale, page_size=64
+    )
+    assert plan.path == "fa3" and WrapperDouble.instances[-1].backend == "fa3"
+    assert plan.flashinfer_backend is None or plan.flashinfer_backend == "fa3"
+
+
+def test_undersized_rule_is_raised_to_the_paths_need_up_front(
+    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An 8MiB rule on an H200-sized device is raised to fa3's 17369088 bytes before plan(): no overflow, 1 warning."""
+    monkeypatch.setattr(mla_module, "_sm_count", lambda device: 132)
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+        _decode(make_inputs(2, 4, [70, 80], seed=1), registry=registry)  # the next step: no second warning
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 1 and stats.capacity_bytes >= 17369088
+    assert stats.last_grow_reason.startswith("the fa3 kernel path")  # type: ignore[union-attr]
+    assert [w.plan_calls for w in WrapperDouble.instances] == [2]  # planned twice, never refused
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "below the 17369088 bytes FlashInfer's fa3 MLA decode needs" in warnings[0]
+    assert "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
+
+
+def test_cute_dsl_dcp_plan_calls_as_vllm_does(blackwell: TrtllmDouble) -> None:
+    """A DCP plan on Blackwell runs cute-dsl: int8 workspace view, DCP arguments, no counters, FlashInfer's size."""
+    from wspool.flashinfer.blackwell import cute_dsl_workspace_bytes
+
+    inputs = make_inputs(2, 16, [50, 60])
+    global_lengths = inputs.seq_lens * 4
+    plan = mla_decode_plan(
+        inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=16, sm_scale=inputs.sm_scale,
+        page_size=64, return_lse=True, enable_dcp=True, cp_world=4, cp_rank=2, causal_seqlens_kv_global=global_lengths,
+    )  # fmt: skip
+    _out, lse = plan.run(inputs.query, inputs.kv_cache)  # type: ignore[misc]
+    torch.testing.assert_close(lse, _reference(inputs)[1])
+    call = blackwell.calls[-1]
+    assert plan.path == call["backend"] == "cute-dsl"
+    assert call["workspace_buffer"].dtype is torch.int8 and call["multi_ctas_kv_counter_buffer"] is None
+    assert (call["enable_dcp"], call["cp_world"], call["cp_rank"]) == (True, 4, 2)
+    assert call["causal_seqlens_kv_global"] is global_lengths
+    assert plan.need_bytes == cute_dsl_workspace_bytes(
+        batch_size=2, q_len=1, num_heads=16, kv_lora_rank=512, sm_count=1, max_seq_len=inputs.max_seq_len,
+        enable_dcp=True,
+    )  # fmt: skip
+    assert plan.facts["cp_world"] == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "flash"}, r"unknown MLA decode backend 'flash'"),
+        ({"enable_dcp": True, "cp_world": 2, "cp_rank": 2}, r"cp_rank must be below cp_world, got cp_rank=2"),
+        ({"cp_world": 2}, r"cp_world=2 given without enable_dcp=True"),
+        ({"enable_dcp": True, "cp_world": 2, "backend": "trtllm-gen"}, r"backend='trtllm-gen'"),
+    ],
+)
+def test_bad_blackwell_arguments_fail_before_anything_runs(
+    blackwell: TrtllmDouble, kwargs: dict[str, object], match: str
+) -> None:
+    """An unknown backend or bad DCP arguments are a ValueError naming them; no pool grows, no kernel runs."""
+    inputs = make_inputs(2, 16, [50, 60])
+    registry = wspool.PoolRegistry.from_config()
+    with pytest.raises(ValueError, match=match):
+        mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=16, sm_scale=inputs.sm_scale,
+            page_size=64, return_lse=True, registry=registry, causal_seqlens_kv_global=inputs.seq_lens
+            if kwargs.get("enable_dcp") else None, **kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
+    assert blackwell.calls == [] and registry.stats("flashinfer_mla", device="cpu").capacity_bytes == 0
+
+
+def test_a_074_refusal_recovers_on_the_same_backend(
+    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FlashInfer 0.7.4's ValueError naming the whole need is recovered like 0.7.2.post1's carve, on fa3 again."""
+    monkeypatch.setattr(WrapperDouble, "preflight_074", True)
+    registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
+    inputs = make_inputs(2, 4, [50, 60])
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        out = _decode(inputs, registry=registry)
+    torch.testing.assert_close(out, _reference(inputs)[0])
+    stats = registry.stats("flashinfer_mla", device="cpu")
+    assert stats.grow_count == 2 and stats.capacity_bytes >= WrapperDouble.partial_bytes
+    assert stats.last_grow_reason.startswith("overflow recovery (fa3)")  # type: ignore[union-attr]
+    assert {w.backend for w in WrapperDouble.instances} == {"fa3"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
+
+
+def test_the_plan_cache_is_keyed_by_the_lane_in_effect() -> None:
+    """The same metadata under wspool.lane("b") plans again and draws lane b's buffer, not lane a's."""
+    reg = wspool.get_registry()
+    inputs = make_inputs(2, 8, [70, 1])
+    with wspool.lane("a"):
+        _decode(inputs)
+    with wspool.lane("b"):
+        _decode(inputs)
+    lanes = {s.lane: s.request_count for s in reg.all_stats() if s.pool == "flashinfer_mla"}
+    assert lanes == {"a": 1, "b": 1}
+    plans = reg.op_state["mla_decode"]
+    assert {key[1] for key in plans} == {"a", "b"}

@@ -1,0 +1,220 @@
+"""Tests for wspool.integrations.vllm_workspaces: the replacements' logic on the CPU, without vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import wspool
+from tests.helpers.paths import REPO_ROOT
+from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError
+from wspool.integrations import vllm_workspaces as ws
+from wspool.integrations.vllm_facts import call_facts
+
+MiB = 1 << 20
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def on_cpu() -> Iterator[None]:
+    """Point the replacements at the CPU, as WSPOOL_VLLM_DEVICE=cpu does; forget every hook after."""
+    ws.configure(device="cpu")
+    yield
+    ws.configure()
+
+
+def _small(**pools: Any) -> wspool.PoolRegistry:
+    """Install a registry with small MLA sizes (and any other pools given) as the default one."""
+    reg = wspool.PoolRegistry.from_config(
+        pools={"flashinfer_mla": {"rules": {"default": "1MiB", "lse": "2MiB"}}, **pools}
+    )
+    wspool.set_registry(reg)
+    return reg
+
+
+def _builder(**attrs: Any) -> SimpleNamespace:
+    base = {"_workspace_buffer": None, "device": CPU, "max_num_batched_tokens": 8, "num_qo_heads": 8}
+    return SimpleNamespace(**{**base, "head_dim": 64, **attrs})
+
+
+def test_mla_view_is_int8_and_cached_per_buffer() -> None:
+    """The MLA workspace is one int8 view per buffer: the same tensor until the pool grows, then a new one."""
+    reg = _small()
+    first = ws.get_mla_workspace_buffer(False)
+    assert (first.dtype, first.numel()) == (torch.int8, MiB) and ws.get_mla_workspace_buffer(False) is first
+    grown = ws.get_mla_workspace_buffer(True)
+    assert grown is not first and grown.numel() == 2 * MiB
+    assert grown.data_ptr() == reg.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
+
+
+def test_views_are_dropped_with_the_registry() -> None:
+    """The views live in the registry's op_state, so reset() forgets them with the buffers."""
+    reg = _small()
+    ws.get_mla_workspace_buffer(False)
+    assert reg.op_state["vllm"].views
+    reg.reset()
+    assert "vllm" not in reg.op_state
+
+
+def test_plugin_pools_are_declared_below_the_configuration() -> None:
+    """The plugin's rules apply unless configured; a configured rule of the same name wins."""
+    reg = _small(flashinfer={"rules": {"vllm": "3MiB"}})
+    ws.get_multi_ctas_kv_counter_buffer(64, CPU)
+    assert reg.resolve("flashinfer", "vllm") == 3 * MiB
+    assert reg.resolve("flashinfer", "vllm_batch_invariant") == 2048 * MiB
+    assert reg.resolve("flashinfer_mla_sparse", "default") == 394 * MiB
+    assert reg.resolve("flashinfer_mla_counters", "counters", min_bytes=77) == 77
+
+
+def test_configs_vllm_yaml_writes_out_the_declared_rules() -> None:
+    """configs/vllm.yaml carries the plugin's declared rules and the MLA sizes it keeps."""
+    data = yaml.safe_load((Path(REPO_ROOT) / "configs" / "vllm.yaml").read_text())
+    rules = {pool: config["rules"] for pool, config in data["pools"].items()}
+    assert rules == {**ws.VLLM_POOLS, "flashinfer_mla": {"default": "128MiB", "lse": "256MiB"}}
+
+
+def test_counters_pool_must_not_share_a_buffer() -> None:
+    """Counters configured to share another pool's buffer are refused, naming the setting."""
+    _small(flashinfer_mla_counters={"shared_with": "flashinfer_mla"})
+    with pytest.raises(ConfigError, match=r"pool 'flashinfer_mla_counters' must have its own buffer.*SHARED_WITH"):
+        ws.get_multi_ctas_kv_counter_buffer(64, CPU)
+
+
+def test_counters_grow_to_min_bytes_and_refuse_when_frozen() -> None:
+    """The counters grow to a larger min_bytes, zeroed; frozen, such a growth is refused."""
+    reg = _small()
+    assert ws.get_multi_ctas_kv_counter_buffer(128, CPU).numel() == 128
+    assert int(ws.get_multi_ctas_kv_counter_buffer(256, CPU).count_nonzero()) == 0
+    reg.freeze()
+    assert ws.get_multi_ctas_kv_counter_buffer(200, CPU).numel() == 256
+    with pytest.raises(WorkspaceFrozenError, match=r"flashinfer_mla_counters.*while the registry is frozen"):
+        ws.get_multi_ctas_kv_counter_buffer(512, CPU)
+
+
+def test_sparse_floor_grows_past_the_rule() -> None:
+    """Sparse MLA serves the rule's size, or min_bytes where that is larger, as int8."""
+    _small(flashinfer_mla_sparse={"rules": {"default": "1MiB"}})
+    assert ws.get_sparse_workspace_buffer(CPU).numel() == MiB
+    floor = ws.get_sparse_workspace_buffer(CPU, 3 * MiB)
+    assert (floor.dtype, floor.numel()) == (torch.int8, 3 * MiB)
+    assert ws.get_sparse_workspace_buffer(CPU, MiB) is floor
+
+
+def test_paged_rule_floor_and_batch_invariant_hook() -> None:
+    """The builder gets rule vllm, grown to vLLM's prefill floor; the batch-invariant hook picks the other rule."""
+    reg = _small(flashinfer={"shared_with": "", "rules": {"vllm": "1MiB", "vllm_batch_invariant": "5MiB"}})
+    assert ws.get_paged_workspace_buffer(_builder(), 16).numel() == MiB
+    wide = _builder(max_num_batched_tokens=64, num_qo_heads=32, head_dim=128)  # 64 * 32 * 128 * 16 = 4 MiB
+    assert ws.get_paged_workspace_buffer(wide, 16).numel() == 4 * MiB
+    assert ws.get_paged_workspace_buffer(_builder(max_num_batched_tokens=None), 16).numel() == 4 * MiB
+    ws.configure(device="cpu", batch_invariant=lambda: True)
+    assert ws.get_paged_workspace_buffer(_builder(), 16).numel() == 5 * MiB
+    assert dict(reg.stats("flashinfer", "cpu").requests_by_rule) == {
+        "vllm": 3,
+        "vLLM's prefill floor": 1,
+        "vllm_batch_invariant": 1,
+    }
+
+
+def test_paged_keeps_a_buffer_vllm_set() -> None:
+    """A buffer set on the builder (vLLM's set_workspace_buffer) is returned as it is."""
+    _small()
+    mine = torch.zeros(8, dtype=torch.uint8)
+    assert ws.get_paged_workspace_buffer(_builder(_workspace_buffer=mine)) is mine
+
+
+def test_vllm_lanes_select_wspool_lanes() -> None:
+    """vLLM's (ubatch, lane) (0, 0) is wspool's current lane; any other is its own lane, with its own buffer."""
+    reg = _small()
+    where: list[tuple[int, int]] = [(0, 0)]
+    ws.configure(device="cpu", vllm_lane=lambda: where[0])
+    main = ws.get_mla_workspace_buffer(False)
+    with wspool.lane("mine"):
+        assert ws.get_mla_workspace_buffer(False) is not main
+    where[0] = (1, 2)
+    assert ws.get_mla_workspace_buffer(False) is not main
+    assert {s.lane for s in reg.all_stats()} == {"main", "mine", "vllm-u1-l2"}
+
+
+def test_facts_from_the_config_reach_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the DCP rule, the configuration's facts size the LSE workspace; a new config object is read again."""
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    wspool.reset_registry()
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(decode_context_parallel_size=2),
+        scheduler_config=SimpleNamespace(max_num_seqs=16),
+        model_config=SimpleNamespace(get_num_attention_heads=lambda parallel: 4, dtype=torch.bfloat16),
+        speculative_config=None,
+    )
+    current = [config]
+    ws.configure(device="cpu", get_config=lambda: current[0])
+    ws.get_mla_workspace_buffer(True)
+    reg = wspool.get_registry()
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 4 * 2 * 16 * 256 + MiB + 32 * MiB
+    current[0] = SimpleNamespace(**{**vars(config), "scheduler_config": SimpleNamespace(max_num_seqs=64)})
+    ws.get_mla_workspace_buffer(True)
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 4 * 2 * 64 * 256 + MiB + 32 * MiB
+
+
+def test_missing_facts_name_what_the_plugin_knows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A rule that reads facts nobody gave fails naming the facts known and unknown."""
+    # The DCP rule without the default facts that configs/kimi_dcp.yaml ships.
+    config = tmp_path / "dcp_no_facts.yaml"
+    config.write_text(
+        "pools:\n  flashinfer_mla:\n    rules:\n"
+        "      lse: 8 * num_heads * tp_heads * batch_size * round_up(q_len, 256) + 1MiB\n"
+    )
+    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
+    wspool.reset_registry()
+    ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
+    with pytest.raises(
+        RuleError, match=r"plugin passes the facts it knows: batch_size=8, q_len=1; unknown here: num_heads, cp_world,"
+    ):
+        ws.get_mla_workspace_buffer(True)
+
+
+def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
+    """The wrapper gives the call's heads and DCP size to the rules during the call, and clears them after."""
+    seen: list[object] = []
+
+    def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> str:
+        seen.append(dict(call_facts() or {}))
+        if metadata == "fail":
+            raise RuntimeError("kernel failed")
+        return "out"
+
+    wrapped = ws.wrap_forward_mqa(forward_mqa)
+    impl = SimpleNamespace(dcp_world_size=4)
+    q = (torch.zeros(2, 32, 8), torch.zeros(2, 32, 4))
+    assert wrapped(impl, q, None, None, None) == "out"
+    assert seen == [{"q_heads": 32, "num_heads": 8, "cp_world": 4}] and call_facts() is None
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        wrapped(impl, torch.zeros(2, 16, 8), None, "fail", None)
+    assert call_facts() is None and wrapped.__wrapped__ is forward_mqa
+
+
+def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Inside forward_mqa the heads come from the query where the configuration has none."""
+    # configs/kimi_dcp.yaml's DCP rule, without the default facts that file ships.
+    config = tmp_path / "dcp_no_facts.yaml"
+    config.write_text(
+        "pools:\n  flashinfer_mla:\n    rules:\n"
+        "      lse: 8 * num_heads * cp_world * batch_size * round_up(q_len, 256) + 1MiB + 32MiB\n"
+    )
+    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
+    wspool.reset_registry()
+    ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
+
+    def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> torch.Tensor:
+        return ws.get_mla_workspace_buffer(True)
+
+    with pytest.raises(RuleError, match=r"needs fact\(s\) num_heads "):
+        ws.get_mla_workspace_buffer(True)
+    ws.wrap_forward_mqa(forward_mqa)(SimpleNamespace(dcp_world_size=2), torch.zeros(8, 16, 4), None, None, None)
+    assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 2 * 8 * 256 + 33 * MiB

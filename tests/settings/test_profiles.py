@@ -1,0 +1,157 @@
+"""Tests for wspool.settings.profiles: the choice per device, the precedence of a profile, and the shipped profiles."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+import wspool
+from tests.helpers.devices_fake import A100, B200, GB300, H200, HOPPER_MLA_BYTES, RTX_PRO_6000, meta_allocator
+from wspool.device_facts import DeviceDescription, fake_device
+from wspool.errors import ConfigError
+from wspool.flashinfer.trtllm_layout import softmax_slab_bytes
+from wspool.settings.profiles import PROFILE_NAMES, choose_profile, load_profile
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("description", "profile"),
+    [
+        (A100, "fixed"),
+        (H200, "hopper"),
+        (B200, "blackwell"),
+        (GB300, "blackwell"),
+        (RTX_PRO_6000, "fixed"),
+        (None, "fixed"),
+    ],
+)
+def test_auto_picks_by_compute_capability(description: DeviceDescription | None, profile: str) -> None:
+    """auto: SM90 hopper; SM100/SM103 blackwell; SM80, SM120 and the CPU the seed's constants (fixed)."""
+    choice = choose_profile("auto", description)
+    assert choice.profile == profile
+    assert choice.reason.startswith("auto: ")
+    if description is not None:
+        assert f"compute capability {description.cc_major}.{description.cc_minor}" in choice.reason
+
+
+def test_sm107_is_blackwell() -> None:
+    """SM107 (Blackwell's third variant) gets the blackwell profile."""
+    assert choose_profile("auto", DeviceDescription("x", 10, 7, 148, 1 << 30)).profile == "blackwell"
+
+
+def test_an_explicit_profile_applies_to_every_device() -> None:
+    """A profile named in the settings wins over auto, and the reason says where it was set."""
+    choice = choose_profile("hopper", B200, source="environment variable WSPOOL_PROFILE")
+    assert choice.profile == "hopper"
+    assert choice.reason == "profile = hopper (from environment variable WSPOOL_PROFILE)"
+
+
+def test_every_shipped_profile_loads_and_validates() -> None:
+    """Each shipped profile parses and its settings validate as configuration."""
+    for name in PROFILE_NAMES:
+        profile = load_profile(name)
+        assert profile.description
+        settings = wspool.load_settings(profile=name)
+        reg = wspool.PoolRegistry(settings)
+        assert reg.profile_of("cpu").profile == name
+
+
+def test_blackwell_says_it_was_not_measured() -> None:
+    """The blackwell profile is marked unmeasured and its description says so; hopper's says what was measured."""
+    assert not load_profile("blackwell").measured
+    assert "NOT measured on hardware" in load_profile("blackwell").description
+    assert load_profile("hopper").measured
+    assert "Not measured on SM80" in load_profile("hopper").description
+
+
+@pytest.mark.parametrize(
+    ("heads", "batch", "q_len", "cp_world"),
+    list(itertools.product([1, 16, 128], [1, 64, 512, 1024], [1, 4, 257], [1, 8])),
+)
+def test_blackwell_lse_rule_never_below_flashinfer_sizing(heads: int, batch: int, q_len: int, cp_world: int) -> None:
+    """The blackwell lse rule covers the launcher's softmax slab for the heads the kernel sees, plus 32MiB scratch."""
+    with fake_device("cpu", B200):
+        reg = wspool.PoolRegistry()
+        facts = {"num_heads": heads, "batch_size": batch, "q_len": q_len, "cp_world": cp_world}
+        nbytes = reg.resolve("flashinfer_mla", "lse", device="cpu", **facts)
+        assert nbytes >= softmax_slab_bytes(heads * cp_world, batch, q_len) + 32 * MiB
+        assert reg.resolve("flashinfer_mla", "default", device="cpu", **facts) >= 32 * MiB
+
+
+def test_hopper_profile_on_an_h200_resolves_the_measured_size() -> None:
+    """On a faked H200 both MLA rules resolve to 64 * 132 * (4 * 512 + 8) bytes without facts."""
+    with fake_device("cpu", H200):
+        reg = wspool.PoolRegistry(allocator=meta_allocator)
+        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == HOPPER_MLA_BYTES == 17_369_088
+        assert reg.workspace("flashinfer_mla", "cpu", rule="default").numel() == HOPPER_MLA_BYTES
+
+
+def test_profile_fixed_gives_the_seed_constants_on_an_h200() -> None:
+    """profile: fixed keeps 128MiB / 256MiB on a Hopper device."""
+    with fake_device("cpu", H200):
+        reg = wspool.PoolRegistry(wspool.load_settings(profile="fixed"))
+        assert reg.resolve("flashinfer_mla", "default", device="cpu") == 128 * MiB
+        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == 256 * MiB
+
+
+def test_yaml_environment_and_code_override_the_profile_key_by_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile sits just above the built-in defaults: YAML, WSPOOL_* and code each replace one key of it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("pools:\n  flashinfer_mla:\n    rules:\n      default: 3MiB\n")
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__FACTS__KV_LORA_RANK", "256")
+    with fake_device("cpu", H200):
+        reg = wspool.PoolRegistry.from_config(path)
+        assert reg.resolve("flashinfer_mla", "default", device="cpu") == 3 * MiB  # YAML over the profile
+        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == 64 * 132 * (4 * 256 + 8)  # the profile's rule
+        coded = wspool.PoolRegistry.from_config(path, pools={"flashinfer_mla": {"rules": {"lse": "5MiB"}}})
+        assert coded.resolve("flashinfer_mla", "lse", device="cpu") == 5 * MiB
+
+
+def test_engine_knobs_sit_above_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's own workspace variable is a user setting: it overrides the profile's rules."""
+    monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(64 * MiB))
+    with fake_device("cpu", H200):
+        reg = wspool.PoolRegistry()
+        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == 64 * MiB
+
+
+def test_devices_of_different_kinds_each_get_their_own_profile() -> None:
+    """An H200 and a B200 in one registry get hopper and blackwell, with separate buffers and rules."""
+    kinds = {"cpu": H200, "meta": B200}
+    reg = wspool.PoolRegistry(describe_device=lambda device: kinds.get(device.type), allocator=meta_allocator)
+    assert reg.profile_of("cpu").profile == "hopper"
+    assert reg.profile_of("meta").profile == "blackwell"
+    assert reg.workspace("flashinfer_mla", "cpu", rule="lse").numel() == HOPPER_MLA_BYTES
+    blackwell = reg.workspace("flashinfer_mla", "meta", rule="lse")
+    assert blackwell.numel() == softmax_slab_bytes(128, 512, 1) + 64 * MiB
+    assert {s.device: s.capacity_bytes for s in reg.all_stats()} == {"cpu": HOPPER_MLA_BYTES, "meta": blackwell.numel()}
+    reg.declare_pool("extra", {"default": "sm_count * 1KiB"})
+    assert reg.resolve("extra", device="cpu") == 132 * 1024
+    assert reg.resolve("extra", device="meta") == 148 * 1024
+
+
+@pytest.mark.parametrize("where", ["env", "yaml", "code"])
+def test_unknown_profile_is_a_config_error(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unknown profile name is a ConfigError naming profile / WSPOOL_PROFILE; no registry, nothing allocated."""
+    path = None
+    overrides: dict[str, object] = {}
+    if where == "env":
+        monkeypatch.setenv("WSPOOL_PROFILE", "volta")
+    elif where == "yaml":
+        path = tmp_path / "c.yaml"
+        path.write_text("profile: volta\n")
+    else:
+        overrides["profile"] = "volta"
+    with pytest.raises(ConfigError, match=r"profile = 'volta' .*unknown profile 'volta'.*set profile / WSPOOL_PROFILE"):
+        wspool.PoolRegistry.from_config(path, **overrides)
+
+
+def test_profile_names_are_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WSPOOL_PROFILE=Hopper names the hopper profile."""
+    monkeypatch.setenv("WSPOOL_PROFILE", "Hopper")
+    assert wspool.load_settings().profile == "hopper"

@@ -1,0 +1,732 @@
+"""Configuration: pydantic-settings over built-in defaults, a YAML file and ``WSPOOL_*``.
+
+Precedence, highest first: values passed in code, environment variables, the
+YAML file (named in code or by ``WSPOOL_CONFIG``), the engines' own workspace
+variables (:mod:`wspool.settings.engine_knobs`), built-in defaults. Sources
+are deep-merged, so ``WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE=512MiB``
+overrides that one rule and keeps every other value of the file.
+
+Every value is validated before anything is allocated; a bad value raises
+:class:`~wspool.errors.ConfigError` naming the YAML key, the environment
+variable, the value, where it came from and what was expected.
+
+Hostile input: the YAML file is read with the safe loader, must be at most
+:data:`MAX_CONFIG_FILE_BYTES`, and may hold at most :data:`MAX_CONFIG_VALUES`
+values nested at most :data:`MAX_CONFIG_DEPTH` deep after expanding aliases
+(so an alias bomb is refused before validation walks it). Values quoted back
+in errors are shortened. Nothing is silently dropped: a key given twice in one
+YAML mapping, a ``WSPOOL_*`` variable that names no setting, and pool names that
+differ only in case are errors. Whatever the file or the environment holds,
+loading raises nothing but :class:`~wspool.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import os
+import re
+import reprlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    YamlConfigSettingsSource,
+)
+
+from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
+from wspool.rules import FUNCTIONS, LiteralRule, compile_rule
+from wspool.settings.engine_knobs import engine_knob_layers, engine_knob_settings
+from wspool.settings.profiles import AUTO, PROFILE_NAMES, load_profile
+from wspool.units import format_size, parse_size
+
+__all__ = [
+    "BUILTIN_DEFAULTS",
+    "CONFIG_ENV_VAR",
+    "EXTRA_ENV_VARS",
+    "GROWTH_POLICIES",
+    "MAX_CONFIG_DEPTH",
+    "MAX_CONFIG_FILE_BYTES",
+    "MAX_CONFIG_VALUES",
+    "MAX_REPORTED_ERRORS",
+    "RESERVED_FACT_NAMES",
+    "PoolConfig",
+    "Provenance",
+    "WspoolSettings",
+    "check_pool_names",
+    "iter_settings",
+    "load_settings",
+    "load_settings_with_provenance",
+    "profile_settings",
+    "validate_pool",
+]
+
+#: The environment variable that names the YAML file.
+CONFIG_ENV_VAR = "WSPOOL_CONFIG"
+#: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
+#: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
+#: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``.
+EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_VLLM", "WSPOOL_VLLM_DEVICE")
+#: Validation errors quoted in one ConfigError; the rest are counted.
+MAX_REPORTED_ERRORS = 5
+
+#: The seed's sizes: 128 MiB for plain MLA decode, 256 MiB when the LSE is returned.
+#: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
+#: two one after another on one stream. Its rules bound the split-KV partial outputs that
+#: FlashInfer's eager plans carve (``wspool.flashinfer.paged`` derives them).
+#: The ``flashinfer_mla`` pool's default facts are DeepSeek's and Kimi's MLA geometry, for
+#: call sites that pass none (a caller's facts win). ``configs/default.yaml`` carries the
+#: same values (a test keeps them equal).
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "pools": {
+        "flashinfer_mla": {
+            "rules": {"default": "128MiB", "lse": "256MiB"},
+            "facts": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "q_len": 1, "cp_world": 1},
+        },
+        "flashinfer": {
+            "shared_with": "flashinfer_mla",
+            "rules": {
+                "decode": "(512 * sm_count + num_qo_heads) * (head_dim + 1) * 4 + 1MiB",
+                "prefill": "(256 * sm_count + num_qo_heads) * (head_dim + 1) * 4 + 1MiB",
+            },
+        },
+    },
+}
+
+GROWTH_POLICIES = ("exact", "power_of_two")
+
+#: The largest YAML file read; a real configuration is a few hundred bytes. The bound keeps
+#: parsing (pure-Python PyYAML, about 10 us per value) well under a second.
+MAX_CONFIG_FILE_BYTES = 64 << 10
+#: The most values (mappings, lists and scalars) a file may hold once its aliases are expanded.
+MAX_CONFIG_VALUES = 10_000
+#: The deepest nesting a file may have; the schema itself is four levels deep.
+MAX_CONFIG_DEPTH = 32
+
+# Values quoted back in errors are shortened, so a hostile value cannot make a huge message.
+_quote = reprlib.Repr()
+_quote.maxlevel = 3
+_quote.maxstring = 80
+_quote.maxother = 80
+
+
+def _rule_value(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a size or an expression string, got {type(value).__name__}")
+    compile_rule(value)  # raises a RuleError (a ValueError) naming what is wrong
+    return str(value)
+
+
+def _growth_value(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in GROWTH_POLICIES:
+        return value.strip().lower()
+    try:
+        granularity = parse_size(value)
+    except ValueError:
+        raise ValueError(
+            f"expected 'exact', 'power_of_two' or a granularity size such as '32MiB', got {value!r}"
+        ) from None
+    if granularity <= 0:
+        raise ValueError("a growth granularity must be positive")
+    return str(value)
+
+
+def _size_value(value: object) -> int | None:
+    if value is None:
+        return None
+    return parse_size(value)
+
+
+def _limit_value(value: object) -> int | None:
+    nbytes = _size_value(value)
+    if nbytes == 0:
+        raise ValueError("max_bytes must be positive (leave it out for no limit)")
+    return nbytes
+
+
+def _pool_name_value(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None  # empty: the pool has its own buffer
+    if not isinstance(value, str):
+        raise ValueError(f"expected the name of another pool, got {type(value).__name__}")
+    return value.strip()
+
+
+#: Names a default fact may not have: the parameters of the per-call methods (facts are
+#: passed as keyword arguments next to them), Python's keywords and the rule functions.
+RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "self", *keyword.kwlist, *FUNCTIONS})
+
+
+def _fact_name(value: object) -> str:
+    if not isinstance(value, str):
+        raise PydanticCustomError("string_type", "Input should be a valid string")
+    if not value.isidentifier() or value.startswith("_"):
+        raise ValueError(f"fact name {value!r} is not a name a rule can read (letters, digits, _; no leading _)")
+    if value in RESERVED_FACT_NAMES:
+        raise ValueError(
+            f"fact name {value!r} is reserved (it names a parameter of the per-call methods, a Python keyword "
+            f"or a rule function); choose another name"
+        )
+    return value
+
+
+def _fact_value(value: object) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a fact must be a non-negative integer, got {type(value).__name__} {_quote.repr(value)}")
+    return value
+
+
+RuleSource = Annotated[str, BeforeValidator(_rule_value)]
+FactName = Annotated[str, BeforeValidator(_fact_name)]
+FactValue = Annotated[int, BeforeValidator(_fact_value)]
+GrowthPolicy = Annotated[str, BeforeValidator(_growth_value)]
+OptionalLimit = Annotated[int | None, BeforeValidator(_limit_value)]
+PoolName = Annotated[str | None, BeforeValidator(_pool_name_value)]
+
+
+def _profile_value(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in (AUTO, *PROFILE_NAMES):
+        return value.strip().lower()
+    raise ValueError(f"unknown profile {_quote.repr(value)} (choose {AUTO} or one of {', '.join(PROFILE_NAMES)})")
+
+
+ProfileSetting = Annotated[str, BeforeValidator(_profile_value)]
+
+
+class PoolConfig(BaseModel):
+    """One pool's settings (``pools.<name>`` in YAML).
+
+    Attributes:
+        rules: Named sizing rules, e.g. ``{"default": "128MiB", "lse": "256MiB"}``.
+        growth: ``exact`` (grow to the request), ``power_of_two``, or a
+            granularity such as ``32MiB`` that capacities are rounded up to.
+        max_bytes: The most the pool may hold on one device and lane.
+        shared_with: Another pool whose buffer this pool's rules draw from (on the
+            same device and lane), so backends that run one after another on one
+            stream hold one buffer; that pool's growth and max_bytes apply. Empty
+            or ``null``: the pool has its own buffer.
+        description: Free text shown by ``wspool show``.
+        facts: Default facts of this pool's rules, e.g. ``{"kv_lora_rank": 512}``:
+            non-negative integers, below a caller's facts and above the device's.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rules: dict[str, RuleSource] = Field(default_factory=dict)
+    growth: GrowthPolicy = "exact"
+    max_bytes: OptionalLimit = None
+    shared_with: PoolName = None
+    description: str = ""
+    facts: dict[FactName, FactValue] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _literal_rules_fit_max_bytes(self) -> PoolConfig:
+        """Refuse a fixed-size rule above ``max_bytes``: it could never be served."""
+        if self.max_bytes is None:
+            return self
+        for name, source in self.rules.items():
+            rule = compile_rule(source)
+            if isinstance(rule, LiteralRule) and rule.nbytes > self.max_bytes:
+                # The pool's name is not known here: _config_error names both full keys.
+                raise PydanticCustomError(
+                    "rule_above_max_bytes",
+                    "rule {rule} = {source} ({size}) is above max_bytes = {limit}",
+                    {
+                        "rule": name,
+                        "source": source,
+                        "size": format_size(rule.nbytes),
+                        "limit": format_size(self.max_bytes),
+                    },
+                )
+        return self
+
+
+class WspoolSettings(BaseSettings):
+    """All of wspool's settings; build with :func:`load_settings`.
+
+    Attributes:
+        pools: Pool name -> its settings. Pool names are lower case (environment
+            variable names are matched case-insensitively).
+        debug_streams: Warn when one pool's buffer is handed to two CUDA streams
+            without ordering between them (costs a stream query per call).
+        profile: ``auto`` (pick per device from its compute capability) or the
+            name of a profile (:mod:`wspool.settings.profiles`) for every device.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_DELIMITER,
+        extra="forbid",
+        frozen=True,
+    )
+
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    debug_streams: bool = False
+    profile: ProfileSetting = AUTO
+
+    # The profile layer of this class's sources (see profile_settings), just above the built-in defaults.
+    _profile_layer: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
+    # How load_settings built these settings, so profile_settings can layer a profile under the same inputs.
+    _load_inputs: tuple[Path | None, dict[str, Any]] | None = PrivateAttr(default=None)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_file = settings_cls.model_config.get("yaml_file")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        knobs = engine_knob_settings()
+        if knobs:
+            sources.append(InitSettingsSource(settings_cls, init_kwargs=knobs))
+        layer = getattr(settings_cls, "_profile_layer", None)
+        if layer is not None:
+            sources.append(InitSettingsSource(settings_cls, init_kwargs=_deep_copy(layer[1])))
+        sources.append(InitSettingsSource(settings_cls, init_kwargs=_deep_copy(BUILTIN_DEFAULTS)))
+        return tuple(sources)
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, Mapping):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    return data
+
+
+class Provenance:
+    """Where each value of a loaded configuration came from.
+
+    Attributes:
+        config_file: The YAML file that was read, if any.
+    """
+
+    def __init__(self, layers: list[tuple[str, dict[str, Any]]], config_file: Path | None) -> None:
+        self._layers = layers
+        self.config_file = config_file
+
+    def source_of(self, path: tuple[str, ...]) -> str:
+        """Return ``"code"``, ``"environment variable WSPOOL_..."``, ``"YAML file ..."`` or ``"default"``."""
+        for label, data in self._layers:
+            node: Any = data
+            for part in path:
+                if not isinstance(node, Mapping):
+                    break
+                # YAML keys need not be strings (``1:``), while error paths are.
+                found = part if part in node else next((k for k in node if str(k) == part), None)
+                if found is None:
+                    break
+                node = node[found]
+            else:
+                if label == "env":
+                    return f"environment variable {setting_names(path)[1]}"
+                if label == "yaml":
+                    return f"YAML file {self.config_file}"
+                return label
+        return "default"
+
+
+def _config_file_from(config_file: str | os.PathLike[str] | None) -> tuple[Path | None, str]:
+    if config_file is not None:
+        return Path(config_file), "given explicitly"
+    named = os.environ.get(CONFIG_ENV_VAR)
+    if named:
+        return Path(named), f"named by {CONFIG_ENV_VAR}"
+    return None, ""
+
+
+def _read_yaml(path: Path, how: str) -> dict[str, Any]:
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
+        why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
+        raise ConfigError(f"cannot read config file {_quote.repr(str(path))} ({how}): {why}") from None
+    if not is_file:
+        raise ConfigError(f"config file {path} ({how}) does not exist or is not a file")
+    try:
+        with path.open(encoding="utf-8") as handle:
+            text = handle.read(MAX_CONFIG_FILE_BYTES + 1)
+        if len(text) > MAX_CONFIG_FILE_BYTES:
+            raise ConfigError(
+                f"config file {path} ({how}) is larger than {format_size(MAX_CONFIG_FILE_BYTES)}; "
+                f"a wspool configuration is a few hundred bytes"
+            )
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"invalid YAML in config file {where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"invalid YAML in config file {path}: it nests too deeply") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path} ({how}): {exc}") from None
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        # PyYAML's constructors raise these for tagged or date-like scalars they cannot build
+        # (!!timestamp x, !!bool maybe, 2021-13-45, !!int abc, an integer of 5,000 digits).
+        detail = _quote.repr(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise ConfigError(f"invalid YAML value in config file {path}: {detail}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"config file {path}: top-level key {_quote.repr(key)} is not a string "
+                f"(the keys are {', '.join(WspoolSettings.model_fields)})"
+            )
+    _check_size_and_depth(data, path)
+    return data
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping (the last one would win silently).
+
+    A scalar PyYAML cannot build (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``,
+    ``!!int abc``, an integer of 5,000 digits) becomes a YAML error at its line.
+    """
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)  # type: ignore[no-untyped-call]
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            shown = _quote.repr(node.value) if isinstance(node, yaml.ScalarNode) else node.tag
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(exc).__name__})",
+                node.start_mark,
+            ) from None  # fmt: skip
+
+
+def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: dict[object, yaml.Node] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping refuses it with its own message
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {_quote.repr(key)} (first given on line {first.start_mark.line + 1})",
+                key_node.start_mark,
+            )  # fmt: skip
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_strict_mapping)
+
+
+def _check_size_and_depth(data: object, path: Path) -> None:
+    """Refuse a document too large or too deep once aliases are expanded (iteratively: no recursion)."""
+    stack: list[tuple[object, int]] = [(data, 0)]
+    count = 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"config file {path} holds more than {MAX_CONFIG_VALUES} values once its YAML aliases "
+                f"are expanded; a wspool configuration holds a few dozen"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((child, depth + 1) for child in node.values())
+        elif isinstance(node, (list, tuple, set)):
+            stack.extend((child, depth + 1) for child in node)
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> WspoolSettings:
+    """Load and validate the configuration.
+
+    Args:
+        config_file: A YAML file; when ``None``, the file named by
+            ``WSPOOL_CONFIG``, if set. A named file that does not exist is an error.
+        **overrides: Values given in code, highest precedence, e.g.
+            ``pools={"flashinfer_mla": {"rules": {"lse": "512MiB"}}}``.
+
+    Returns:
+        The validated settings. Its provenance is available as
+        ``settings_provenance(settings)``.
+
+    Raises:
+        ConfigError: The file is missing or not valid YAML, or a value is invalid.
+    """
+    settings, _ = load_settings_with_provenance(config_file, **overrides)
+    return settings
+
+
+def load_settings_with_provenance(
+    config_file: str | os.PathLike[str] | None = None, **overrides: Any
+) -> tuple[WspoolSettings, Provenance]:
+    """Like :func:`load_settings`, also returning where each value came from."""
+    return _load(config_file, None, overrides)
+
+
+def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSettings, Provenance]:
+    """Return ``settings`` with the profile ``profile`` layered just above the built-in defaults.
+
+    The file, the environment and the code overrides that :func:`load_settings`
+    read are read again under the profile, which they override key by key.
+    Settings not built by :func:`load_settings` are returned as they are.
+
+    Raises:
+        ConfigError: The profile's settings do not validate with the configuration's.
+    """
+    inputs = settings._load_inputs
+    if inputs is None:
+        return settings, Provenance([("default", BUILTIN_DEFAULTS)], None)
+    return _load(inputs[0], profile, inputs[1])
+
+
+def _load(
+    config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
+) -> tuple[WspoolSettings, Provenance]:
+    path, how = _config_file_from(config_file)
+    yaml_data = _read_yaml(path, how) if path is not None else {}
+    settings_cls: type[WspoolSettings] = WspoolSettings
+    profile_layer = None if profile is None else (f"profile {profile}", load_profile(profile).settings)
+    if path is not None or profile_layer is not None:
+        settings_cls = type(
+            "WspoolSettings",
+            (WspoolSettings,),
+            {"model_config": {**WspoolSettings.model_config, "yaml_file": path}, "_profile_layer": profile_layer},
+        )
+    _check_env_names()
+    try:
+        env_data = EnvSettingsSource(settings_cls)()
+    except (SettingsError, RecursionError) as exc:
+        raise _env_error(exc) from None
+    layers = [("code", overrides), ("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
+    if profile_layer is not None:
+        layers.append((profile_layer[0], dict(profile_layer[1])))
+    provenance = Provenance([*layers, ("default", BUILTIN_DEFAULTS)], path)
+    try:
+        settings = settings_cls(**overrides)
+    except (SettingsError, RecursionError) as exc:
+        raise _env_error(exc) from None
+    except ValidationError as exc:
+        raise _config_error(exc, provenance) from None
+    _check_names(settings, provenance)
+    _check_shared_pools(settings, provenance)
+    settings._load_inputs = (path, overrides)
+    return settings, provenance
+
+
+def _check_env_names() -> None:
+    """Refuse a ``WSPOOL_*`` variable that names no setting (pydantic-settings would ignore it)."""
+    fields = {name.upper() for name in WspoolSettings.model_fields}
+    unknown = []
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in EXTRA_ENV_VARS:
+            continue
+        head, nested, _ = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
+        if head not in fields or (nested and head != "POOLS"):
+            unknown.append(name)
+    if unknown:
+        known = ", ".join([*EXTRA_ENV_VARS, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
+        shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
+        more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
+        raise ConfigError(
+            f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
+            f"(check the spelling; the variables are {known}, and pools are set through "
+            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)",
+            path=(unknown[0][len(ENV_PREFIX) :].lower(),),
+        )
+
+
+def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:
+    """Refuse empty pool or rule names, and pool names that differ only in case.
+
+    Environment variables are matched case-insensitively, so ``WSPOOL_POOLS__MYPOOL__...``
+    names ``mypool``: a YAML pool ``MyPool`` next to it would otherwise be a second pool.
+    """
+    where = source_of or (lambda path: "code")
+    by_folded: dict[str, str] = {}
+    for name, pool in pools.items():
+        if not name.strip():
+            raise ConfigError(
+                f"invalid wspool configuration: a pool name is empty ({_quote.repr(name)})", path=("pools",)
+            )
+        for rule in pool.rules:
+            if not rule.strip():
+                path = ("pools", name, "rules")
+                raise ConfigError(
+                    f"invalid wspool configuration: pool {name!r} has a rule with an empty name "
+                    f"({_quote.repr(rule)}, from {where(path)})",
+                    path=path,
+                )
+        other = by_folded.setdefault(name.lower(), name)
+        if other != name:
+            first, second = sorted((other, name))
+            raise ConfigError(
+                f"invalid wspool configuration: pools {first!r} (from {where(('pools', first))}) and {second!r} "
+                f"(from {where(('pools', second))}) differ only in case; environment variables name pools in "
+                f"lower case ({ENV_PREFIX}POOLS{ENV_DELIMITER}{name.upper()}{ENV_DELIMITER}... is "
+                f"pools.{name.lower()}), so write the pool's name in lower case",
+                path=("pools", first),
+            )
+
+
+def validate_pool(name: str, values: Mapping[str, Any]) -> PoolConfig:
+    """Validate one pool's settings given in code exactly as a YAML file's ``pools.<name>`` is.
+
+    Raises:
+        ConfigError: Naming each offending key, as for a file.
+    """
+    provenance = Provenance([("code (declare_pool)", {"pools": {name: dict(values)}})], None)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"invalid pool name {_quote.repr(name)}: a pool name must be a non-empty string")
+    try:
+        pool = PoolConfig(**values)
+    except ValidationError as exc:
+        raise _config_error(exc, provenance, prefix=("pools", name)) from None
+    check_pool_names({name: pool}, provenance.source_of)
+    return pool
+
+
+def _check_names(settings: WspoolSettings, provenance: Provenance) -> None:
+    check_pool_names(settings.pools, provenance.source_of)
+
+
+def _check_shared_pools(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
+    """Refuse a ``shared_with`` that names no pool, itself, or a pool that shares yet another's buffer."""
+    pools = settings.pools
+    for name, pool in pools.items():
+        host = pool.shared_with
+        if host is None:
+            continue
+        target = pools.get(host)
+        clash = sorted(set(pool.rules) & set(target.rules)) if target is not None else []
+        if host == name:
+            problem = "a pool cannot share its own buffer"
+        elif target is None:
+            problem = f"there is no pool {host!r} (configured: {', '.join(sorted(pools))})"
+        elif target.shared_with is not None:
+            problem = f"pool {host!r} itself draws from {target.shared_with!r}; name {target.shared_with!r}"
+        elif {"growth", "max_bytes"} & pool.model_fields_set:
+            problem = f"its buffer is {host!r}'s, so set growth and max_bytes under pools.{host}"
+        elif clash:
+            problem = f"both pools have a rule {clash[0]!r}, and rule names on one buffer must differ"
+        else:
+            continue
+        path = ("pools", name, "shared_with")
+        source = f" (from {provenance.source_of(path)})" if provenance is not None else ""
+        raise ConfigError(
+            f"invalid wspool configuration: {setting_names(path)[0]} = {host!r}{source}: {problem}; "
+            f"set {describe_setting(path)} (empty: its own buffer)",
+            path=path,
+        )
+
+
+def _env_error(exc: Exception) -> ConfigError:
+    """Name the variable whose value could not be decoded as the JSON its key needs."""
+    match = re.search(r'field "(\w+)"', str(exc))
+    field = match.group(1) if match else ""
+    cause = exc.__cause__
+    why = "nests too deeply" if isinstance(exc, RecursionError) else "is not valid JSON"
+    if isinstance(cause, json.JSONDecodeError):
+        why = f"is not valid JSON ({cause.msg} at char {cause.pos})"
+    name = _undecodable_env_var(field, getattr(cause, "doc", None))
+    path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_DELIMITER)) if name else (field or "?",)
+    key, env = setting_names(path)
+    value = _quote.repr(os.environ.get(env, "")) if name else "its value"
+    return ConfigError(
+        f"invalid environment variable {env} = {value}: {why}, and {key} takes a mapping; "
+        f"give a JSON object, or set single values through nested variables such as {env}__<KEY>=...",
+        path=path,
+    )
+
+
+def _undecodable_env_var(field: str, doc: object) -> str | None:
+    """Find the ``WSPOOL_*`` variable whose value failed to decode (``doc``: that value, if known)."""
+    prefix = (ENV_PREFIX + field).upper()
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(prefix):
+            continue
+        value = os.environ[name]
+        if doc is not None:
+            if value == doc:
+                return upper
+            continue
+        try:
+            json.loads(value)
+        except RecursionError:
+            return upper
+        except ValueError:
+            continue
+    return None
+
+
+def _config_error(exc: ValidationError, provenance: Provenance, prefix: tuple[str, ...] = ()) -> ConfigError:
+    lines = []
+    first_path: tuple[str, ...] | None = None
+    for error in exc.errors(include_url=False):
+        loc = [*prefix, *(str(p) for p in error["loc"] if not str(p).startswith("function-"))]
+        path = tuple(p for p in loc if p != "[key]")
+        if first_path is None:
+            first_path = path
+        key, env = setting_names(path)
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown key (check its spelling and nesting)"
+        if "[key]" in loc and not isinstance(error.get("input"), str):
+            message = f"a key must be a string, not {type(error.get('input')).__name__}"
+        if error["type"] == "rule_above_max_bytes":
+            lines.append(_rule_above_max_bytes(path, error.get("ctx") or {}, provenance))
+            continue
+        value = error.get("input")
+        shown = f" = {_quote.repr(value)}" if not isinstance(value, Mapping) else ""
+        lines.append(f"{key}{shown} (from {provenance.source_of(path)}): {message}; set {key} / {env}")
+    count = len(lines)
+    header = "invalid wspool configuration" + (f" ({count} errors)" if count > 1 else "")
+    reported = lines[:MAX_REPORTED_ERRORS]
+    if count > MAX_REPORTED_ERRORS:
+        reported.append(f"and {count - MAX_REPORTED_ERRORS} more")
+    return ConfigError(header + ": " + "; ".join(reported), path=first_path)
+
+
+def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provenance: Provenance) -> str:
+    rule, limit = (*pool, "rules", str(ctx.get("rule"))), (*pool, "max_bytes")
+    return (
+        f"{setting_names(rule)[0]} = {_quote.repr(ctx.get('source'))} ({ctx.get('size')}, from "
+        f"{provenance.source_of(rule)}) is above {setting_names(limit)[0]} = {ctx.get('limit')} (from "
+        f"{provenance.source_of(limit)}), so it could never be served; lower {describe_setting(rule)} "
+        f"or raise {describe_setting(limit)}"
+    )
+
+
+def iter_settings(settings: WspoolSettings) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Yield ``(key path, value)`` for every leaf value, in a stable order."""
+
+    def walk(prefix: tuple[str, ...], node: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
+        if isinstance(node, Mapping):
+            for key in sorted(node):
+                yield from walk((*prefix, str(key)), node[key])
+        else:
+            yield prefix, node
+
+    yield from walk((), settings.model_dump())

@@ -1,0 +1,236 @@
+"""Printing, saving and plotting ``wspool bench`` figures.
+
+Everything here reads the plain data :func:`wspool.tools.bench.run_benchmarks`
+returns (or ``--json`` wrote), so a run on a GPU machine without matplotlib
+can be plotted later elsewhere with ``wspool bench --plot-from FILE.json
+--plot FILE.png``. GPU tables print as Markdown, ready for the README.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from wspool.errors import WspoolError
+from wspool.units import format_size
+
+__all__ = ["BenchError", "failed_sections", "format_report", "load_figures", "plot_memory", "save_figures"]
+
+_MiB = 1 << 20
+
+
+class BenchError(WspoolError):
+    """The figures cannot be read, written or plotted."""
+
+
+def _skipped(section: Mapping[str, Any] | None) -> str | None:
+    """Why a section has no figures (``None`` when it has them)."""
+    if section is None:
+        return "skipped: not run"
+    if "failed" in section:
+        return f"FAILED: {section['failed']}"
+    if "skipped" in section:
+        return f"skipped: {section['skipped']}"
+    return None
+
+
+def failed_sections(figures: Mapping[str, Any]) -> list[str]:
+    """The sections that raised instead of measuring."""
+    return [name for name, section in figures.items() if isinstance(section, Mapping) and "failed" in section]
+
+
+def _hot_path(figures: Mapping[str, Any]) -> list[str]:
+    hot = figures.get("hot_path")
+    if hot is None:
+        return []
+    return [
+        f"(a) hot path on {hot['device']} (median per call, same run):",
+        f"  seed _get_workspace_buffer(True)       {hot['seed_bare_ns']:8.1f} ns",
+        f"  reg.workspace(..., rule='lse') literal {hot['literal_rule_ns']:8.1f} ns  "
+        f"({hot['literal_vs_seed']:.2f}x the seed)",
+        f"  reg.workspace(..., rule=expr, facts)   {hot['expression_rule_ns']:8.1f} ns",
+        f"  empty call (loop overhead)             {hot['empty_loop_ns']:8.1f} ns",
+    ]
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _us(value: float | None, fmt: str = "+.1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _mla_decode(section: Mapping[str, Any] | None) -> list[str]:
+    title = "(b) mla_decode through wspool against direct FlashInfer calls (plan + run per step)"
+    why = _skipped(section)
+    if why is not None:
+        return [f"{title}: {why}"]
+    assert section is not None
+    lines = [
+        f"{title}, {section['runs']} timed pairs after warm-up, rules {section['rules_file']}:",
+        "",
+        "| batch | heads | length | LSE | query form | wspool (us) | direct (us) | added (us) "
+        "| A/A noise (us) | within 2% or 2 us | 4-D reshapes, direct (us) |",
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in section["rows"]:
+        lines.append(
+            f"| {r['batch_size']} | {r['num_heads']} | {r['max_seq_len']} | {_yes(r['return_lse'])} | "
+            f"{r.get('query_form', '4-D')} | {r['wspool_us']:.1f} | {r['direct_us']:.1f} | {r['added_us']:+.1f} "
+            f"| {_us(r.get('noise_us'))} | {_yes(r['ok'])} | {_us(r.get('reshape_us'))} |"
+        )
+    return [
+        *lines,
+        "",
+        "  wspool, direct: medians; added: median of the per-pair differences; A/A noise: the same for the",
+        "  direct calls against a second, identical direct wrapper. Both sides get the same query: packed",
+        "  [tokens, heads, 576] (FlashInfer's form) or 4-D [batch, q_len, heads, 576], which both reshape to",
+        "  FlashInfer's form and back; the last column is what those reshapes cost the direct calls.",
+    ]
+
+
+def _decode_step(section: Mapping[str, Any] | None) -> list[str]:
+    title = "(b2) decode step of 61 layer calls with LSE: a plan per step, run per layer"
+    why = _skipped(section)
+    if why is not None:
+        return [f"{title}: {why}"]
+    assert section is not None
+    lines = [
+        f"{title}, {section['runs']} timed pairs of steps after warm-up, rules {section['rules_file']}:",
+        "",
+        "| batch | heads | length | plans per step | wspool (us/layer) | direct run() (us/layer) | added (us/layer) "
+        "| A/A noise (us/layer) | within 2% or 2 us | CUDA graph replay (us/step) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    notes = []
+    for r in section["rows"]:
+        graph = f"{r['graph_step_us']:.1f}" if r["graph_step_us"] is not None else "-"
+        if r["graph_step_us"] is None:
+            notes.append(f"  batch {r['batch_size']}: {r['graph_note']}")
+        lines.append(
+            f"| {r['batch_size']} | {r['num_heads']} | {r['max_seq_len']} | {r['plans_per_step']:g} | "
+            f"{r['wspool_layer_us']:.1f} | {r['direct_layer_us']:.1f} | {r['added_us']:+.2f} "
+            f"| {_us(r.get('noise_layer_us'), '+.2f')} | {_yes(r['ok'])} | {graph} |"
+        )
+    notes.append("  per layer: medians of the steps over 61; added: median of the per-pair differences over 61;")
+    notes.append("  A/A noise: the same for the direct steps against a second, identical pre-planned wrapper")
+    return [*lines, "", *notes]
+
+
+def _memory(section: Mapping[str, Any] | None) -> list[str]:
+    title = "(c) memory: bytes reserved per MLA decode call"
+    why = _skipped(section)
+    if why is not None:
+        return [f"{title}: {why}"]
+    assert section is not None
+    rows = section["rows"]
+    worst = max(r["rule_over_minimum"] for r in rows)
+    under = [r["shape"] for r in rows if r["rule_bytes"] < r["minimum_bytes"] or r["run_at_rule"] != "ok"]
+    lines = [
+        f"{title}, {len(rows)} shapes, measured rules {section['rules_file']}:",
+        "",
+        "| shape | true minimum | measured rule | rule / minimum | fixed constant | constant / minimum | run at rule |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['minimum_bytes']} ({format_size(r['minimum_bytes'])}) | {r['rule_bytes']} "
+            f"({format_size(r['rule_bytes'])}) | {r['rule_over_minimum']:.3f} | {format_size(r['constant_bytes'])} "
+            f"| {r['constant_bytes'] / r['minimum_bytes']:.1f} | {r['run_at_rule']} |"
+        )
+    verdict = "never below the minimum" if not under else f"BELOW the minimum or failed for {', '.join(under)}"
+    lines += ["", f"  measured rule: {verdict}; at most {worst:.3f}x the true minimum"]
+    return lines
+
+
+def format_report(figures: Mapping[str, Any]) -> str:
+    """Return the printed report of a run's figures (sections that did not run are left out)."""
+    machine = figures.get("machine", {})
+    lines = [
+        f"wspool bench: GPU {machine.get('gpu', '?')}; CPU {machine.get('cpu', '?')}; "
+        f"python {machine.get('python', '?')}, torch {machine.get('torch', '?')}, "
+        f"FlashInfer {machine.get('flashinfer', '?')}",
+    ]
+    for key, render in (("mla_decode", _mla_decode), ("decode_step", _decode_step), ("memory", _memory)):
+        if key in figures:
+            lines += ["", *render(figures[key])]
+    hot = _hot_path(figures)
+    if hot:
+        lines[1:1] = ["", *hot]
+    return "\n".join(lines)
+
+
+def save_figures(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write the figures as JSON.
+
+    Raises:
+        BenchError: The file cannot be written.
+    """
+    try:
+        Path(path).write_text(json.dumps(figures, indent=2) + "\n")
+    except OSError as exc:
+        raise BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def load_figures(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read figures that ``--json`` wrote.
+
+    Raises:
+        BenchError: The file is missing or not such a JSON object.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise BenchError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or "machine" not in data:
+        raise BenchError(f"{path} does not hold wspool bench figures (no 'machine' key)")
+    return data
+
+
+def plot_memory(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Draw bytes reserved (fixed constant, measured rule) against the true minimum over the sweep.
+
+    Raises:
+        BenchError: No memory figures, or matplotlib is not installed.
+    """
+    section = figures.get("memory")
+    why = _skipped(section)
+    if why is not None:
+        raise BenchError(f"no memory sweep to plot (memory section {why}); run on a GPU or use --plot-from")
+    assert section is not None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install 'wspool[plot]' (or pip install matplotlib)") from None
+    rows = section["rows"]
+    x = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.42 * len(rows)), 5.0))
+    ax.step(x, [r["constant_bytes"] / _MiB for r in rows], where="mid", label="fixed constant (128 / 256 MiB)")
+    ax.plot(x, [r["rule_bytes"] / _MiB for r in rows], "o-", label="measured rule")
+    ax.plot(x, [r["minimum_bytes"] / _MiB for r in rows], "x", markersize=9, label="true minimum")
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.set_ylabel("workspace per call (MiB, log scale)")
+    ax.set_xticks(x)
+    ax.set_xticklabels([r["shape"] for r in rows], rotation=60, ha="right", fontsize=7)
+    gpu = figures.get("machine", {}).get("gpu", "?")
+    ax.set_title(f"MLA decode workspace: reserved against needed\n{gpu}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=150)
+    except OSError as exc:
+        raise BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

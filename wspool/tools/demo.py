@@ -1,0 +1,156 @@
+"""``wspool demo``: the main job, MLA decode through the pool on the embedded default configuration.
+
+It runs a small batch of MLA decode calls (DeepSeek / Kimi geometry: latent
+512 + rope 64, page size 64, bf16) with and without the LSE, checks each
+result, prints the device's profile, which kernel path ran and the pool's
+statistics, and replays the seed's crash: the LSE call whose trtllm-gen softmax
+slab does not fit a 128 MiB workspace, served by the ``lse`` rule of the
+profile Blackwell devices get (the kernel that carves that slab runs there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from wspool.flashinfer.mla import mla_decode_plan
+from wspool.flashinfer.reference import mla_decode_reference
+from wspool.flashinfer.trtllm_layout import carve_trtllm_mla_workspace, softmax_slab_bytes
+from wspool.registry import PoolRegistry, get_registry
+from wspool.rules import compile_rule
+from wspool.settings.config import profile_settings
+from wspool.units import format_size
+
+__all__ = ["run_demo"]
+
+_PAGE_SIZE = 64
+_DIM = 576
+
+
+def _inputs(batch: int, heads: int, max_len: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=generator, dtype=torch.int32)
+    lengths[0] = max_len
+    pages = -(-lengths // _PAGE_SIZE)
+    total = int(pages.sum()) + 4
+    order = torch.randperm(total, generator=generator).to(torch.int32)
+    tables = torch.zeros(batch, int(pages.max()), dtype=torch.int32)
+    start = 0
+    for b, count in enumerate(pages.tolist()):
+        tables[b, :count] = order[start : start + count]
+        start += count
+    return {
+        "query": torch.randn(batch, 1, heads, _DIM, generator=generator).to(torch.bfloat16).to(device),
+        "kv_cache": torch.randn(total, _PAGE_SIZE, _DIM, generator=generator).to(torch.bfloat16).to(device),
+        "block_tables": tables.to(device),
+        "seq_lens": lengths.to(device),
+    }
+
+
+def _dense_check(t: dict[str, torch.Tensor], sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over each request's tokens gathered densely: independent of the paged reference."""
+    outs, lses = [], []
+    for b, length in enumerate(t["seq_lens"].tolist()):
+        token = torch.arange(length, device=t["kv_cache"].device)
+        pages = t["block_tables"][b].long()[token // _PAGE_SIZE]
+        keys = t["kv_cache"][pages, token % _PAGE_SIZE].float()
+        scores = t["query"][b, 0].float() @ keys.T * sm_scale
+        lses.append(torch.logsumexp(scores, -1))
+        outs.append(torch.softmax(scores, -1) @ keys[:, :512])
+    return torch.stack(outs)[:, None], torch.stack(lses)[:, None]
+
+
+def run_demo(
+    registry: PoolRegistry | None = None,
+    device: torch.device | str | None = None,
+    *,
+    batch: int = 8,
+    heads: int = 16,
+    max_len: int = 512,
+    layers: int = 4,
+    echo: Callable[[str], None] = print,
+) -> bool:
+    """Run the demo; return whether every check passed.
+
+    Args:
+        registry: The registry (default: the process default, from the environment).
+        device: Where to run (default: CUDA when available, else the CPU).
+        batch: Requests per decode step.
+        heads: Query heads.
+        max_len: Longest cached sequence.
+        layers: Layer calls per step (one plan, several runs).
+        echo: Where lines are printed.
+    """
+    registry = registry if registry is not None else get_registry()
+    target = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    sm_scale = 1.0 / (128 + 64) ** 0.5
+    ok = True
+    echo(f"wspool demo: MLA decode on {target}, batch {batch}, {heads} heads, lengths up to {max_len}, "
+         f"{layers} layers per step")  # fmt: skip
+    choice = registry.profile_of(target)
+    echo(f"profile {choice.profile} on {target}: {choice.reason}")
+    for step, return_lse in enumerate((False, True)):
+        t = _inputs(batch, heads, max_len, target, seed=step)
+        plan = mla_decode_plan(
+            t["block_tables"], t["seq_lens"], max_len, num_heads=heads, sm_scale=sm_scale, page_size=_PAGE_SIZE,
+            return_lse=return_lse, registry=registry,
+        )  # fmt: skip
+        for _ in range(layers):
+            result = plan.run(t["query"], t["kv_cache"])
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        if plan.path == "reference":
+            check_name = "dense fp32 attention"
+            want_out, want_lse = _dense_check(t, sm_scale)
+        else:
+            check_name = "the fp32 reference"
+            want_out, want_lse = mla_decode_reference(
+                t["query"], t["kv_cache"], t["block_tables"], t["seq_lens"], sm_scale=sm_scale
+            )
+        err = float((out.float() - want_out.float()).norm() / want_out.float().norm())
+        lse_err = float((lse - want_lse).abs().max()) if lse is not None else 0.0
+        passed = err < 1e-2 and lse_err < 1e-3
+        ok = ok and passed
+        nbytes = registry.resolve("flashinfer_mla", plan.rule, device=target, **plan.facts)
+        echo(f"  step {step}: return_lse={return_lse!s:<5} path={plan.path:<10} rule={plan.rule:<7} "
+             f"workspace {format_size(nbytes):>7}  plans {plan.plan_calls}  "
+             f"vs {check_name}: out rel err {err:.1e}"
+             + (f", lse abs err {lse_err:.1e}" if lse is not None else "")
+             + ("  ok" if passed else "  FAILED"))  # fmt: skip
+    stats = registry.stats("flashinfer_mla", device=target)
+    echo(f"pool flashinfer_mla on {stats.device}: capacity {format_size(stats.capacity_bytes)}, "
+         f"peak request {format_size(stats.peak_request_bytes)}, {stats.request_count} requests "
+         f"{dict(stats.requests_by_rule)}, {stats.grow_count} grows (last: {stats.last_grow_reason})")  # fmt: skip
+    ok = _seed_replay(registry, echo) and ok
+    echo("demo: all checks passed" if ok else "demo: CHECKS FAILED")
+    return ok
+
+
+def _seed_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> bool:
+    """Carve the seed's LSE call (128 heads x 512 requests) as trtllm-gen would, at 128 MiB and at the rule's size."""
+    heads, batch, scratch = 128, 512, 32 << 20
+    slab = softmax_slab_bytes(heads, batch, 1)
+    echo(f"seed replay (trtllm-gen carve, Blackwell launcher model): LSE call with {heads} heads x {batch} requests "
+         f"needs a {format_size(slab)} softmax slab + ~{format_size(scratch)} scratch")  # fmt: skip
+    try:
+        carve_trtllm_mla_workspace(128 << 20, num_heads=heads, batch_size=batch, q_len=1, return_lse=True,
+                                   scratch_bytes=scratch)  # fmt: skip
+        echo("  fixed 128MiB: fits (unexpected)")
+        crashed = False
+    except RuntimeError as exc:
+        echo(f"  fixed 128MiB (the seed's constant): {exc}")
+        crashed = True
+    settings, _ = profile_settings(registry.settings, "blackwell")
+    pool = settings.pools["flashinfer_mla"]
+    size = compile_rule(pool.rules["lse"]).resolve({"batch_size": batch, "num_heads": heads, "q_len": 1}, pool.facts)
+    label = f"rule pools.flashinfer_mla.rules.lse under profile blackwell = {format_size(size)}"
+    try:
+        carve_trtllm_mla_workspace(size, num_heads=heads, batch_size=batch, q_len=1, return_lse=True,
+                                   scratch_bytes=scratch)  # fmt: skip
+        echo(f"  {label}: fits")
+        return crashed
+    except RuntimeError as exc:
+        echo(f"  {label}: {exc}")
+        return False
