@@ -3,7 +3,7 @@
 The decision logic runs here against a small simulated GPU: streams hold
 queues of kernels and waits, events mark queue positions, and the GPU runs
 only when the host waits on an event. The real-stream version is in
-tests/test_reliability_gpu.py.
+tests/reliability/test_reliability_gpu.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Decode context parallelism on the CPU: MLA decode (the reference path) per KV share, merged by the LSEs.
 
 The CPU runs what each DCP rank runs, through ``mla_decode`` on its reference
-path, so CI exercises the split and the merge; tests/test_dcp_decode_gpu.py
+path, so CI exercises the split and the merge; tests/flashinfer/test_dcp_decode_gpu.py
 runs the same with FlashInfer's kernel.
 """
 

@@ -9,7 +9,7 @@ Tolerances, from bf16: the queries and the cache are bf16 on every side. The
 kernel rounds the attention probabilities to bf16 for the PV product and its
 output to bf16 (relative error up to 2**-8 = 3.9e-3 per element each), which
 is why a single decode is held to a norm-wise relative error below 1e-2
-against the fp32 reference (tests/test_flashinfer_mla_gpu.py). The merge adds
+against the fp32 reference (tests/flashinfer/test_mla_gpu.py). The merge adds
 one bf16 rounding of each share's output and one of the merged output, at most
 2 * 2**-8 more, norm-wise; the measured errors stay well inside the same 1e-2
 bound, which the merged output must meet against both the reference and the

@@ -12,7 +12,7 @@ import wspool
 from tests.helpers.mla_doubles import TrtllmDouble, WrapperDouble, fake_flashinfer_mla
 from tests.helpers.mla_inputs import MLAInputs, make_inputs
 from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError
-from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_decode_reference, select_path
+from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_decode_reference, mla_paths, select_path
 from wspool.flashinfer import kernels as fi_kernels
 from wspool.flashinfer import mla as mla_module
 
@@ -36,7 +36,7 @@ def _decode(inputs: MLAInputs, **kwargs: object) -> object:
 def hopper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Pretend the CPU is an SM90 GPU whose FlashInfer is the wrapper double."""
     WrapperDouble.instances.clear()
-    monkeypatch.setattr(mla_module, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (9, 0))
     monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
     yield
 
@@ -45,7 +45,7 @@ def hopper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def blackwell(monkeypatch: pytest.MonkeyPatch) -> TrtllmDouble:
     """Pretend the CPU is an SM100 GPU whose trtllm-gen kernel is the carving double."""
     double = TrtllmDouble()
-    monkeypatch.setattr(mla_module, "_arch", lambda device: (10, 0))
+    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (10, 0))
     monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla(double))
     return double
 
@@ -66,7 +66,7 @@ def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = torch.device("cuda", 0)
     for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "fa3"), ((8, 0), "fa2"),
                        ((8, 9), "fa2"), ((12, 0), "fa2")]:  # fmt: skip
-        monkeypatch.setattr(mla_module, "_arch", lambda device, arch=arch: arch)
+        monkeypatch.setattr(mla_paths, "device_arch", lambda device, arch=arch: arch)
         assert select_path(gpu) == path
     assert select_path(gpu, "fa2") == "fa2"
 
@@ -74,7 +74,7 @@ def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
     """On Blackwell, DCP, 64 < heads < 128 and page sizes other than 32/64 take cute-dsl; explicit choices stay."""
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(mla_module, "_arch", lambda device: (10, 0))
+    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (10, 0))
     assert select_path(gpu, num_heads=16, page_size=32) == "trtllm-gen"
     assert select_path(gpu, num_heads=96) == "cute-dsl"
     assert select_path(gpu, page_size=128) == "cute-dsl"
@@ -84,7 +84,7 @@ def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pyte
 
 def test_blackwell_kernels_elsewhere_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Asking for a Blackwell kernel on Hopper is a ValueError naming the backend, before any kernel runs."""
-    monkeypatch.setattr(mla_module, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (9, 0))
     with pytest.raises(ValueError, match=r"backend 'cute-dsl' needs Blackwell \(SM100/SM103/SM107\), this GPU is SM90"):
         select_path(torch.device("cuda", 0), "cute-dsl")
 
@@ -473,7 +473,7 @@ def test_undersized_rule_is_raised_to_the_paths_need_up_front(
     hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An 8MiB rule on an H200-sized device is raised to fa3's 17369088 bytes before plan(): no overflow, 1 warning."""
-    monkeypatch.setattr(mla_module, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(mla_paths, "sm_count", lambda device: 132)
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
     inputs = make_inputs(2, 4, [50, 60])
     with caplog.at_level(logging.WARNING, logger="wspool"):

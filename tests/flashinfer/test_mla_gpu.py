@@ -12,7 +12,7 @@ from tests.helpers.mla_inputs import MLAInputs, make_inputs
 from wspool.errors import WorkspaceFrozenError
 from wspool.flashinfer import mla as mla_module
 from wspool.flashinfer import mla_decode, mla_decode_plan, mla_decode_reference
-from wspool.flashinfer.mla import _BLACKWELL, _arch
+from wspool.flashinfer.mla_paths import BLACKWELL_ARCHS, device_arch
 from wspool.units import format_size
 
 pytestmark = pytest.mark.gpu
@@ -86,8 +86,8 @@ def test_pool_holds_the_rule_size_and_reuses_it() -> None:
 
 def _wrapper_path() -> str:
     """The planned-wrapper backend wspool resolves 'auto' to on this GPU; skip on Blackwell."""
-    arch = _arch(torch.device("cuda", torch.cuda.current_device()))
-    if arch in _BLACKWELL:
+    arch = device_arch(torch.device("cuda", torch.cuda.current_device()))
+    if arch in BLACKWELL_ARCHS:
         pytest.skip("this GPU takes the trtllm-gen / cute-dsl path, not the planned wrapper")
     return "fa3" if arch == (9, 0) else "fa2"
 
@@ -228,8 +228,8 @@ def test_capture_that_would_grow_raises_and_first_graph_survives(monkeypatch: py
 
 def test_trtllm_gen_on_blackwell_only() -> None:
     """The trtllm-gen path runs where FlashInfer supports it (SM100/103/107); elsewhere it skips with the reason."""
-    arch = _arch(torch.device("cuda", torch.cuda.current_device()))
-    if arch not in _BLACKWELL:
+    arch = device_arch(torch.device("cuda", torch.cuda.current_device()))
+    if arch not in BLACKWELL_ARCHS:
         pytest.skip(f"trtllm-gen MLA decode needs Blackwell (SM100/103/107); this GPU is SM{arch[0]}{arch[1]}")  # type: ignore[index]
     inputs = _inputs(32, 128, [4096] * 32)
     out, lse = _decode(inputs, return_lse=True, backend="trtllm-gen")  # type: ignore[misc]

@@ -4,7 +4,7 @@ CUDA-graph capture is simulated without a GPU: a pool takes a ``capture_probe``,
 and a registry's CUDA pools use ``torch.cuda.is_current_stream_capturing``,
 which these tests replace; buffers for the simulated ``cuda:0`` are made on the
 CPU by an injected allocator. The same paths on a real GPU are in
-tests/test_reliability_gpu.py.
+tests/reliability/test_reliability_gpu.py.
 """
 
 from __future__ import annotations

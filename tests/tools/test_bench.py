@@ -180,14 +180,13 @@ def test_gpu_measurements_run_against_doubles(monkeypatch: pytest.MonkeyPatch) -
     from tests.helpers.mla_doubles import WrapperDouble, fake_flashinfer_mla
     from tests.helpers.paths import REPO_ROOT
     from wspool.flashinfer import kernels as fi_kernels
-    from wspool.flashinfer import mla as mla_module
+    from wspool.flashinfer import mla_paths
     from wspool.registry import PoolRegistry
     from wspool.tools import bench_gpu
 
     WrapperDouble.instances.clear()
-    monkeypatch.setattr(mla_module, "_arch", lambda device: (9, 0))
-    monkeypatch.setattr(mla_module, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(bench_gpu, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(mla_paths, "sm_count", lambda device: 132)
     monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     registry = PoolRegistry.from_config(REPO_ROOT / "configs" / "hopper.yaml")

@@ -10,8 +10,8 @@ from wspool.flashinfer.mla import (
     MLADecodePlan,
     mla_decode,
     mla_decode_plan,
-    select_path,
 )
+from wspool.flashinfer.mla_paths import select_path
 from wspool.flashinfer.paged import PAGED_POOL, PagedAttentionPlan, paged_decode_plan, paged_prefill_plan
 from wspool.flashinfer.paged_reference import paged_attention_reference
 from wspool.flashinfer.reference import mla_decode_reference

@@ -43,11 +43,10 @@ from typing import Any
 
 import torch
 
-from wspool.device_facts import device_facts
 from wspool.devices import resolve_device
 from wspool.errors import describe_setting
-from wspool.flashinfer import kernels
-from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS, blackwell_backend, check_dcp, check_kernel_keywords
+from wspool.flashinfer import kernels, mla_paths, mla_wrappers
+from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS, check_dcp, check_kernel_keywords
 from wspool.flashinfer.page_table import CSRConstants, csr_parts
 from wspool.flashinfer.path_sizing import path_need_bytes
 from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
@@ -55,17 +54,14 @@ from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
 from wspool.kernel_buffers import track_kernel_buffers
 from wspool.lanes import current_lane
-from wspool.pool import WorkspacePool
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
-    "BACKENDS",
     "COUNTER_POOL",
     "MLA_POOL",
     "MLADecodePlan",
     "mla_decode",
     "mla_decode_plan",
-    "select_path",
 ]
 
 
@@ -75,68 +71,6 @@ MLA_POOL = "flashinfer_mla"
 COUNTER_POOL = "flashinfer_mla_counters"
 #: trtllm-gen's multi-CTA semaphores: FlashInfer's own formula, as a rule.
 COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
-BACKENDS = ("auto", "reference", "trtllm-gen", "cute-dsl", "fa3", "fa2")
-_BLACKWELL = ((10, 0), (10, 3), (10, 7))
-
-_capabilities: dict[torch.device, tuple[int, int]] = {}
-
-
-def _arch(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda":
-        return None
-    found = _capabilities.get(device)
-    if found is None:
-        found = _capabilities[device] = torch.cuda.get_device_capability(device)
-    return found
-
-
-def _sm_count(device: torch.device) -> int:
-    # The device's fact (read once per device; wspool.device_facts.fake_device stands a CPU in for a GPU);
-    # 1 off the GPU, where the reference path runs.
-    return device_facts(device).get("sm_count", 1)
-
-
-def select_path(
-    device: torch.device, backend: str = "auto", *, num_heads: int = 128, page_size: int = 64, enable_dcp: bool = False
-) -> str:
-    """Return the concrete kernel path for ``device``, never ``"auto"``.
-
-    ``"auto"`` is ``"reference"`` on the CPU, trtllm-gen or cute-dsl on
-    Blackwell (see :func:`~wspool.flashinfer.blackwell.blackwell_backend`:
-    ``num_heads``, ``page_size`` and ``enable_dcp`` decide), ``"fa3"`` on
-    Hopper (SM90) and ``"fa2"`` on every other CUDA device.
-
-    Raises:
-        ValueError: ``backend`` is unknown, names a GPU kernel for a CPU device,
-            or a Blackwell kernel for another GPU.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown MLA decode backend {backend!r} (choose one of {', '.join(BACKENDS)})")
-    if backend == "reference":
-        return "reference"
-    arch = _arch(device)
-    if arch is None:
-        if backend == "auto":
-            return "reference"
-        raise ValueError(f"MLA decode backend {backend!r} needs a CUDA device, got {device}; use backend='reference'")
-    if arch in _BLACKWELL and backend in ("auto", *BLACKWELL_BACKENDS):
-        return blackwell_backend(backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp)
-    if backend in BLACKWELL_BACKENDS:
-        raise ValueError(
-            f"MLA decode backend {backend!r} needs Blackwell (SM100/SM103/SM107), this GPU is SM{arch[0]}{arch[1]}; "
-            f"use backend='auto'"
-        )
-    if backend == "auto":
-        return "fa3" if arch == (9, 0) else "fa2"
-    return backend
-
-
-def _check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.device) -> None:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in (torch.int32, torch.int64):
-        shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ValueError(f"{name} must be a {dim}-D int32 tensor, got {shown}")
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device}, but block_tables is on {device}")
 
 
 class MLADecodePlan:
@@ -207,8 +141,8 @@ class MLADecodePlan:
         backend: str = "auto",
         lane: str | None = None,
         use_cuda_graph: bool = False,
-        kv_lora_rank: int = 512,
-        qk_rope_head_dim: int = 64,
+        kv_lora_rank: int = mla_paths.KV_LORA_RANK,
+        qk_rope_head_dim: int = mla_paths.QK_ROPE_HEAD_DIM,
         qk_nope_head_dim: int = 128,
         facts: Mapping[str, int] | None = None,
         enable_dcp: bool = False,
@@ -217,8 +151,8 @@ class MLADecodePlan:
         causal_seqlens_kv_global: torch.Tensor | None = None,
     ) -> None:
         device = block_tables.device if isinstance(block_tables, torch.Tensor) else resolve_device(None)
-        _check_int_tensor("block_tables", block_tables, 2, device)
-        _check_int_tensor("seq_lens", seq_lens, 1, device)
+        mla_paths.check_int_tensor("block_tables", block_tables, 2, device)
+        mla_paths.check_int_tensor("seq_lens", seq_lens, 1, device)
         batch_size = seq_lens.shape[0]
         if block_tables.shape[0] != batch_size:
             raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch_size} entries")
@@ -232,7 +166,9 @@ class MLADecodePlan:
             enable_dcp, cp_world, cp_rank, causal_seqlens_kv_global, backend=backend, return_lse=return_lse,
             batch_size=batch_size, device=device,
         )  # fmt: skip
-        self.path = select_path(device, backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp)
+        self.path = mla_paths.select_path(
+            device, backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp
+        )
         self.block_tables = block_tables
         self.seq_lens = seq_lens
         self.max_seq_len = max_seq_len
@@ -250,18 +186,14 @@ class MLADecodePlan:
         self.use_cuda_graph = use_cuda_graph
         self.rule = "lse" if return_lse else "default"
         self.facts: dict[str, int] = {
-            "batch_size": batch_size,
-            "q_len": q_len,
-            "num_heads": num_heads,
-            "max_seq_len": max_seq_len,
-            "page_size": page_size,
-            "kv_lora_rank": kv_lora_rank,
-            "qk_rope_head_dim": qk_rope_head_dim,
-            "dtype_bytes": q_dtype.itemsize,
-            "sm_count": _sm_count(device),
-            **({"cp_world": cp_world} if enable_dcp else {}),
+            **mla_paths.call_facts(
+                batch_size=batch_size, q_len=q_len, num_heads=num_heads, max_seq_len=max_seq_len,
+                page_size=page_size, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                dtype_bytes=q_dtype.itemsize, sm_count=mla_paths.sm_count(device),
+                cp_world=cp_world if enable_dcp else None,
+            ),
             **(facts or {}),
-        }
+        }  # fmt: skip
         self._head_dim = kv_lora_rank + qk_rope_head_dim
         self._query_shape = (batch_size, q_len, num_heads, self._head_dim)
         self._packed_shape = (batch_size * q_len, num_heads, self._head_dim)
@@ -645,9 +577,9 @@ class MLADecodePlan:
                     torch.empty(max_pages, dtype=torch.int32, device=self.device),
                     torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
                 )
-            wrapper = _make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
+            wrapper = mla_wrappers.make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
         else:
-            wrapper = _shared_wrapper(self._pool, workspace, self.path, self.return_lse)
+            wrapper = mla_wrappers.shared_wrapper(self._pool, workspace, self.path, self.return_lse)
         track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
         return wrapper
 
@@ -659,38 +591,6 @@ class MLADecodePlan:
             exc, pool=self._pool, capacity=capacity, attempt=attempt, op="MLA decode", rule=self.rule,
             setting=self._setting, path=self.path,
         )  # fmt: skip
-
-
-def _make_wrapper(
-    workspace: torch.Tensor,
-    backend: str,
-    graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> Any:
-    wrapper_cls = kernels.load_flashinfer_mla().BatchMLAPagedAttentionWrapper
-    # The wrapper's own buffers must be normal tensors: it is shared across steps, and its plan()
-    # writes them in place whether or not the caller is under torch.inference_mode.
-    with torch.inference_mode(False):
-        wrapper = wrapper_cls(
-            **kernels.wrapper_init_kwargs(workspace=workspace, backend=backend, graph_buffers=graph_buffers)
-        )
-    wrapper._wspool_owner = None
-    return wrapper
-
-
-def _shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, lse: bool) -> Any:
-    """One eager wrapper per (pool instance, buffer, backend, LSE mode), shared by the plans of successive steps.
-
-    Each wrapper holds 16 MiB of FlashInfer's own buffers. It lives in the pool's
-    ``buffer_cache``, which the pool empties when it replaces the buffer, so no
-    cached wrapper outlives the buffer it was built on.
-    """
-    key = ("mla", backend, lse)
-    wrapper = pool.buffer_cache.get(key)
-    if wrapper is None:
-        wrapper = _make_wrapper(workspace, backend)
-        if pool.buffer is workspace:  # not replaced meanwhile by another thread
-            pool.buffer_cache[key] = wrapper
-    return wrapper
 
 
 #: Plan MLA decode for one step (the documented entry point; the class is the plan).

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from wspool.flashinfer.mla_paths import BLACKWELL_ARCHS
 from wspool.registry import PoolRegistry
 from wspool.shipped import shipped_config
 from wspool.tools.sweep import DEFAULT_SHAPES, MLAShape
@@ -44,7 +45,6 @@ __all__ = [
 
 #: The sections of ``wspool bench``, in the order they run and print.
 SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
-_BLACKWELL = ((10, 0), (10, 3), (10, 7))
 
 _SEED_DEFAULT_BYTES = 128 * 1024 * 1024
 _SEED_LSE_BYTES = 256 * 1024 * 1024
@@ -170,7 +170,7 @@ def machine_info(device: torch.device | None) -> dict[str, str]:
 
 def default_rules_file(device: torch.device) -> Path:
     """The shipped rules for ``device``: ``blackwell.yaml`` on SM100/103/107, else ``hopper.yaml`` (package data)."""
-    blackwell = torch.cuda.get_device_capability(device) in _BLACKWELL
+    blackwell = torch.cuda.get_device_capability(device) in BLACKWELL_ARCHS
     return shipped_config("blackwell" if blackwell else "hopper")
 
 
@@ -250,7 +250,7 @@ def run_benchmarks(
 def _gpu_skip_reason(gpu: torch.device | None) -> str | None:
     if gpu is None:
         return "no CUDA device"
-    if torch.cuda.get_device_capability(gpu) in _BLACKWELL:
+    if torch.cuda.get_device_capability(gpu) in BLACKWELL_ARCHS:
         return (
             "the direct baseline and the workspace probe cover FlashInfer's planned wrapper "
             "(Hopper, Ampere); this device takes the trtllm-gen path"

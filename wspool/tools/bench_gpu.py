@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, select_path
+from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_paths, select_path
 from wspool.registry import PoolRegistry
 from wspool.tools.calibrate import SEED_CONSTANTS
 from wspool.tools.direct import PAGE_SIZE, SM_SCALE, DecodeInputs, DirectMLA
@@ -252,7 +252,7 @@ def measure_mla_decode(
         inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=1)
         for return_lse in (False, True):
             shape = MLAShape(batch, num_heads, max_seq_len, return_lse=return_lse)
-            nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(_sm_count(device)))
+            nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(mla_paths.sm_count(device)))
             direct, twin = (
                 DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), path, num_heads, return_lse)
                 for _ in range(2)
@@ -397,7 +397,3 @@ def measure_memory(registry: PoolRegistry, shapes: Sequence[MLAShape], probe: ML
         rule = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(probe.sm_count))
         rows.append(MemoryRow(shape, minimum, rule, probe.verify(shape, rule)))
     return rows
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from wspool.flashinfer import kernels
+from wspool.flashinfer.mla_paths import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 from wspool.flashinfer.page_table import CSRConstants, csr_parts
-from wspool.tools.sweep import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 
 __all__ = ["PAGE_SIZE", "SM_SCALE", "DecodeInputs", "DirectMLA"]
 

@@ -28,12 +28,12 @@ import torch
 from wspool.devices import DeviceLike, resolve_device
 from wspool.flashinfer import kernels
 from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS
-from wspool.flashinfer.mla import select_path
+from wspool.flashinfer.mla_paths import KV_LORA_RANK, QK_ROPE_HEAD_DIM, select_path
 from wspool.flashinfer.refusals import parse_refusal
 from wspool.tools.calibrate import NEEDS_GPU
 from wspool.tools.direct import SM_SCALE
 from wspool.tools.search import CalibrationError, SearchResult, search_min_bytes
-from wspool.tools.sweep import KV_LORA_RANK, QK_ROPE_HEAD_DIM, MLAShape
+from wspool.tools.sweep import MLAShape
 
 __all__ = ["MLAWorkspaceProbe", "device_description"]
 

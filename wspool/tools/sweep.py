@@ -24,12 +24,9 @@ from typing import Any
 import yaml
 
 from wspool.errors import WspoolError
+from wspool.flashinfer.mla_paths import call_facts
 
 __all__ = ["DEFAULT_SHAPES", "MLAShape", "ShapeError", "load_shapes", "parse_shape", "shape_from_mapping"]
-
-#: DeepSeek/Kimi MLA dimensions, as :class:`wspool.flashinfer.MLADecodePlan` defaults them.
-KV_LORA_RANK = 512
-QK_ROPE_HEAD_DIM = 64
 
 
 class ShapeError(WspoolError, ValueError):
@@ -69,18 +66,10 @@ class MLAShape:
 
     def facts(self, sm_count: int, dtype_bytes: int = 2) -> dict[str, int]:
         """Return the facts :class:`~wspool.flashinfer.MLADecodePlan` passes for this call."""
-        return {
-            "batch_size": self.batch_size,
-            "q_len": self.q_len,
-            "num_heads": self.num_heads,
-            "max_seq_len": self.max_seq_len,
-            "page_size": self.page_size,
-            "kv_lora_rank": KV_LORA_RANK,
-            "qk_rope_head_dim": QK_ROPE_HEAD_DIM,
-            "dtype_bytes": dtype_bytes,
-            "sm_count": sm_count,
-            "cp_world": 1,
-        }
+        return call_facts(
+            batch_size=self.batch_size, q_len=self.q_len, num_heads=self.num_heads, max_seq_len=self.max_seq_len,
+            page_size=self.page_size, dtype_bytes=dtype_bytes, sm_count=sm_count, cp_world=1,
+        )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         """Return the shape as plain data."""
