@@ -31,7 +31,7 @@ import torch
 
 from wspool.errors import RuleError
 from wspool.kernel_buffers import kernel_buffer_stats
-from wspool.pool import Allocator, PoolStats, zeros_allocator
+from wspool.pool_spec import Allocator, PoolStats, zeros_allocator
 from wspool.units import format_size
 
 if TYPE_CHECKING:

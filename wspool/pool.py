@@ -37,123 +37,21 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NoReturn
 
 import torch
 
-from wspool.errors import SizeError, WorkspaceFrozenError, WorkspaceLimitError, WspoolError, describe_setting
-from wspool.rules import LiteralRule, SizeRule, compile_rule
+from wspool.errors import SizeError, WorkspaceFrozenError, WorkspaceLimitError, WspoolError
+from wspool.freeze import FreezeState, cuda_capture_probe
+from wspool.pool_spec import Allocator, PoolSpec, PoolStats, zeros_allocator
+from wspool.rules import LiteralRule, SizeRule
 from wspool.streams import StreamOrderWatch
 from wspool.units import MAX_SIZE_BYTES, format_size
 
 __all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool", "cuda_capture_probe"]
 
 logger = logging.getLogger("wspool")
-
-#: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
-Allocator = Callable[[int, torch.device], torch.Tensor]
-
-
-def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Allocate a zero-filled ``uint8`` buffer (the default allocator)."""
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """A snapshot of one pool's state; reading it has no side effects.
-
-    Attributes:
-        pool: The pool's name.
-        device: The device, as a string (``"cuda:0"``, ``"cpu"``).
-        lane: The lane (``"main"`` unless a lane was chosen).
-        capacity_bytes: Size of the current buffer (0 before the first request).
-        peak_request_bytes: Largest size any request resolved to.
-        request_count: Requests served.
-        grow_count: Times the buffer was (re)allocated, the first allocation included.
-        last_grow_reason: Why the buffer last grew, e.g. ``"rule lse: 256MiB"``.
-        refused_count: Requests refused (frozen, capturing, over the limit, out of memory).
-        retired_bytes: Bytes of old buffers kept alive for captured graphs.
-        requests_by_rule: Requests served per rule (or per reason for sized requests).
-    """
-
-    pool: str
-    device: str
-    lane: str
-    capacity_bytes: int
-    peak_request_bytes: int
-    request_count: int
-    grow_count: int
-    last_grow_reason: str | None
-    refused_count: int = 0
-    retired_bytes: int = 0
-    requests_by_rule: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-
-
-class PoolSpec:
-    """A pool's configuration, shared by its instances on every device and lane.
-
-    Args:
-        name: The pool's name.
-        rules: Rule name -> rule source (size or expression).
-        growth: ``"exact"``, ``"power_of_two"`` or a granularity size string.
-        max_bytes: Largest capacity allowed, or ``None``.
-        rule_pools: For rules that another pool brought to this one's buffer
-            (``shared_with``), the pool whose key sets them; others are this pool's.
-        facts: The pool's configured default facts (``pools.<name>.facts``).
-        rule_facts: For rules another pool brought, that pool's default facts.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        rules: Mapping[str, str | int],
-        growth: str = "exact",
-        max_bytes: int | None = None,
-        rule_pools: Mapping[str, str] | None = None,
-        facts: Mapping[str, int] | None = None,
-        rule_facts: Mapping[str, Mapping[str, int]] | None = None,
-    ) -> None:
-        from wspool.units import parse_size  # the one place sizes are parsed
-
-        self.name = name
-        self.rule_pools: dict[str, str] = {rule: (rule_pools or {}).get(rule, name) for rule in rules}
-        """Rule name -> the pool whose ``pools.<pool>.rules.<rule>`` key sets it."""
-        self.rules: dict[str, SizeRule] = {
-            rule: compile_rule(source, ("pools", self.rule_pools[rule], "rules", rule))
-            for rule, source in rules.items()
-        }
-        self.facts: dict[str, int] = dict(facts or {})
-        """The pool's own default facts."""
-        self.rule_facts: dict[str, Mapping[str, int]] = {
-            rule: (rule_facts or {}).get(rule, self.facts) for rule in rules
-        }
-        """Rule name -> the default facts of the pool that brought it (this pool's, for its own rules)."""
-        self.growth = growth
-        self.granularity = 0 if growth in ("exact", "power_of_two") else parse_size(growth)
-        self.max_bytes = max_bytes
-
-    def setting(self, *parts: str) -> str:
-        """Name a setting of this pool as ``"key / ENV_VAR"``."""
-        return describe_setting(("pools", self.name, *parts))
-
-    def rule_setting(self, rule: str) -> str:
-        """Name the key that sets ``rule`` (in the pool that brought it, for shared buffers)."""
-        return describe_setting(("pools", self.rule_pools.get(rule, self.name), "rules", rule))
-
-    def capacity_for(self, nbytes: int) -> int:
-        """Return the capacity to allocate for a request of ``nbytes``."""
-        if self.growth == "power_of_two":
-            capacity = 1 << max(nbytes - 1, 0).bit_length()
-        elif self.granularity:
-            capacity = -(-nbytes // self.granularity) * self.granularity
-        else:
-            capacity = nbytes
-        if self.max_bytes is not None and capacity > self.max_bytes >= nbytes:
-            capacity = self.max_bytes  # rounding may not push a fitting request over the cap
-        return capacity
 
 
 class _RuleSlot:
@@ -187,78 +85,6 @@ class _RuleSlot:
         return int(repr(self.counter)[6:-1])
 
 
-class _FreezeState:
-    """Shared by a registry's pools: growth is refused while ``frozen``.
-
-    Frozen while :meth:`freeze` holds it or any ``frozen()`` block is open (the
-    blocks are counted, so blocks overlapping across threads keep the freeze
-    until the last one closes). ``epoch`` counts the times it became frozen, so a
-    pool can tell at growth whether its buffer was current during a freeze (and
-    so may be in a graph).
-    """
-
-    __slots__ = ("_blocks", "_held", "_lock", "_resets", "epoch")
-
-    def __init__(self) -> None:
-        self._held = False
-        self._blocks = 0
-        self._resets = 0
-        self._lock = threading.Lock()
-        self.epoch = 0
-
-    @property
-    def frozen(self) -> bool:
-        return self._held or self._blocks > 0
-
-    @frozen.setter
-    def frozen(self, value: bool) -> None:
-        with self._lock:
-            if value and not self.frozen:
-                self.epoch += 1
-            self._held = bool(value)
-
-    def enter(self) -> int:
-        """Open a frozen block; returns the token that :meth:`leave` takes."""
-        with self._lock:
-            if not self.frozen:
-                self.epoch += 1
-            self._blocks += 1
-            return self._resets
-
-    def leave(self, token: int) -> None:
-        """Close a block opened by :meth:`enter` (a no-op after :meth:`clear`)."""
-        with self._lock:
-            if token == self._resets and self._blocks > 0:
-                self._blocks -= 1
-
-    def clear(self) -> None:
-        """Unfreeze completely; blocks open now no longer count."""
-        with self._lock:
-            self._held = False
-            self._blocks = 0
-            self._resets += 1
-
-
-def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
-    """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
-
-    The legacy default stream (raw handle 0) cannot be captured, so on it the
-    probe answers with one call that reads the current stream (about 0.15 us)
-    instead of asking CUDA for the capture status (about 0.6 us, measured on
-    the H200 test machine's host); any other stream is asked.
-    """
-    index = device.index if device.index is not None else 0
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    capturing = torch.cuda.is_current_stream_capturing
-    if raw_stream is None:  # pragma: no cover - every torch this project supports has it
-        return capturing
-
-    def probe() -> bool:
-        return raw_stream(index) != 0 and capturing()
-
-    return probe
-
-
 class WorkspacePool:
     """A workspace buffer for one (pool, device, lane); create through a registry.
 
@@ -285,7 +111,7 @@ class WorkspacePool:
         device: torch.device,
         lane: str = "main",
         *,
-        freeze: _FreezeState | None = None,
+        freeze: FreezeState | None = None,
         allocator: Allocator | None = None,
         capture_probe: Callable[[], bool] | None = None,
         debug_streams: bool = False,
@@ -294,7 +120,7 @@ class WorkspacePool:
         self.spec = spec
         self.device = device
         self.lane = lane
-        self._freeze = freeze if freeze is not None else _FreezeState()
+        self._freeze = freeze if freeze is not None else FreezeState()
         self._allocate: Allocator = allocator or zeros_allocator
         if capture_probe is None and device.type == "cuda":
             capture_probe = cuda_capture_probe(device)

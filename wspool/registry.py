@@ -35,9 +35,10 @@ from wspool.device_facts import DeviceDescription
 from wspool.device_facts import describe_device as describe_any_device
 from wspool.devices import DeviceLike, is_dynamic, resolve_device
 from wspool.errors import ConfigError, describe_setting
+from wspool.freeze import FreezeState
 from wspool.lanes import current_lane
-from wspool.pool import Allocator, PoolSpec, PoolStats, WorkspacePool, _FreezeState
-from wspool.settings.config import WspoolSettings, _check_shared_pools, load_settings, profile_settings, validate_pool
+from wspool.pool import Allocator, PoolSpec, PoolStats, WorkspacePool
+from wspool.settings.config import WspoolSettings, check_shared_pools, load_settings, profile_settings, validate_pool
 from wspool.settings.profiles import ProfileChoice, choose_profile
 
 __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
@@ -98,7 +99,7 @@ class PoolRegistry:
             allocator = mem_pool_allocator(mem_pool, allocator)
         self._allocator = allocator
         self._lock = threading.RLock()
-        self._freeze = _FreezeState()
+        self._freeze = FreezeState()
         self._specs: dict[str, PoolSpec] = {}
         self._declared: dict[str, dict[str, Any]] = {}
         self._pools: dict[_PoolKey, WorkspacePool] = {}
@@ -111,7 +112,7 @@ class PoolRegistry:
     def _build_specs(self) -> None:
         for name, pool in self.settings.pools.items():
             self._specs[name] = PoolSpec(name, pool.rules, pool.growth, pool.max_bytes, facts=pool.facts)
-        _check_shared_pools(self.settings)
+        check_shared_pools(self.settings)
         # A pool configured with shared_with draws from its host's buffer, whose spec
         # carries the rules of both (self._specs keeps each pool's own).
         self._hosts = {name: p.shared_with for name, p in self.settings.pools.items() if p.shared_with}

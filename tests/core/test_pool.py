@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from wspool.errors import RuleError, WorkspaceFrozenError, WorkspaceLimitError
-from wspool.pool import PoolSpec, WorkspacePool, _FreezeState
+from wspool.freeze import FreezeState
+from wspool.pool import PoolSpec, WorkspacePool
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -135,7 +136,7 @@ def test_out_of_memory_keeps_serving_the_old_buffer() -> None:
 
 def test_frozen_pool_refuses_growth_and_keeps_state() -> None:
     """While frozen, a request that fits is served and one that does not raises; nothing changes."""
-    freeze = _FreezeState()
+    freeze = FreezeState()
     pool = WorkspacePool(PoolSpec("p", {"default": "1MiB", "big": "3MiB"}), CPU, freeze=freeze)
     buf = pool.workspace("default", {})
     freeze.frozen = True
@@ -337,7 +338,7 @@ def test_a_request_that_is_not_a_positive_integer_is_an_error(nbytes: object) ->
 
 def test_a_freeze_while_allocating_drops_the_new_buffer() -> None:
     """Frozen while the allocator runs: the request is refused and the new buffer not installed."""
-    freeze = _FreezeState()
+    freeze = FreezeState()
 
     def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
         freeze.frozen = True  # another thread freezes meanwhile

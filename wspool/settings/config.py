@@ -64,6 +64,7 @@ __all__ = [
     "Provenance",
     "WspoolSettings",
     "check_pool_names",
+    "check_shared_pools",
     "iter_settings",
     "load_settings",
     "load_settings_with_provenance",
@@ -529,7 +530,7 @@ def _load(
     except ValidationError as exc:
         raise _config_error(exc, provenance) from None
     _check_names(settings, provenance)
-    _check_shared_pools(settings, provenance)
+    check_shared_pools(settings, provenance)
     settings._load_inputs = (path, overrides)
     return settings, provenance
 
@@ -611,7 +612,7 @@ def _check_names(settings: WspoolSettings, provenance: Provenance) -> None:
     check_pool_names(settings.pools, provenance.source_of)
 
 
-def _check_shared_pools(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
+def check_shared_pools(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
     """Refuse a ``shared_with`` that names no pool, itself, or a pool that shares yet another's buffer."""
     pools = settings.pools
     for name, pool in pools.items():
