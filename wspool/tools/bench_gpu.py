@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_paths, select_path
+from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_paths
+from wspool.flashinfer.mla_paths import select_path
 from wspool.registry import PoolRegistry
 from wspool.tools.calibrate import SEED_CONSTANTS
 from wspool.tools.direct import PAGE_SIZE, SM_SCALE, DecodeInputs, DirectMLA
