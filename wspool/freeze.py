@@ -73,9 +73,9 @@ def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
     """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
 
     The legacy default stream (raw handle 0) cannot be captured, so on it the
-    probe answers with one call that reads the current stream (about 0.15 us)
-    instead of asking CUDA for the capture status, which costs several times
-    more; any other stream is asked.
+    probe answers with one call that reads the current stream instead of
+    asking CUDA for the capture status, which costs more; any other stream is
+    asked.
     """
     index = device.index if device.index is not None else 0
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -38,6 +38,7 @@ import torch
 
 from wspool.devices import DeviceLike
 from wspool.registry import PoolRegistry, get_registry
+from wspool.settings.config import SEED_MLA_WORKSPACE_BYTES
 
 __all__ = [
     "FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE",
@@ -47,8 +48,8 @@ __all__ = [
 ]
 
 #: The seed's constants, for code that imports them; the sizes served come from the configuration.
-FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE = 128 * 1024 * 1024
-FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE = 256 * 1024 * 1024
+FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE = SEED_MLA_WORKSPACE_BYTES["default"]
+FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE = SEED_MLA_WORKSPACE_BYTES["lse"]
 
 _POOL = "flashinfer_mla"
 _DEVICE = "cuda"  # the current CUDA device at each call (tests point it at the CPU)

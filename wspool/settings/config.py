@@ -29,6 +29,7 @@ import re
 import reprlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar
 
 import yaml
@@ -60,6 +61,7 @@ __all__ = [
     "MAX_CONFIG_VALUES",
     "MAX_REPORTED_ERRORS",
     "RESERVED_FACT_NAMES",
+    "SEED_MLA_WORKSPACE_BYTES",
     "PoolConfig",
     "Provenance",
     "WspoolSettings",
@@ -88,10 +90,11 @@ MAX_REPORTED_ERRORS = 5
 #: The ``flashinfer_mla`` pool's default facts are DeepSeek's and Kimi's MLA geometry, for
 #: call sites that pass none (a caller's facts win). ``configs/default.yaml`` carries the
 #: same values (a test keeps them equal).
+SEED_MLA_WORKSPACE_BYTES: Mapping[str, int] = MappingProxyType({"default": 128 << 20, "lse": 256 << 20})
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "pools": {
         "flashinfer_mla": {
-            "rules": {"default": "128MiB", "lse": "256MiB"},
+            "rules": {rule: f"{nbytes >> 20}MiB" for rule, nbytes in SEED_MLA_WORKSPACE_BYTES.items()},
             "facts": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "q_len": 1, "cp_world": 1},
         },
         "flashinfer": {
@@ -107,7 +110,7 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
 GROWTH_POLICIES = ("exact", "power_of_two")
 
 #: The largest YAML file read; a real configuration is a few hundred bytes. The bound keeps
-#: parsing (pure-Python PyYAML, about 10 us per value) well under a second.
+#: parsing with pure-Python PyYAML well under a second.
 MAX_CONFIG_FILE_BYTES = 64 << 10
 #: The most values (mappings, lists and scalars) a file may hold once its aliases are expanded.
 MAX_CONFIG_VALUES = 10_000

@@ -30,6 +30,7 @@ import torch
 
 from wspool.flashinfer.mla_paths import BLACKWELL_ARCHS
 from wspool.registry import PoolRegistry
+from wspool.settings.config import SEED_MLA_WORKSPACE_BYTES
 from wspool.shipped import shipped_config
 from wspool.tools.sweep import DEFAULT_SHAPES, MLAShape
 
@@ -46,17 +47,16 @@ __all__ = [
 #: The sections of ``wspool bench``, in the order they run and print.
 SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
 
-_SEED_DEFAULT_BYTES = 128 * 1024 * 1024
-_SEED_LSE_BYTES = 256 * 1024 * 1024
 _LSE_EXPRESSION = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB + 32MiB"
 
 
 def _seed_function(device: torch.device) -> Callable[[bool], torch.Tensor]:
     """Rebuild the seed's ``_get_workspace_buffer`` (a module global and one size check)."""
     state: dict[str, torch.Tensor | None] = {"buffer": None}
+    default_bytes, lse_bytes = SEED_MLA_WORKSPACE_BYTES["default"], SEED_MLA_WORKSPACE_BYTES["lse"]
 
     def _get_workspace_buffer(return_lse: bool) -> torch.Tensor:
-        buffer_size = _SEED_LSE_BYTES if return_lse else _SEED_DEFAULT_BYTES
+        buffer_size = lse_bytes if return_lse else default_bytes
         buffer = state["buffer"]
         if buffer is None or buffer.numel() < buffer_size:
             buffer = state["buffer"] = torch.zeros(buffer_size, dtype=torch.uint8, device=device)

@@ -25,6 +25,7 @@ import yaml
 from wspool.errors import WspoolError
 from wspool.flashinfer.fa_layout import FA_MLA_WORKSPACE_RULE
 from wspool.rules import compile_rule
+from wspool.settings.config import SEED_MLA_WORKSPACE_BYTES
 from wspool.tools.search import CalibrationError, SearchResult
 from wspool.tools.sweep import MLAShape
 from wspool.units import format_size
@@ -40,9 +41,8 @@ __all__ = [
     "run_calibration",
 ]
 
-MiB = 1 << 20
 #: The seed's fixed sizes, shown next to the measured ones.
-SEED_CONSTANTS = {"default": 128 * MiB, "lse": 256 * MiB}
+SEED_CONSTANTS = SEED_MLA_WORKSPACE_BYTES
 NEEDS_GPU = (
     "needs a CUDA GPU to measure on (torch.cuda.is_available() is False here); run it on the GPU the "
     "rules are for, or load a shipped rules file such as configs/hopper.yaml"
