@@ -22,17 +22,13 @@ loading raises nothing but :class:`~wspool.errors.ConfigError`.
 
 from __future__ import annotations
 
-import json
 import keyword
 import os
-import re
-import reprlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
@@ -48,7 +44,17 @@ from pydantic_settings import (
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
 from wspool.rules import FUNCTIONS, LiteralRule, compile_rule
 from wspool.settings.engine_knobs import engine_knob_layers, engine_knob_settings
+from wspool.settings.forensics import MAX_REPORTED_ERRORS, config_error, env_error, quote
 from wspool.settings.profiles import AUTO, PROFILE_NAMES, load_profile
+from wspool.settings.provenance import Provenance, deep_copy
+from wspool.settings.yaml_file import (
+    CONFIG_ENV_VAR,
+    MAX_CONFIG_DEPTH,
+    MAX_CONFIG_FILE_BYTES,
+    MAX_CONFIG_VALUES,
+    config_file_from,
+    read_yaml,
+)
 from wspool.units import format_size, parse_size
 
 __all__ = [
@@ -74,14 +80,10 @@ __all__ = [
     "validate_pool",
 ]
 
-#: The environment variable that names the YAML file.
-CONFIG_ENV_VAR = "WSPOOL_CONFIG"
 #: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
 #: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
 #: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``.
 EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_VLLM", "WSPOOL_VLLM_DEVICE")
-#: Validation errors quoted in one ConfigError; the rest are counted.
-MAX_REPORTED_ERRORS = 5
 
 #: The seed's sizes: 128 MiB for plain MLA decode, 256 MiB when the LSE is returned.
 #: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
@@ -109,19 +111,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
 
 GROWTH_POLICIES = ("exact", "power_of_two")
 
-#: The largest YAML file read; a real configuration is a few hundred bytes. The bound keeps
-#: parsing with pure-Python PyYAML well under a second.
-MAX_CONFIG_FILE_BYTES = 64 << 10
-#: The most values (mappings, lists and scalars) a file may hold once its aliases are expanded.
-MAX_CONFIG_VALUES = 10_000
-#: The deepest nesting a file may have; the schema itself is four levels deep.
-MAX_CONFIG_DEPTH = 32
 
 # Values quoted back in errors are shortened, so a hostile value cannot make a huge message.
-_quote = reprlib.Repr()
-_quote.maxlevel = 3
-_quote.maxstring = 80
-_quote.maxother = 80
 
 
 def _rule_value(value: object) -> str:
@@ -188,7 +179,7 @@ def _fact_value(value: object) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"a fact must be a non-negative integer, got {type(value).__name__} {_quote.repr(value)}")
+        raise ValueError(f"a fact must be a non-negative integer, got {type(value).__name__} {quote(value)}")
     return value
 
 
@@ -203,7 +194,7 @@ PoolName = Annotated[str | None, BeforeValidator(_pool_name_value)]
 def _profile_value(value: object) -> str:
     if isinstance(value, str) and value.strip().lower() in (AUTO, *PROFILE_NAMES):
         return value.strip().lower()
-    raise ValueError(f"unknown profile {_quote.repr(value)} (choose {AUTO} or one of {', '.join(PROFILE_NAMES)})")
+    raise ValueError(f"unknown profile {quote(value)} (choose {AUTO} or one of {', '.join(PROFILE_NAMES)})")
 
 
 ProfileSetting = Annotated[str, BeforeValidator(_profile_value)]
@@ -303,162 +294,9 @@ class WspoolSettings(BaseSettings):
             sources.append(InitSettingsSource(settings_cls, init_kwargs=knobs))
         layer = getattr(settings_cls, "_profile_layer", None)
         if layer is not None:
-            sources.append(InitSettingsSource(settings_cls, init_kwargs=_deep_copy(layer[1])))
-        sources.append(InitSettingsSource(settings_cls, init_kwargs=_deep_copy(BUILTIN_DEFAULTS)))
+            sources.append(InitSettingsSource(settings_cls, init_kwargs=deep_copy(layer[1])))
+        sources.append(InitSettingsSource(settings_cls, init_kwargs=deep_copy(BUILTIN_DEFAULTS)))
         return tuple(sources)
-
-
-def _deep_copy(data: Any) -> Any:
-    if isinstance(data, Mapping):
-        return {k: _deep_copy(v) for k, v in data.items()}
-    return data
-
-
-class Provenance:
-    """Where each value of a loaded configuration came from.
-
-    Attributes:
-        config_file: The YAML file that was read, if any.
-    """
-
-    def __init__(self, layers: list[tuple[str, dict[str, Any]]], config_file: Path | None) -> None:
-        self._layers = layers
-        self.config_file = config_file
-
-    def source_of(self, path: tuple[str, ...]) -> str:
-        """Return ``"code"``, ``"environment variable WSPOOL_..."``, ``"YAML file ..."`` or ``"default"``."""
-        for label, data in self._layers:
-            node: Any = data
-            for part in path:
-                if not isinstance(node, Mapping):
-                    break
-                # YAML keys need not be strings (``1:``), while error paths are.
-                found = part if part in node else next((k for k in node if str(k) == part), None)
-                if found is None:
-                    break
-                node = node[found]
-            else:
-                if label == "env":
-                    return f"environment variable {setting_names(path)[1]}"
-                if label == "yaml":
-                    return f"YAML file {self.config_file}"
-                return label
-        return "default"
-
-
-def _config_file_from(config_file: str | os.PathLike[str] | None) -> tuple[Path | None, str]:
-    if config_file is not None:
-        return Path(config_file), "given explicitly"
-    named = os.environ.get(CONFIG_ENV_VAR)
-    if named:
-        return Path(named), f"named by {CONFIG_ENV_VAR}"
-    return None, ""
-
-
-def _read_yaml(path: Path, how: str) -> dict[str, Any]:
-    try:
-        is_file = path.is_file()
-    except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
-        why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
-        raise ConfigError(f"cannot read config file {_quote.repr(str(path))} ({how}): {why}") from None
-    if not is_file:
-        raise ConfigError(f"config file {path} ({how}) does not exist or is not a file")
-    try:
-        with path.open(encoding="utf-8") as handle:
-            text = handle.read(MAX_CONFIG_FILE_BYTES + 1)
-        if len(text) > MAX_CONFIG_FILE_BYTES:
-            raise ConfigError(
-                f"config file {path} ({how}) is larger than {format_size(MAX_CONFIG_FILE_BYTES)}; "
-                f"a wspool configuration is a few hundred bytes"
-            )
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"invalid YAML in config file {where}: {problem}") from None
-    except RecursionError:
-        raise ConfigError(f"invalid YAML in config file {path}: it nests too deeply") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path} ({how}): {exc}") from None
-    except ConfigError:
-        raise
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
-        # PyYAML's constructors raise these for tagged or date-like scalars they cannot build
-        # (!!timestamp x, !!bool maybe, 2021-13-45, !!int abc, an integer of 5,000 digits).
-        detail = _quote.repr(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        raise ConfigError(f"invalid YAML value in config file {path}: {detail}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
-    for key in data:
-        if not isinstance(key, str):
-            raise ConfigError(
-                f"config file {path}: top-level key {_quote.repr(key)} is not a string "
-                f"(the keys are {', '.join(WspoolSettings.model_fields)})"
-            )
-    _check_size_and_depth(data, path)
-    return data
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """The safe loader, refusing a key given twice in one mapping (the last one would win silently).
-
-    A scalar PyYAML cannot build (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``,
-    ``!!int abc``, an integer of 5,000 digits) becomes a YAML error at its line.
-    """
-
-    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
-        try:
-            return super().construct_object(node, deep=deep)  # type: ignore[no-untyped-call]
-        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
-            shown = _quote.repr(node.value) if isinstance(node, yaml.ScalarNode) else node.tag
-            raise yaml.constructor.ConstructorError(
-                None, None, f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(exc).__name__})",
-                node.start_mark,
-            ) from None  # fmt: skip
-
-
-def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    seen: dict[object, yaml.Node] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            first = seen.get(key)
-        except TypeError:  # an unhashable key: construct_mapping refuses it with its own message
-            continue
-        if first is not None:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {_quote.repr(key)} (first given on line {first.start_mark.line + 1})",
-                key_node.start_mark,
-            )  # fmt: skip
-        seen[key] = key_node
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_strict_mapping)
-
-
-def _check_size_and_depth(data: object, path: Path) -> None:
-    """Refuse a document too large or too deep once aliases are expanded (iteratively: no recursion)."""
-    stack: list[tuple[object, int]] = [(data, 0)]
-    count = 0
-    while stack:
-        node, depth = stack.pop()
-        count += 1
-        if count > MAX_CONFIG_VALUES:
-            raise ConfigError(
-                f"config file {path} holds more than {MAX_CONFIG_VALUES} values once its YAML aliases "
-                f"are expanded; a wspool configuration holds a few dozen"
-            )
-        if depth > MAX_CONFIG_DEPTH:
-            raise ConfigError(f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels")
-        if isinstance(node, dict):
-            stack.extend((child, depth + 1) for child in node.values())
-        elif isinstance(node, (list, tuple, set)):
-            stack.extend((child, depth + 1) for child in node)
 
 
 def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> WspoolSettings:
@@ -507,8 +345,8 @@ def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSett
 def _load(
     config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
 ) -> tuple[WspoolSettings, Provenance]:
-    path, how = _config_file_from(config_file)
-    yaml_data = _read_yaml(path, how) if path is not None else {}
+    path, how = config_file_from(config_file)
+    yaml_data = read_yaml(path, how, WspoolSettings.model_fields) if path is not None else {}
     settings_cls: type[WspoolSettings] = WspoolSettings
     profile_layer = None if profile is None else (f"profile {profile}", load_profile(profile).settings)
     if path is not None or profile_layer is not None:
@@ -521,7 +359,7 @@ def _load(
     try:
         env_data = EnvSettingsSource(settings_cls)()
     except (SettingsError, RecursionError) as exc:
-        raise _env_error(exc) from None
+        raise env_error(exc) from None
     layers = [("code", overrides), ("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
     if profile_layer is not None:
         layers.append((profile_layer[0], dict(profile_layer[1])))
@@ -529,9 +367,9 @@ def _load(
     try:
         settings = settings_cls(**overrides)
     except (SettingsError, RecursionError) as exc:
-        raise _env_error(exc) from None
+        raise env_error(exc) from None
     except ValidationError as exc:
-        raise _config_error(exc, provenance) from None
+        raise config_error(exc, provenance) from None
     _check_names(settings, provenance)
     check_shared_pools(settings, provenance)
     settings._load_inputs = (path, overrides)
@@ -571,15 +409,13 @@ def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> 
     by_folded: dict[str, str] = {}
     for name, pool in pools.items():
         if not name.strip():
-            raise ConfigError(
-                f"invalid wspool configuration: a pool name is empty ({_quote.repr(name)})", path=("pools",)
-            )
+            raise ConfigError(f"invalid wspool configuration: a pool name is empty ({quote(name)})", path=("pools",))
         for rule in pool.rules:
             if not rule.strip():
                 path = ("pools", name, "rules")
                 raise ConfigError(
                     f"invalid wspool configuration: pool {name!r} has a rule with an empty name "
-                    f"({_quote.repr(rule)}, from {where(path)})",
+                    f"({quote(rule)}, from {where(path)})",
                     path=path,
                 )
         other = by_folded.setdefault(name.lower(), name)
@@ -602,11 +438,11 @@ def validate_pool(name: str, values: Mapping[str, Any]) -> PoolConfig:
     """
     provenance = Provenance([("code (declare_pool)", {"pools": {name: dict(values)}})], None)
     if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"invalid pool name {_quote.repr(name)}: a pool name must be a non-empty string")
+        raise ConfigError(f"invalid pool name {quote(name)}: a pool name must be a non-empty string")
     try:
         pool = PoolConfig(**values)
     except ValidationError as exc:
-        raise _config_error(exc, provenance, prefix=("pools", name)) from None
+        raise config_error(exc, provenance, prefix=("pools", name)) from None
     check_pool_names({name: pool}, provenance.source_of)
     return pool
 
@@ -643,84 +479,6 @@ def check_shared_pools(settings: WspoolSettings, provenance: Provenance | None =
             f"set {describe_setting(path)} (empty: its own buffer)",
             path=path,
         )
-
-
-def _env_error(exc: Exception) -> ConfigError:
-    """Name the variable whose value could not be decoded as the JSON its key needs."""
-    match = re.search(r'field "(\w+)"', str(exc))
-    field = match.group(1) if match else ""
-    cause = exc.__cause__
-    why = "nests too deeply" if isinstance(exc, RecursionError) else "is not valid JSON"
-    if isinstance(cause, json.JSONDecodeError):
-        why = f"is not valid JSON ({cause.msg} at char {cause.pos})"
-    name = _undecodable_env_var(field, getattr(cause, "doc", None))
-    path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_DELIMITER)) if name else (field or "?",)
-    key, env = setting_names(path)
-    value = _quote.repr(os.environ.get(env, "")) if name else "its value"
-    return ConfigError(
-        f"invalid environment variable {env} = {value}: {why}, and {key} takes a mapping; "
-        f"give a JSON object, or set single values through nested variables such as {env}__<KEY>=...",
-        path=path,
-    )
-
-
-def _undecodable_env_var(field: str, doc: object) -> str | None:
-    """Find the ``WSPOOL_*`` variable whose value failed to decode (``doc``: that value, if known)."""
-    prefix = (ENV_PREFIX + field).upper()
-    for name in sorted(os.environ):
-        upper = name.upper()
-        if not upper.startswith(prefix):
-            continue
-        value = os.environ[name]
-        if doc is not None:
-            if value == doc:
-                return upper
-            continue
-        try:
-            json.loads(value)
-        except RecursionError:
-            return upper
-        except ValueError:
-            continue
-    return None
-
-
-def _config_error(exc: ValidationError, provenance: Provenance, prefix: tuple[str, ...] = ()) -> ConfigError:
-    lines = []
-    first_path: tuple[str, ...] | None = None
-    for error in exc.errors(include_url=False):
-        loc = [*prefix, *(str(p) for p in error["loc"] if not str(p).startswith("function-"))]
-        path = tuple(p for p in loc if p != "[key]")
-        if first_path is None:
-            first_path = path
-        key, env = setting_names(path)
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
-            message = "unknown key (check its spelling and nesting)"
-        if "[key]" in loc and not isinstance(error.get("input"), str):
-            message = f"a key must be a string, not {type(error.get('input')).__name__}"
-        if error["type"] == "rule_above_max_bytes":
-            lines.append(_rule_above_max_bytes(path, error.get("ctx") or {}, provenance))
-            continue
-        value = error.get("input")
-        shown = f" = {_quote.repr(value)}" if not isinstance(value, Mapping) else ""
-        lines.append(f"{key}{shown} (from {provenance.source_of(path)}): {message}; set {key} / {env}")
-    count = len(lines)
-    header = "invalid wspool configuration" + (f" ({count} errors)" if count > 1 else "")
-    reported = lines[:MAX_REPORTED_ERRORS]
-    if count > MAX_REPORTED_ERRORS:
-        reported.append(f"and {count - MAX_REPORTED_ERRORS} more")
-    return ConfigError(header + ": " + "; ".join(reported), path=first_path)
-
-
-def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provenance: Provenance) -> str:
-    rule, limit = (*pool, "rules", str(ctx.get("rule"))), (*pool, "max_bytes")
-    return (
-        f"{setting_names(rule)[0]} = {_quote.repr(ctx.get('source'))} ({ctx.get('size')}, from "
-        f"{provenance.source_of(rule)}) is above {setting_names(limit)[0]} = {ctx.get('limit')} (from "
-        f"{provenance.source_of(limit)}), so it could never be served; lower {describe_setting(rule)} "
-        f"or raise {describe_setting(limit)}"
-    )
 
 
 def iter_settings(settings: WspoolSettings) -> Iterator[tuple[tuple[str, ...], Any]]:
