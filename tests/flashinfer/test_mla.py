@@ -12,9 +12,16 @@ import wspool
 from tests.helpers.mla_doubles import TrtllmDouble, WrapperDouble, fake_flashinfer_mla
 from tests.helpers.mla_inputs import MLAInputs, make_inputs
 from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError
-from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_decode_reference, mla_paths, select_path
+from wspool.flashinfer import (
+    MLADecodePlan,
+    mla_call,
+    mla_decode,
+    mla_decode_plan,
+    mla_decode_reference,
+    mla_paths,
+    select_path,
+)
 from wspool.flashinfer import kernels as fi_kernels
-from wspool.flashinfer import mla as mla_module
 
 MiB = 1 << 20
 
@@ -424,7 +431,7 @@ def test_inference_tensor_metadata_plans_every_call(
     hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Metadata made under inference_mode has no write counter: each call replans (right results) and warns once."""
-    monkeypatch.setattr(mla_module, "_warned_unversioned", False)
+    monkeypatch.setattr(mla_call, "_warned_unversioned", False)
     with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="wspool"):
         inputs = make_inputs(2, 4, [50, 60])
         assert inputs.seq_lens.is_inference()

@@ -9,12 +9,12 @@ refusal parser and path selection stay importable here, outside ``__all__``.
 from wspool.flashinfer.mla import (
     COUNTER_POOL,
     MLA_POOL,
-    mla_decode,
     mla_decode_plan,
 )
 from wspool.flashinfer.mla import (
     MLADecodePlan as MLADecodePlan,
 )
+from wspool.flashinfer.mla_call import mla_decode
 from wspool.flashinfer.mla_paths import select_path as select_path
 from wspool.flashinfer.paged import PAGED_POOL, PagedAttentionPlan, paged_decode_plan, paged_prefill_plan
 from wspool.flashinfer.paged_reference import paged_attention_reference as paged_attention_reference

@@ -53,15 +53,14 @@ from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
 from wspool.flashinfer.recovery import grow_after_overflow
 from wspool.flashinfer.reference import mla_decode_reference
 from wspool.kernel_buffers import track_kernel_buffers
-from wspool.lanes import current_lane
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
     "COUNTER_POOL",
     "MLA_POOL",
     "MLADecodePlan",
-    "mla_decode",
     "mla_decode_plan",
+    "write_counts",
 ]
 
 
@@ -206,7 +205,7 @@ class MLADecodePlan:
         # The pool's default and device facts, merged once: every per-layer request passes complete facts.
         self.facts = {**self._pool.default_facts(self.rule), **self.facts}
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
-        self._versions = _write_counts(block_tables, seq_lens)
+        self._versions = write_counts(block_tables, seq_lens)
         #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
         self.planned_shapes = (block_tables.shape, seq_lens.shape)
         #: ``(query shape, query dtype, KV dtype, max_seq_len, sm_scale)`` of the 4-D calls
@@ -282,7 +281,7 @@ class MLADecodePlan:
             block_tables is self.block_tables
             and seq_lens is self.seq_lens
             and self._versions is not None
-            and _write_counts(block_tables, seq_lens) == self._versions
+            and write_counts(block_tables, seq_lens) == self._versions
         )
 
     def replan(self) -> None:
@@ -297,13 +296,18 @@ class MLADecodePlan:
                 f"{tuple(self.seq_lens.shape)} after planning for {tuple(self.planned_shapes[0])}/"
                 f"{tuple(self.planned_shapes[1])}; make a new plan"
             )
-        self._replan(_write_counts(self.block_tables, self.seq_lens))
+        self.replan_for(write_counts(self.block_tables, self.seq_lens))
 
     def metadata_resized(self) -> bool:
         """Whether ``block_tables`` or ``seq_lens`` were resized in place since planning."""
         return (self.block_tables.shape, self.seq_lens.shape) != self.planned_shapes
 
-    def _replan(self, versions: tuple[int, int] | None) -> None:
+    @property
+    def metadata_versions(self) -> tuple[int, int] | None:
+        """The metadata's write counts this plan was made for; ``None`` for inference tensors (they count none)."""
+        return self._versions
+
+    def replan_for(self, versions: tuple[int, int] | None) -> None:
         """:meth:`replan` for metadata whose shapes the caller checked, with its write counts read."""
         self._versions = versions
         if self._fast_shape is not None:  # the wrapper path; the others read the metadata at run time
@@ -597,141 +601,8 @@ class MLADecodePlan:
 mla_decode_plan = MLADecodePlan
 
 
-# The last plan per (registry, pool, device, lane, backend, LSE mode), reused while
-# the caller passes the same, unmodified page table and lengths (one plan per step).
-def mla_decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    *,
-    sm_scale: float,
-    return_lse: bool = False,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    registry: PoolRegistry | None = None,
-    pool: str = MLA_POOL,
-    backend: str = "auto",
-    lane: str | None = None,
-    facts: Mapping[str, int] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode for one layer, with the workspace from ``pool``.
-
-    Args:
-        query: ``[batch, q_len, heads, 576]`` (latent 512 + rope 64), or the packed
-            ``[batch * q_len, heads, 576]`` form FlashInfer's wrapper takes (no
-            reshapes on the call; results then come back packed too).
-        kv_cache: ``[pages, page_size, 576]``.
-        block_tables: ``[batch, max_pages]`` int32.
-        seq_lens: ``[batch]`` int32.
-        max_seq_len: An upper bound of ``seq_lens``.
-        sm_scale: Softmax scale.
-        return_lse: Also return the natural-log LSE ``[batch, q_len, heads]`` fp32
-            (``[batch * q_len, heads]`` for a packed query).
-        out: Optional output buffer ``[batch, q_len, heads, 512]`` (or packed).
-        lse: Optional LSE buffer, in the query's form.
-        registry: The registry; default :func:`wspool.get_registry`.
-        pool: The pool to draw from (rule ``lse`` with LSE, else ``default``).
-        backend: See :func:`mla_decode_plan`.
-        lane: The pool lane.
-        facts: Extra facts for the rules.
-
-    Returns:
-        ``out``, or ``(out, lse)`` with ``return_lse``, in the query's form.
-
-    The plan of the previous call is reused while ``block_tables`` and
-    ``seq_lens`` are the same tensors with unchanged version counters (torch
-    bumps them on every in-place write), and the shapes and options match. A
-    kernel that writes them without torch knowing must be followed by a new
-    plan: use :func:`mla_decode_plan` for explicit control. Inference tensors
-    (made under ``torch.inference_mode``) keep no version counters: with them,
-    every call plans again (correct, but slow; a warning says so once).
-    """
-    registry = registry if registry is not None else get_registry()
-    # The last plan per (pool, lane, backend, LSE mode): one plan per step.
-    plans: dict[tuple[Any, ...], MLADecodePlan] | None = registry.op_state.get("mla_decode")
-    if plans is None:
-        plans = registry.op_state.setdefault("mla_decode", {})
-    if lane is None:
-        lane = current_lane()  # the lane in effect keys the plan: a plan holds its lane's buffer
-    key = (pool, lane, backend, return_lse)
-    plan: MLADecodePlan | None = plans.get(key)
-    # Reuse: the same metadata tensors and a call signature the plan serves.
-    if (
-        plan is not None
-        and plan.block_tables is block_tables
-        and plan.seq_lens is seq_lens
-        and (facts is None or all(plan.facts.get(k) == v for k, v in facts.items()))
-    ):
-        signature = (query.shape, query.dtype, kv_cache.dtype, max_seq_len, sm_scale)
-        four_d = signature == plan.call_signature
-        if four_d or signature == plan.packed_signature:
-            # torch bumps a tensor's version on every in-place write: a new step's metadata.
-            # (Each operation here runs once per layer call: the counters are read once.)
-            versions = plan._versions  # None for inference tensors, which count no writes
-            now = None if versions is None else (block_tables._version, seq_lens._version)
-            if now is None or now != versions:
-                if plan.metadata_resized():
-                    plan = None  # resized in place: a new plan
-                else:
-                    if now is None:
-                        _warn_unversioned_metadata()
-                    plan._replan(now)  # the same tensors, edited in place (the next step): plan again
-            if plan is not None:
-                if four_d:
-                    return plan.run_matched(query, kv_cache, out, lse)
-                return plan.run(query, kv_cache, out=out, lse=lse)
-    plan = plans[key] = MLADecodePlan(
-        block_tables, seq_lens, max_seq_len, num_heads=_query_heads(query), sm_scale=sm_scale,
-        page_size=kv_cache.shape[1], q_len=_query_len(query, seq_lens), q_dtype=query.dtype, kv_dtype=kv_cache.dtype,
-        return_lse=return_lse, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
-    )  # fmt: skip
-    return plan.run(query, kv_cache, out=out, lse=lse)
-
-
-def _write_counts(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int] | None:
+def write_counts(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int] | None:
     """torch's in-place write counters of the metadata; ``None`` for inference tensors, which keep none."""
     if block_tables.is_inference() or seq_lens.is_inference():
         return None
     return block_tables._version, seq_lens._version
-
-
-_warned_unversioned = False
-
-
-def _warn_unversioned_metadata() -> None:
-    """Say once per process why mla_decode plans on every call with inference-tensor metadata."""
-    global _warned_unversioned
-    if not _warned_unversioned:
-        _warned_unversioned = True
-        logger.warning(
-            "wspool: mla_decode got block_tables/seq_lens made under torch.inference_mode; torch counts no "
-            "in-place writes to such tensors, so every call plans again (about a millisecond of host time "
-            "each). Plan once per step with mla_decode_plan(...) and call plan.run() per layer, or allocate "
-            "the metadata outside inference mode"
-        )
-
-
-def _query_heads(query: torch.Tensor) -> int:
-    """The heads of a 4-D or packed query."""
-    if not isinstance(query, torch.Tensor) or query.dim() not in (3, 4):
-        shown = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-        raise ValueError(f"query must be [batch, q_len, heads, dim] or packed [batch * q_len, heads, dim], got {shown}")
-    return int(query.shape[-2])
-
-
-def _query_len(query: torch.Tensor, seq_lens: torch.Tensor) -> int:
-    """Query tokens per request: the 4-D query's second dimension, or packed tokens over the batch."""
-    if query.dim() == 4:
-        return int(query.shape[1])
-    tokens = int(query.shape[0])
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
-        return 1  # the plan rejects seq_lens with its own message
-    batch = seq_lens.shape[0]
-    if batch == 0 or tokens % batch or tokens == 0:
-        raise ValueError(
-            f"packed query has {tokens} tokens for a batch of {batch} (seq_lens): "
-            f"it must hold the same number of query tokens, at least one, for every request"
-        )
-    return tokens // batch

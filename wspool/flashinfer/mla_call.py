@@ -1,0 +1,170 @@
+"""``mla_decode``: MLA decode for one layer, reusing the previous call's plan while the metadata is unchanged.
+
+The plans live in an :class:`MLAPlanCache` in the registry's ``op_state`` (so
+:meth:`~wspool.PoolRegistry.reset` forgets them with the buffers), one per
+(pool, lane, backend, LSE mode). Device semantics: the metadata's device.
+Thread semantics: one caller per (pool, lane) at a time, as for the lane's
+buffer. Capture semantics: those of :meth:`MLADecodePlan.run`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from wspool.flashinfer.mla import MLA_POOL, MLADecodePlan
+from wspool.lanes import current_lane
+from wspool.registry import PoolRegistry, get_registry
+
+__all__ = ["MLAPlanCache", "mla_decode"]
+
+logger = logging.getLogger("wspool")
+
+#: The registry's ``op_state`` key of the plan cache.
+PLAN_CACHE_KEY = "mla_decode"
+
+
+class MLAPlanCache(dict[tuple[Any, ...], MLADecodePlan]):
+    """The last plan per (pool, lane, backend, LSE mode) of one registry: one plan per step."""
+
+    @classmethod
+    def of(cls, registry: PoolRegistry) -> MLAPlanCache:
+        """Return ``registry``'s cache, creating it on first use (thread-safe: ``setdefault``)."""
+        found: MLAPlanCache | None = registry.op_state.get(PLAN_CACHE_KEY)
+        if found is None:
+            found = registry.op_state.setdefault(PLAN_CACHE_KEY, cls())
+        return found
+
+
+# The last plan per (registry, pool, device, lane, backend, LSE mode), reused while
+# the caller passes the same, unmodified page table and lengths (one plan per step).
+def mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    *,
+    sm_scale: float,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    registry: PoolRegistry | None = None,
+    pool: str = MLA_POOL,
+    backend: str = "auto",
+    lane: str | None = None,
+    facts: Mapping[str, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode for one layer, with the workspace from ``pool``.
+
+    Args:
+        query: ``[batch, q_len, heads, 576]`` (latent 512 + rope 64), or the packed
+            ``[batch * q_len, heads, 576]`` form FlashInfer's wrapper takes (no
+            reshapes on the call; results then come back packed too).
+        kv_cache: ``[pages, page_size, 576]``.
+        block_tables: ``[batch, max_pages]`` int32.
+        seq_lens: ``[batch]`` int32.
+        max_seq_len: An upper bound of ``seq_lens``.
+        sm_scale: Softmax scale.
+        return_lse: Also return the natural-log LSE ``[batch, q_len, heads]`` fp32
+            (``[batch * q_len, heads]`` for a packed query).
+        out: Optional output buffer ``[batch, q_len, heads, 512]`` (or packed).
+        lse: Optional LSE buffer, in the query's form.
+        registry: The registry; default :func:`wspool.get_registry`.
+        pool: The pool to draw from (rule ``lse`` with LSE, else ``default``).
+        backend: See :func:`mla_decode_plan`.
+        lane: The pool lane.
+        facts: Extra facts for the rules.
+
+    Returns:
+        ``out``, or ``(out, lse)`` with ``return_lse``, in the query's form.
+
+    The plan of the previous call is reused while ``block_tables`` and
+    ``seq_lens`` are the same tensors with unchanged version counters (torch
+    bumps them on every in-place write), and the shapes and options match. A
+    kernel that writes them without torch knowing must be followed by a new
+    plan: use :func:`mla_decode_plan` for explicit control. Inference tensors
+    (made under ``torch.inference_mode``) keep no version counters: with them,
+    every call plans again (correct, but slow; a warning says so once).
+    """
+    registry = registry if registry is not None else get_registry()
+    # The last plan per (pool, lane, backend, LSE mode): one plan per step.
+    plans = MLAPlanCache.of(registry)
+    if lane is None:
+        lane = current_lane()  # the lane in effect keys the plan: a plan holds its lane's buffer
+    key = (pool, lane, backend, return_lse)
+    plan: MLADecodePlan | None = plans.get(key)
+    # Reuse: the same metadata tensors and a call signature the plan serves.
+    if (
+        plan is not None
+        and plan.block_tables is block_tables
+        and plan.seq_lens is seq_lens
+        and (facts is None or all(plan.facts.get(k) == v for k, v in facts.items()))
+    ):
+        signature = (query.shape, query.dtype, kv_cache.dtype, max_seq_len, sm_scale)
+        four_d = signature == plan.call_signature
+        if four_d or signature == plan.packed_signature:
+            # torch bumps a tensor's version on every in-place write: a new step's metadata.
+            # (Each operation here runs once per layer call: the counters are read once.)
+            versions = plan.metadata_versions  # None for inference tensors, which count no writes
+            now = None if versions is None else (block_tables._version, seq_lens._version)
+            if now is None or now != versions:
+                if plan.metadata_resized():
+                    plan = None  # resized in place: a new plan
+                else:
+                    if now is None:
+                        _warn_unversioned_metadata()
+                    plan.replan_for(now)  # the same tensors, edited in place (the next step): plan again
+            if plan is not None:
+                if four_d:
+                    return plan.run_matched(query, kv_cache, out, lse)
+                return plan.run(query, kv_cache, out=out, lse=lse)
+    plan = plans[key] = MLADecodePlan(
+        block_tables, seq_lens, max_seq_len, num_heads=_query_heads(query), sm_scale=sm_scale,
+        page_size=kv_cache.shape[1], q_len=_query_len(query, seq_lens), q_dtype=query.dtype, kv_dtype=kv_cache.dtype,
+        return_lse=return_lse, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
+    )  # fmt: skip
+    return plan.run(query, kv_cache, out=out, lse=lse)
+
+
+_warned_unversioned = False
+
+
+def _warn_unversioned_metadata() -> None:
+    """Say once per process why mla_decode plans on every call with inference-tensor metadata."""
+    global _warned_unversioned
+    if not _warned_unversioned:
+        _warned_unversioned = True
+        logger.warning(
+            "wspool: mla_decode got block_tables/seq_lens made under torch.inference_mode; torch counts no "
+            "in-place writes to such tensors, so every call plans again (about a millisecond of host time "
+            "each). Plan once per step with mla_decode_plan(...) and call plan.run() per layer, or allocate "
+            "the metadata outside inference mode"
+        )
+
+
+def _query_heads(query: torch.Tensor) -> int:
+    """The heads of a 4-D or packed query."""
+    if not isinstance(query, torch.Tensor) or query.dim() not in (3, 4):
+        shown = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query must be [batch, q_len, heads, dim] or packed [batch * q_len, heads, dim], got {shown}")
+    return int(query.shape[-2])
+
+
+def _query_len(query: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """Query tokens per request: the 4-D query's second dimension, or packed tokens over the batch."""
+    if query.dim() == 4:
+        return int(query.shape[1])
+    tokens = int(query.shape[0])
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
+        return 1  # the plan rejects seq_lens with its own message
+    batch = seq_lens.shape[0]
+    if batch == 0 or tokens % batch or tokens == 0:
+        raise ValueError(
+            f"packed query has {tokens} tokens for a batch of {batch} (seq_lens): "
+            f"it must hold the same number of query tokens, at least one, for every request"
+        )
+    return tokens // batch
