@@ -12,6 +12,7 @@ import importlib.util
 import logging
 from collections.abc import Iterator
 from importlib.metadata import entry_points
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -373,13 +374,22 @@ def test_dcp_config_gives_the_dcp_rules_size(loaded: None, monkeypatch: pytest.M
     assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == rule
 
 
-def test_dcp_rule_without_its_facts_is_a_clear_error(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dcp_rule_without_its_facts_is_a_clear_error(
+    loaded: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Called outside a vLLM config and call site, the DCP rule names the facts it lacks."""
-    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    # configs/kimi_dcp.yaml's DCP rule without the default facts that file ships
+    # (cp_world and q_len still come from the flashinfer_mla pool's built-in defaults).
+    config = tmp_path / "dcp_no_facts.yaml"
+    config.write_text(
+        "pools:\n  flashinfer_mla:\n    rules:\n"
+        "      lse: 8 * num_heads * cp_world * batch_size * round_up(q_len, 256) + 1MiB + 32MiB\n"
+    )
+    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
     wspool.reset_registry()
     with pytest.raises(
         RuleError,
-        match=r"needs fact\(s\) batch_size, cp_world, num_heads, q_len .*plugin passes the facts it knows: none",
+        match=r"needs fact\(s\) batch_size, num_heads .*plugin passes the facts it knows: none",
     ):
         _module(MLA)._get_workspace_buffer(True)
 
