@@ -151,7 +151,7 @@ class MLADecodePlan(MLAPlanArgs):
             qk_nope_head_dim=qk_nope_head_dim, facts=facts, enable_dcp=enable_dcp, cp_world=cp_world,
             cp_rank=cp_rank, causal_seqlens_kv_global=causal_seqlens_kv_global,
         )  # fmt: skip
-        device, batch_size = self.device, self.batch_size
+        batch_size = self.batch_size
         self._head_dim = kv_lora_rank + qk_rope_head_dim
         self._query_shape = (batch_size, q_len, num_heads, self._head_dim)
         self._packed_shape = (batch_size * q_len, num_heads, self._head_dim)
@@ -159,11 +159,7 @@ class MLADecodePlan(MLAPlanArgs):
         self._fast_shape = self._packed_shape if self.path in ("fa3", "fa2") else None
         self._planned_workspace: torch.Tensor | None = None
         self._plan_kwargs: dict[str, Any] | None = None  # built once; only the metadata changes per plan
-        self._registry = registry if registry is not None else get_registry()
-        self._pool = self._registry.pool(pool, device, lane=lane)
-        # The pool's default and device facts, merged once: every per-layer request passes complete facts.
-        self.facts = {**self._pool.default_facts(self.rule), **self.facts}
-        self._setting = describe_setting(("pools", pool, "rules", self.rule))
+        self._attach_pool(registry if registry is not None else get_registry(), pool, lane)
         #: ``(query shape, query dtype, KV dtype, max_seq_len, sm_scale)`` of the 4-D calls
         #: this plan serves; ``mla_decode`` compares it in one step.
         self.call_signature = (torch.Size(self._query_shape), q_dtype, self.kv_dtype, max_seq_len, self.sm_scale)
@@ -178,20 +174,37 @@ class MLADecodePlan(MLAPlanArgs):
         self._csr_constants: StepConstants | None = None
         self._csr_factory: Any = None  # FlashInfer's MLAPlanMetadata.csr, on the wrapper path
         self.plan_calls = 0
+        self._size_workspace(pool, enable_dcp)
+        self._prepare_path(lane)
+
+    def _attach_pool(self, registry: PoolRegistry, pool: str, lane: str | None) -> None:
+        """Take the plan's pool and complete its facts with the pool's default and device facts."""
+        self._registry = registry
+        self._pool = registry.pool(pool, self.device, lane=lane)
+        # Merged once: every per-layer request passes complete facts.
+        self.facts = {**self._pool.default_facts(self.rule), **self.facts}
+        self._setting = describe_setting(("pools", pool, "rules", self.rule))
+
+    def _size_workspace(self, pool: str, enable_dcp: bool) -> None:
+        """Size the workspace for the rule and the path's need, and grow the pool to it now."""
         self.need_bytes = path_need_bytes(
-            self.path, sm_count=self.facts["sm_count"], batch_size=batch_size, q_len=q_len, num_heads=num_heads,
-            kv_lora_rank=kv_lora_rank, max_seq_len=max_seq_len, return_lse=return_lse, enable_dcp=enable_dcp,
+            self.path, sm_count=self.facts["sm_count"], batch_size=self.batch_size, q_len=self.q_len,
+            num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, max_seq_len=self.max_seq_len,
+            return_lse=self.return_lse, enable_dcp=enable_dcp,
         )  # fmt: skip
         #: What this plan requests: the rule, or the path's need where the rule is below it.
         self._nbytes = size_workspace(
             self._registry, self._pool, pool_name=pool, rule=self.rule, facts=self.facts, path=self.path,
             need_bytes=self.need_bytes, setting=self._setting,
         )  # fmt: skip
+
+    def _prepare_path(self, lane: str | None) -> None:
+        """Check the Blackwell kernel's keywords and take its counters, or plan the wrapper."""
         if self.path in BLACKWELL_BACKENDS:
             check_kernel_keywords(kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla,
                                   kernels.TRTLLM_DECODE_KEYWORDS)  # fmt: skip
         if self.path == "trtllm-gen":
-            self._counters = counter_pool(self._registry, device, lane, self.facts)
+            self._counters = counter_pool(self._registry, self.device, lane, self.facts)
         elif self.path != "reference":
             self._csr_factory = kernels.load_flashinfer_mla().MLAPlanMetadata.csr
             self._plan_wrapper()
