@@ -12,166 +12,16 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
 
-from wspool.errors import WspoolError, describe_setting, printable
+from wspool.cli_args import Parser, UsageError, add_config_option, device_arg, fact_arg, shape_arg, write_text
+from wspool.cli_show import cmd_resolve, cmd_show, cmd_stats
+from wspool.errors import WspoolError, printable
 from wspool.registry import PoolRegistry
-from wspool.settings.config import (
-    Provenance,
-    WspoolSettings,
-    iter_settings,
-    load_settings_with_provenance,
-    profile_settings,
-)
 from wspool.units import format_size
 
 __all__ = ["main"]
 
 _Handler = Callable[[argparse.Namespace], int]
-
-
-class UsageError(Exception):
-    """Bad command-line input: exit 2 with the message."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-#: Names a fact cannot take: they are parameters of PoolRegistry.workspace/resolve/reserve.
-RESERVED_FACTS = frozenset({"self", "pool", "rule", "lane", "device", "nbytes"})
-
-
-def _fact(text: str) -> tuple[str, int]:
-    name, sep, value = text.partition("=")
-    if not sep or not name.isidentifier() or not name.isascii():
-        raise argparse.ArgumentTypeError(f"expected NAME=INTEGER, got {text!r}")
-    if name in RESERVED_FACTS:
-        raise argparse.ArgumentTypeError(
-            f"a fact cannot be named {name!r}: {', '.join(sorted(RESERVED_FACTS))} are parameters of "
-            f"PoolRegistry.workspace(), so no call can pass such a fact"
-        )
-    try:
-        if not value.isascii():
-            raise ValueError
-        return name, int(value, 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"fact {name!r} must be an integer, got {value!r}") from None
-
-
-def _device(text: str, *, allow_meta: bool = False) -> str:
-    """Check that ``--device`` names a device this machine has (cpu, an available CUDA device, meta for bench)."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError, ValueError):
-        raise UsageError(f"--device {text!r} is not a device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise UsageError(f"--device {text!r}: no CUDA device is available on this machine")
-        if device.index is not None and device.index >= count:
-            raise UsageError(f"--device {text!r}: this machine has {count} CUDA device(s)")
-    elif device.type != "cpu" and not (allow_meta and device.type == "meta"):
-        allowed = "cpu, meta or a CUDA device" if allow_meta else "cpu or a CUDA device"
-        raise UsageError(f"--device {text!r}: this command runs on {allowed}")
-    return text
-
-
-def _add_config_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML configuration file (default: $WSPOOL_CONFIG)")
-
-
-def _show_devices() -> list[str]:
-    """The devices ``show`` reports: every CUDA device, else the CPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
-    return ["cpu"]
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    given, provenance = load_settings_with_provenance(args.config)
-    registry = PoolRegistry(given)
-    devices: list[dict[str, Any]] = []
-    for device in _show_devices():
-        choice = registry.profile_of(device)
-        facts = dict(registry.device_facts(device))
-        devices.append({"device": device, "profile": choice.profile, "reason": choice.reason, "facts": facts})
-    # Each profile's settings once, in the order the devices name them.
-    profiles: dict[str, tuple[WspoolSettings, Provenance]] = {}
-    for entry in devices:
-        if entry["profile"] not in profiles:
-            profiles[entry["profile"]] = profile_settings(given, entry["profile"])
-    if args.json:
-        tables = {
-            name: [
-                {"key": ".".join(path), "value": value, "source": prov.source_of(path)}
-                for path, value in iter_settings(settings)
-            ]
-            for name, (settings, prov) in profiles.items()
-        }
-        data = {
-            "config_file": str(provenance.config_file or ""),
-            "profile": {"value": given.profile, "source": provenance.source_of(("profile",))},
-            "devices": devices,
-            "settings": tables[devices[0]["profile"]],
-            "profiles": tables,
-        }
-        print(json.dumps(data, indent=2))
-        return 0
-    print(f"config file: {printable(str(provenance.config_file or '(none: built-in defaults and environment)'))}")
-    print(f"profile: {printable(given.profile)} (from {printable(provenance.source_of(('profile',)))})")
-    for entry in devices:
-        shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
-        reason = printable(entry["reason"])
-        print(f"device {entry['device']}: profile {entry['profile']} ({reason}); device facts: {shown}")
-    from wspool.settings.profiles import load_profile
-
-    for name in profiles:
-        print(f"profile {name}: {load_profile(name).description}")
-    for name, (settings, prov) in profiles.items():
-        if len(profiles) > 1:
-            print(f"settings under profile {name}:")
-        table = [
-            (printable(".".join(path)), _show_value(path, value), printable(prov.source_of(path)))
-            for path, value in iter_settings(settings)
-        ]
-        width = max(len(key) for key, _, _ in table)
-        vwidth = max(len(value) for _, value, _ in table)
-        for key, value, source in table:
-            print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
-    return 0
-
-
-def _show_value(path: tuple[str, ...], value: object) -> str:
-    if path and path[-1] == "max_bytes" and isinstance(value, int):
-        return f"{value} ({format_size(value)})"
-    return printable(str(value))
-
-
-def _cmd_resolve(args: argparse.Namespace) -> int:
-    from wspool.devices import resolve_device
-
-    registry = PoolRegistry.from_config(args.config)
-    facts = dict(args.fact or [])
-    device = resolve_device(args.device)
-    nbytes = registry.resolve(args.pool, args.rule, device=device, **facts)
-    if args.bytes:
-        print(nbytes)
-    else:
-        rule = registry.spec(args.pool, device).rules[args.rule]
-        profile = registry.profile_of(device).profile
-        print(
-            f"{args.pool}.{args.rule} = {nbytes} bytes ({format_size(nbytes)})  [rule {rule.source!r}, profile "
-            f"{profile}; set {describe_setting(('pools', args.pool, 'rules', args.rule))}]"
-        )
-    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -182,7 +32,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if (args.runs is not None and args.runs < 1) or args.repeats < 1:
         raise UsageError(f"--runs and --repeats must be at least 1, got {args.runs} and {args.repeats}")
     if args.device is not None:
-        _device(args.device, allow_meta=True)
+        device_arg(args.device, allow_meta=True)
     if args.plot_from:
         if not args.plot:
             raise UsageError("--plot-from needs --plot FILE.png")
@@ -219,23 +69,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shape_arg(text: str) -> object:
-    from wspool.tools.sweep import ShapeError, parse_shape
-
-    try:
-        return parse_shape(text)
-    except ShapeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        with open(path, "w") as file:
-            file.write(text)
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from wspool.tools.calibrate import run_calibration
     from wspool.tools.mla_probe import MLAWorkspaceProbe
@@ -252,11 +85,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             f"({format_size(rule.peak_bytes)}); at most {rule.worst_ratio:.3f}x the minimum over {rule.shapes} shapes)"
         )
     if args.table:
-        _write(args.table, report.table() + "\n")
+        write_text(args.table, report.table() + "\n")
     if args.json:
-        _write(args.json, json.dumps(report.as_dict(), indent=2) + "\n")
+        write_text(args.json, json.dumps(report.as_dict(), indent=2) + "\n")
     if args.out:
-        _write(args.out, report.rules_yaml())
+        write_text(args.out, report.rules_yaml())
         print(f"wrote {args.out}")
     else:
         print()
@@ -272,62 +105,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from wspool.tools.demo import run_demo
 
     if args.device is not None:
-        _device(args.device)
+        device_arg(args.device)
     registry = PoolRegistry.from_config(args.config)
     return 0 if run_demo(registry, args.device) else 1
 
 
-def _cmd_stats(args: argparse.Namespace) -> int:
-    from wspool.accounting import dry_run, memory_summary
-    from wspool.device_facts import describe_device
-    from wspool.devices import resolve_device
-    from wspool.settings.config import load_settings
-
-    # The meta device stands in for the current one: its profile and device facts size the rules.
-    current = resolve_device(None)
-    registry = PoolRegistry(
-        load_settings(args.config), describe_device=lambda d: describe_device(current if d.type == "meta" else d)
-    )
-    data = dry_run(registry, dict(args.fact or []), device="meta")
-    if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    choice = registry.profile_of("meta")
-    print(f"every rule requested once with these facts, on the meta device (nothing is allocated), as {current} "
-          f"(profile {choice.profile}: {choice.reason}):")  # fmt: skip
-    print(memory_summary(registry))
-    print(
-        f"held: {format_size(data['held_bytes'])}; with a buffer per pool (no shared_with): "
-        f"{format_size(data['separate_bytes'])}"
-    )
-    for key, why in data["skipped"].items():
-        print(f"skipped {key} (give its facts with --fact NAME=VALUE): {why}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``wspool`` argument parser."""
-    parser = _Parser(prog="wspool", description="Configurable GPU workspace pools.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser = Parser(prog="wspool", description="Configurable GPU workspace pools.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     demo = commands.add_parser("demo", help="run MLA decode through the pool and check the results")
     demo.add_argument("--device", default=None, help="device (default: CUDA when available, else cpu)")
-    _add_config_option(demo)
+    add_config_option(demo)
     demo.set_defaults(handler=_cmd_demo)
 
     show = commands.add_parser("show", help="print the effective configuration and where each value came from")
-    _add_config_option(show)
+    add_config_option(show)
     show.add_argument("--json", action="store_true", help="machine-readable output")
-    show.set_defaults(handler=_cmd_show)
+    show.set_defaults(handler=cmd_show)
 
     resolve = commands.add_parser("resolve", help="print the size a call would get")
     resolve.add_argument("pool")
     resolve.add_argument("rule", nargs="?", default="default")
-    resolve.add_argument("--fact", action="append", type=_fact, metavar="NAME=VALUE", help="a fact of the call")
+    resolve.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the call")
     resolve.add_argument("--bytes", action="store_true", help="print only the integer")
     resolve.add_argument("--device", default=None, help="the device whose profile and facts apply (default: current)")
-    _add_config_option(resolve)
-    resolve.set_defaults(handler=_cmd_resolve)
+    add_config_option(resolve)
+    resolve.set_defaults(handler=cmd_resolve)
 
     bench = commands.add_parser("bench", help="measure the per-call path, MLA decode and memory (GPU parts on a GPU)")
     bench.add_argument("--device", default=None, help="device of the hot-path pools (default: the GPU, else cpu)")
@@ -349,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser("calibrate", help="measure MLA decode's workspace on this GPU; write the rules")
     calibrate.add_argument("--shapes", metavar="FILE", help="YAML file: shapes: [{batch_size: 1, num_heads: 128, ...}]")
     calibrate.add_argument(
-        "--shape", action="append", type=_shape_arg, metavar="SPEC",
+        "--shape", action="append", type=shape_arg, metavar="SPEC",
         help="a shape, e.g. batch_size=1,num_heads=128,max_seq_len=4096,lse (repeatable)",
     )  # fmt: skip
     calibrate.add_argument("--out", metavar="FILE", help="write the rules YAML here (default: print it)")
@@ -367,10 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and print what each buffer would hold and which backends share it. A running process reports its own "
         "pools with PoolRegistry.memory_summary() / memory_stats()."
     )
-    stats.add_argument("--fact", action="append", type=_fact, metavar="NAME=VALUE", help="a fact of the calls")
+    stats.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the calls")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
-    _add_config_option(stats)
-    stats.set_defaults(handler=_cmd_stats)
+    add_config_option(stats)
+    stats.set_defaults(handler=cmd_stats)
     return parser
 
 

@@ -32,8 +32,6 @@ give each stream its own lane; :mod:`wspool.streams` can watch for it.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import threading
 from collections.abc import Callable, Hashable, Mapping
@@ -42,47 +40,17 @@ from typing import Any, NoReturn
 
 import torch
 
-from wspool.errors import SizeError, WorkspaceFrozenError, WorkspaceLimitError, WspoolError
+from wspool.errors import SizeError, WspoolError
 from wspool.freeze import FreezeState, cuda_capture_probe
+from wspool.growth_errors import Refusal, allocation_failure, growth_refusal, unknown_rule
 from wspool.pool_spec import Allocator, PoolSpec, PoolStats, zeros_allocator
-from wspool.rules import LiteralRule, SizeRule
+from wspool.rule_slots import RuleSlot, rule_slots
 from wspool.streams import StreamOrderWatch
-from wspool.units import MAX_SIZE_BYTES, format_size
+from wspool.units import format_size
 
 __all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool", "cuda_capture_probe"]
 
 logger = logging.getLogger("wspool")
-
-
-class _RuleSlot:
-    """Per rule (or request reason): its compiled rule and an atomic request counter."""
-
-    __slots__ = ("counter", "default_nbytes", "defaults", "label", "nbytes", "rule", "setting")
-
-    def __init__(
-        self, rule: SizeRule | None, label: str, setting: str, defaults: Mapping[str, int] | None = None
-    ) -> None:
-        self.rule = rule
-        # A literal rule's size, read without a method call on the hot path.
-        self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None
-        # Configured default facts over the device's: what a call's missing facts are read from.
-        self.defaults: Mapping[str, int] = defaults if defaults is not None else {}
-        # The size of a call that gives no facts, resolved once (None: the defaults lack a fact,
-        # and such a call raises the error that names it).
-        self.default_nbytes: int | None = None
-        if rule is not None and self.nbytes is None and set(rule.names) <= set(self.defaults):
-            # A default fact the rule cannot use: each call raises the rule's own error.
-            with contextlib.suppress(ValueError):
-                self.default_nbytes = rule.resolve(self.defaults)
-        self.label = label  # says why the pool grew, e.g. "rule lse"
-        self.setting = setting  # the key that sizes these requests, for error messages
-        # next() on itertools.count is atomic under the GIL: exact counts without a lock.
-        self.counter = itertools.count()
-
-    @property
-    def count(self) -> int:
-        # count's repr is "count(N)": the only way to read it without advancing it.
-        return int(repr(self.counter)[6:-1])
 
 
 class WorkspacePool:
@@ -144,16 +112,7 @@ class WorkspacePool:
         self._captured = False
         self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
         self._retired: list[torch.Tensor] = []
-        # Merged once per (pool, device): the rules of one pool share one mapping.
-        # Plain dicts: merging one into a call's partial facts is a C-level copy.
-        merged: dict[int, dict[str, int]] = {}
-        for own in spec.rule_facts.values():
-            if id(own) not in merged:
-                merged[id(own)] = {**(device_facts or {}), **own}
-        self._slots: dict[str, _RuleSlot] = {
-            name: _RuleSlot(rule, f"rule {name}", spec.rule_setting(name), merged[id(spec.rule_facts[name])])
-            for name, rule in spec.rules.items()
-        }
+        self._slots: dict[str, RuleSlot] = rule_slots(spec, device_facts)
         self.generation = 0
         """Increments each time the buffer is replaced; caches keyed on it go stale."""
         self.buffer_cache: dict[Hashable, Any] = {}
@@ -250,7 +209,7 @@ class WorkspacePool:
         slot = self._slots.get(reason)
         if slot is None:
             with self._lock:
-                slot = self._slots.setdefault(reason, _RuleSlot(None, reason, self.spec.setting("rules", "<rule>")))
+                slot = self._slots.setdefault(reason, RuleSlot(None, reason, self.spec.setting("rules", "<rule>")))
         if self._capture_probe is not None:
             if self._capture_probe():
                 self._captured = True
@@ -276,7 +235,7 @@ class WorkspacePool:
             if nbytes > self._peak:
                 self._peak = nbytes
 
-    def _serve_growing(self, slot: _RuleSlot, nbytes: int) -> torch.Tensor:
+    def _serve_growing(self, slot: RuleSlot, nbytes: int) -> torch.Tensor:
         buffer = self._grow(nbytes, slot.label, slot.setting)
         next(slot.counter)
         if nbytes > self._peak:
@@ -336,40 +295,15 @@ class WorkspacePool:
                     self._grower = None
                     self._grown.notify_all()
 
-    def _refusal_locked(
-        self, nbytes: int, reason: str, setting: str, capturing: bool
-    ) -> tuple[Exception, str, tuple[object, ...]] | None:
+    def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> Refusal | None:
         """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
-        spec = self.spec
-        old = self._state[1]
-        limit = spec.max_bytes
-        if (limit is not None and nbytes > limit) or nbytes > MAX_SIZE_BYTES:
+        refusal = growth_refusal(
+            self.spec, self.device, self.lane, nbytes=nbytes, old=self._state[1], reason=reason, setting=setting,
+            frozen=self._freeze.frozen, capturing=capturing,
+        )  # fmt: skip
+        if refusal is not None:
             self._refused += 1
-            shown = limit if limit is not None and nbytes > limit else MAX_SIZE_BYTES
-            what = "max_bytes" if shown == limit else "wspool's size limit"
-            hint = f"raise {spec.setting('max_bytes')}" if shown == limit else f"lower {setting}"
-            return (
-                WorkspaceLimitError(
-                    f"pool {spec.name!r} on {self.device} (lane {self.lane}) needs {nbytes} bytes "
-                    f"({format_size(nbytes)}) for {reason}, above {what} = {shown} bytes "
-                    f"({format_size(shown)}); {hint}"
-                ),
-                "wspool: refused %s on %s lane %s: %s (%s) needs %d bytes, above %s %d",
-                (spec.name, self.device, self.lane, reason, format_size(nbytes), nbytes, what, shown),
-            )
-        if self._freeze.frozen or capturing:
-            self._refused += 1
-            why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
-            return (
-                WorkspaceFrozenError(
-                    f"pool {spec.name!r} on {self.device} (lane {self.lane}) would have to grow {why}: "
-                    f"{reason} needs {nbytes} bytes ({format_size(nbytes)}), {old} bytes available. "
-                    f"Reserve or warm up that size before capturing/freezing, or raise {setting}"
-                ),
-                "wspool: refused growth of %s on %s lane %s %s: %s needs %d bytes, %d available",
-                (spec.name, self.device, self.lane, why, reason, nbytes, old),
-            )
-        return None
+        return refusal
 
     @staticmethod
     def _report_refusal(error: Exception, message: str, args: tuple[object, ...]) -> NoReturn:
@@ -389,11 +323,6 @@ class WorkspacePool:
         except (RuntimeError, MemoryError, OverflowError) as exc:  # torch's OutOfMemoryError is a RuntimeError
             with self._lock:
                 self._refused += 1
-            if isinstance(exc, torch.OutOfMemoryError):
-                cause = "the device is out of memory"
-            else:
-                first = (str(exc).splitlines() or [""])[0][:120]
-                cause = f"the allocation failed ({type(exc).__name__}: {first})"
             logger.warning(
                 "wspool: out of memory growing %s on %s lane %s from %d to %d bytes for %s",
                 spec.name,
@@ -403,11 +332,8 @@ class WorkspacePool:
                 capacity,
                 reason,
             )
-            raise WorkspaceLimitError(
-                f"pool {spec.name!r} on {self.device} (lane {self.lane}) could not grow from {old} to "
-                f"{capacity} bytes ({format_size(capacity)}) for {reason}: {cause}; "
-                f"the pool keeps its {format_size(old) if old else 'empty'} buffer. "
-                f"Lower {setting} or free device memory"
+            raise allocation_failure(
+                spec, self.device, self.lane, exc, old=old, capacity=capacity, reason=reason, setting=setting
             ) from exc
         with self._lock:
             refusal = self._refusal_locked(nbytes, reason, setting, False) if self._freeze.frozen else None
@@ -478,13 +404,7 @@ class WorkspacePool:
             return released
 
     def _unknown_rule(self, rule: str) -> Exception:
-        from wspool.errors import RuleError
-
-        known = ", ".join(sorted(n for n, s in self._slots.items() if s.rule is not None)) or "none"
-        return RuleError(
-            f"pool {self.spec.name!r} has no rule {rule!r} (rules: {known}); set {self.spec.setting('rules', rule)}",
-            path=("pools", self.spec.name, "rules", rule),
-        )
+        return unknown_rule(self.spec, rule, (n for n, s in self._slots.items() if s.rule is not None))
 
     def __repr__(self) -> str:
         return (

@@ -26,19 +26,20 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from wspool.declarations import Declaration, linked_spec, stage_declaration
 from wspool.device_facts import DeviceDescription
 from wspool.device_facts import describe_device as describe_any_device
 from wspool.devices import DeviceLike, is_dynamic, resolve_device
-from wspool.errors import ConfigError, describe_setting
 from wspool.freeze import FreezeState
 from wspool.lanes import current_lane
-from wspool.pool import Allocator, PoolSpec, PoolStats, WorkspacePool
-from wspool.settings.config import WspoolSettings, check_shared_pools, load_settings, profile_settings, validate_pool
+from wspool.lifecycle import RegistryLifecycle
+from wspool.pool import Allocator, PoolSpec, WorkspacePool
+from wspool.pool_checks import check_rule_facts, unknown_pool, unknown_rule
+from wspool.settings.config import WspoolSettings, check_shared_pools, load_settings, profile_settings
 from wspool.settings.profiles import ProfileChoice, choose_profile
 
 __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
@@ -48,16 +49,7 @@ _PoolKey = tuple[str, torch.device, str]
 DeviceDescriber = Callable[[torch.device], DeviceDescription | None]
 
 
-class _Declaration(NamedTuple):
-    """A pool declaration staged for one profile view: applied only once every view validated it."""
-
-    spec: PoolSpec  # what declare_pool returns
-    specs: dict[str, PoolSpec] | None  # the view's new specs; None: nothing changes
-    host: str  # the pool whose buffer it draws from
-    linked: PoolSpec | None  # the host buffer's new spec, when it is shared
-
-
-class PoolRegistry:
+class PoolRegistry(RegistryLifecycle):
     """Named, per-device workspace pools sized by configured rules.
 
     Args:
@@ -75,6 +67,7 @@ class PoolRegistry:
     Attributes:
         settings: The settings with the profile of devices without a description
             (the CPU) layered in; each GPU's pools use its own profile's.
+        freeze_state: Whether growth is refused, shared by every pool of the registry.
     """
 
     def __init__(
@@ -99,7 +92,7 @@ class PoolRegistry:
             allocator = mem_pool_allocator(mem_pool, allocator)
         self._allocator = allocator
         self._lock = threading.RLock()
-        self._freeze = FreezeState()
+        self.freeze_state = FreezeState()
         self._specs: dict[str, PoolSpec] = {}
         self._declared: dict[str, dict[str, Any]] = {}
         self._pools: dict[_PoolKey, WorkspacePool] = {}
@@ -184,23 +177,7 @@ class PoolRegistry:
         view, choice, _ = self._device_entry(resolve_device(device))
         spec = view.spec(pool)
         available = set(supplied) | set(self.default_facts(pool, device))
-        for rule in sorted(spec.rules) if rules is None else rules:
-            compiled = spec.rules.get(rule)
-            if compiled is None:
-                raise ConfigError(
-                    f"pool {pool!r} has no rule {rule!r} (rules: {', '.join(sorted(spec.rules))}); "
-                    f"set {spec.setting('rules', rule)}",
-                    path=("pools", pool, "rules", rule),
-                )
-            missing = [name for name in compiled.names if name not in available]
-            if missing:
-                keys = ", ".join(describe_setting(("pools", pool, "facts", name)) for name in missing)
-                raise ConfigError(
-                    f"rule {describe_setting(('pools', pool, 'rules', rule))} = {compiled.source!r} (profile "
-                    f"{choice.profile}) needs fact(s) {', '.join(missing)}, which this call site does not pass "
-                    f"and no default supplies; set {keys}",
-                    path=("pools", pool, "facts", missing[0]),
-                )
+        check_rule_facts(pool, spec, rules, available=available, profile=choice.profile)
 
     @classmethod
     def from_config(cls, config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> PoolRegistry:
@@ -268,11 +245,7 @@ class PoolRegistry:
         spec = view.spec(pool)
         compiled = spec.rules.get(rule)
         if compiled is None:
-            known = ", ".join(sorted(spec.rules)) or "none"
-            raise ConfigError(
-                f"pool {pool!r} has no rule {rule!r} (rules: {known}); set {spec.setting('rules', rule)}",
-                path=("pools", pool, "rules", rule),
-            )
+            raise unknown_rule(pool, rule, spec)
         return compiled.resolve(facts, {**device_facts, **spec.facts})
 
     # -- pools -------------------------------------------------------------
@@ -287,12 +260,7 @@ class PoolRegistry:
             return self._device_entry(resolve_device(device))[0].spec(pool)
         spec = self._specs.get(pool)
         if spec is None:
-            known = ", ".join(sorted(self._specs)) or "none"
-            raise ConfigError(
-                f"unknown pool {pool!r} (configured: {known}); define pools.{pool}.rules in the YAML "
-                f"file or WSPOOL_POOLS__{pool.upper()}__RULES__DEFAULT",
-                path=("pools", pool),
-            )
+            raise unknown_pool(pool, self._specs)
         return spec
 
     def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool:
@@ -316,7 +284,7 @@ class PoolRegistry:
                         view._buffer_specs.get(host) or view.spec(host),
                         resolved,
                         lane,
-                        freeze=self._freeze,
+                        freeze=self.freeze_state,
                         allocator=self._allocator,
                         debug_streams=view.settings.debug_streams,
                         device_facts=facts,
@@ -356,31 +324,15 @@ class PoolRegistry:
             self._declared[name] = declared
             return staged[0].spec
 
-    def _stage_declaration(self, name: str, declared: Mapping[str, Any], replay: bool = False) -> _Declaration:
+    def _stage_declaration(self, name: str, declared: Mapping[str, Any], replay: bool = False) -> Declaration:
         """Build this view's spec for a declaration, validated as YAML is; change nothing (lock held)."""
-        values: dict[str, Any] = {**declared, "rules": dict(declared["rules"])}
-        configured = self.settings.pools.get(name)
-        if configured is not None:
-            values["rules"].update(configured.rules)
-            for key in ("growth", "max_bytes"):
-                if key in configured.model_fields_set:
-                    values[key] = getattr(configured, key)
-        # Validated as YAML is (max_bytes 0, a fixed rule above max_bytes, growth's case).
-        validated = validate_pool(name, values)
-        spec = PoolSpec(
-            name, validated.rules, validated.growth, validated.max_bytes, facts=configured.facts if configured else None
-        )
-        host = self._hosts.get(name, name)
-        current = self._specs.get(name)
-        if not replay and current is not None and any(key[0] == host for key in self._pools):
-            if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
-                raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
-            return _Declaration(current, None, host, None)
-        specs = {**self._specs, name: spec}
-        linked = self._linked(host, specs) if host in self._buffer_specs else None  # may raise: nothing set yet
-        return _Declaration(spec, specs, host, linked)
+        return stage_declaration(
+            name, declared, settings=self.settings, specs=self._specs, hosts=self._hosts,
+            shared_hosts=self._buffer_specs, host_in_use=lambda host: any(key[0] == host for key in self._pools),
+            spec_of=self.spec, replay=replay,
+        )  # fmt: skip
 
-    def _apply_declaration(self, change: _Declaration) -> None:
+    def _apply_declaration(self, change: Declaration) -> None:
         """Install a staged declaration (lock held); swapping whole dicts keeps lock-free readers consistent."""
         if change.specs is None:
             return
@@ -390,27 +342,7 @@ class PoolRegistry:
 
     def _link(self, host: str) -> None:
         """Build the spec of ``host``'s buffer from the current specs."""
-        self._buffer_specs[host] = self._linked(host, self._specs)
-
-    def _linked(self, host: str, specs: Mapping[str, PoolSpec]) -> PoolSpec:
-        """Return the spec of ``host``'s buffer: its own rules and those of the pools that share it."""
-        own = specs[host] if host in specs else self.spec(host)
-        rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
-        owners: dict[str, str] = {}
-        facts: dict[str, Mapping[str, int]] = {}
-        for guest in sorted(g for g, h in self._hosts.items() if h == host):
-            facts.update(dict.fromkeys(specs[guest].rules, specs[guest].facts))
-            for rule, compiled in specs[guest].rules.items():
-                if rule in rules:
-                    raise ConfigError(
-                        f"pools {guest!r} and {host!r} share one buffer (pools.{guest}.shared_with) and both "
-                        f"have a rule {rule!r}; rename one, or set {describe_setting(('pools', guest, 'shared_with'))} "
-                        f"empty to give {guest!r} its own buffer",
-                        path=("pools", guest, "rules", rule),
-                    )
-                rules[rule] = compiled.source
-                owners[rule] = guest
-        return PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts)
+        self._buffer_specs[host] = linked_spec(host, self._specs, self._hosts, self.spec)
 
     def buffer_pool(self, name: str) -> str:
         """Return the pool whose buffer ``name`` draws from: its ``shared_with`` host, else itself."""
@@ -422,130 +354,13 @@ class PoolRegistry:
             found = list(self._pools.values())
         yield from found
 
-    def stats(self, pool: str, device: DeviceLike = None, *, lane: str | None = None) -> PoolStats:
-        """Return the statistics of one pool on one device and lane (zeros if never used)."""
-        return self.pool(pool, device, lane=lane).stats()
-
-    def all_stats(self) -> list[PoolStats]:
-        """Return the statistics of every pool instance, sorted by pool, device and lane."""
-        return sorted((p.stats() for p in self.pools()), key=lambda s: (s.pool, s.device, s.lane))
-
-    def memory_stats(self) -> dict[str, Any]:
-        """Return what every buffer holds, per backend, with PyTorch's figures on CUDA (JSON-able).
-
-        See :func:`wspool.accounting.memory_stats`; reading it has no side effects.
-        """
-        from wspool.accounting import memory_stats
-
-        return memory_stats(self)
-
-    def memory_summary(self) -> str:
-        """Return a table: pool, device, lane, capacity, peak request, grows, backends; then totals per device."""
-        from wspool.accounting import memory_summary
-
-        return memory_summary(self)
-
-    # -- reserve, warm up, freeze --------------------------------------------
-
-    def reserve(
-        self,
-        pool: str,
-        device: DeviceLike = None,
-        *,
-        nbytes: int | str | None = None,
-        rule: str | None = None,
-        lane: str | None = None,
-        **facts: object,
-    ) -> torch.Tensor:
-        """Grow a pool ahead of time to ``nbytes`` or to what ``rule`` resolves to.
-
-        Raises:
-            ValueError: Neither or both of ``nbytes`` and ``rule`` are given.
-        """
-        if (nbytes is None) == (rule is None):
-            raise ValueError("reserve() takes exactly one of nbytes= or rule=")
-        target = self.pool(pool, device, lane=lane)
-        if rule is not None:
-            return target.workspace(rule, facts)
-        from wspool.units import parse_size
-
-        return target.request(parse_size(nbytes), "reserve")
-
-    def warmup(
-        self,
-        pool: str,
-        facts_list: Iterable[Mapping[str, object]],
-        device: DeviceLike = None,
-        *,
-        rule: str = "default",
-        lane: str | None = None,
-        agree_group: Any = None,
-    ) -> int:
-        """Resolve ``rule`` over every shape an engine will capture; grow once, to the largest.
-
-        Args:
-            agree_group: A ``torch.distributed`` process group, e.g.
-                ``torch.distributed.group.WORLD``. Given, the largest size is
-                agreed with :func:`wspool.distributed.agree` (a collective: every
-                rank of the group calls ``warmup`` for the same pools in the same
-                order), so every rank grows once, to the maximum over the ranks,
-                and a rank that cannot grow raises on every rank. ``None``: local only.
-
-        Returns:
-            The pool's capacity afterwards, in bytes.
-        """
-        target = self.pool(pool, device, lane=lane)
-        largest = max((target.resolve(rule, facts) for facts in facts_list), default=0)
-        if agree_group is not None:
-            from wspool.distributed import agree
-
-            agree(self, agree_group, device=target.device, reserve={(pool, target.lane): largest})
-        if largest:
-            target.request(largest, f"warmup of rule {rule}")
-        return target.capacity_bytes
-
-    def freeze(self) -> None:
-        """Refuse all growth from now on (requests that fit are still served)."""
-        self._freeze.frozen = True
-
-    def unfreeze(self) -> None:
-        """Undo :meth:`freeze`; growth stays refused while a :meth:`frozen` block is open."""
-        self._freeze.frozen = False
-
-    @property
-    def is_frozen(self) -> bool:
-        """Whether growth is refused."""
-        return self._freeze.frozen
-
-    @contextmanager
-    def frozen(self) -> Iterator[PoolRegistry]:
-        """Refuse growth inside the block.
-
-        Blocks are counted: with blocks open in several threads at once, the
-        registry stays frozen until the last one closes, and then is frozen
-        exactly when :meth:`freeze` was called without :meth:`unfreeze`.
-        """
-        token = self._freeze.enter()
-        try:
-            yield self
-        finally:
-            self._freeze.leave(token)
-
-    def release_retired(self) -> int:
-        """Free buffers kept for captured graphs; call once those graphs are gone.
-
-        Returns:
-            Bytes released across all pools.
-        """
-        return sum(p.release_retired() for p in self.pools())
-
     def reset(self) -> None:
         """Drop every pool instance and its buffers and statistics; unfreeze (for tests)."""
         with self._lock:
             self._pools.clear()
             self._fast.clear()
             self.op_state.clear()
-            self._freeze.clear()
+            self.freeze_state.clear()
 
 
 _default: PoolRegistry | None = None

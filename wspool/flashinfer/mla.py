@@ -37,42 +37,37 @@ during capture (reserve or warm up first, then freeze).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from wspool.devices import resolve_device
 from wspool.errors import describe_setting
 from wspool.flashinfer import kernels, mla_paths, mla_wrappers
-from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS, check_dcp, check_kernel_keywords
-from wspool.flashinfer.page_table import CSRConstants, csr_parts
+from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS, check_kernel_keywords
+from wspool.flashinfer.mla_metadata import StepConstants, graph_buffers, step_constants, wrapper_metadata
+from wspool.flashinfer.mla_setup import COUNTER_POOL, COUNTER_RULE, MLAPlanArgs, counter_pool, size_workspace
+from wspool.flashinfer.mla_setup import write_counts as write_counts
+from wspool.flashinfer.mla_trtllm import run_trtllm
 from wspool.flashinfer.path_sizing import path_need_bytes
-from wspool.flashinfer.recovery import MAX_RECOVERIES as _MAX_RECOVERIES
-from wspool.flashinfer.recovery import grow_after_overflow
-from wspool.flashinfer.reference import mla_decode_reference
+from wspool.flashinfer.recovery import MAX_RECOVERIES, grow_after_overflow
+from wspool.flashinfer.reference import mla_decode_reference_into
 from wspool.kernel_buffers import track_kernel_buffers
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
     "COUNTER_POOL",
+    "COUNTER_RULE",
     "MLA_POOL",
     "MLADecodePlan",
     "mla_decode_plan",
     "write_counts",
 ]
 
-
-logger = logging.getLogger("wspool")
-
 MLA_POOL = "flashinfer_mla"
-COUNTER_POOL = "flashinfer_mla_counters"
-#: trtllm-gen's multi-CTA semaphores: FlashInfer's own formula, as a rule.
-COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
 
 
-class MLADecodePlan:
+class MLADecodePlan(MLAPlanArgs):
     """MLA decode planned for one page table and set of lengths: one step of an engine.
 
     Build with :func:`mla_decode_plan` (this class), then call ``plan.run(query,
@@ -149,50 +144,14 @@ class MLADecodePlan:
         cp_rank: int = 0,
         causal_seqlens_kv_global: torch.Tensor | None = None,
     ) -> None:
-        device = block_tables.device if isinstance(block_tables, torch.Tensor) else resolve_device(None)
-        mla_paths.check_int_tensor("block_tables", block_tables, 2, device)
-        mla_paths.check_int_tensor("seq_lens", seq_lens, 1, device)
-        batch_size = seq_lens.shape[0]
-        if block_tables.shape[0] != batch_size:
-            raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch_size} entries")
-        for name, value in (("num_heads", num_heads), ("page_size", page_size), ("q_len", q_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-        self.device = device
-        self.dcp = check_dcp(
-            enable_dcp, cp_world, cp_rank, causal_seqlens_kv_global, backend=backend, return_lse=return_lse,
-            batch_size=batch_size, device=device,
+        super().__init__(
+            block_tables, seq_lens, max_seq_len, num_heads=num_heads, sm_scale=sm_scale, page_size=page_size,
+            q_len=q_len, q_dtype=q_dtype, kv_dtype=kv_dtype, return_lse=return_lse, backend=backend,
+            use_cuda_graph=use_cuda_graph, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+            qk_nope_head_dim=qk_nope_head_dim, facts=facts, enable_dcp=enable_dcp, cp_world=cp_world,
+            cp_rank=cp_rank, causal_seqlens_kv_global=causal_seqlens_kv_global,
         )  # fmt: skip
-        self.path = mla_paths.select_path(
-            device, backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp
-        )
-        self.block_tables = block_tables
-        self.seq_lens = seq_lens
-        self.max_seq_len = max_seq_len
-        self.batch_size = batch_size
-        self.q_len = q_len
-        self.num_heads = num_heads
-        self.page_size = page_size
-        self.sm_scale = float(sm_scale)
-        self.q_dtype = q_dtype
-        self.kv_dtype = kv_dtype or q_dtype
-        self.return_lse = return_lse
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.qk_nope_head_dim = qk_nope_head_dim
-        self.use_cuda_graph = use_cuda_graph
-        self.rule = "lse" if return_lse else "default"
-        self.facts: dict[str, int] = {
-            **mla_paths.call_facts(
-                batch_size=batch_size, q_len=q_len, num_heads=num_heads, max_seq_len=max_seq_len,
-                page_size=page_size, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-                dtype_bytes=q_dtype.itemsize, sm_count=mla_paths.sm_count(device),
-                cp_world=cp_world if enable_dcp else None,
-            ),
-            **(facts or {}),
-        }  # fmt: skip
+        batch_size = self.batch_size
         self._head_dim = kv_lora_rank + qk_rope_head_dim
         self._query_shape = (batch_size, q_len, num_heads, self._head_dim)
         self._packed_shape = (batch_size * q_len, num_heads, self._head_dim)
@@ -200,14 +159,7 @@ class MLADecodePlan:
         self._fast_shape = self._packed_shape if self.path in ("fa3", "fa2") else None
         self._planned_workspace: torch.Tensor | None = None
         self._plan_kwargs: dict[str, Any] | None = None  # built once; only the metadata changes per plan
-        self._registry = registry if registry is not None else get_registry()
-        self._pool = self._registry.pool(pool, device, lane=lane)
-        # The pool's default and device facts, merged once: every per-layer request passes complete facts.
-        self.facts = {**self._pool.default_facts(self.rule), **self.facts}
-        self._setting = describe_setting(("pools", pool, "rules", self.rule))
-        self._versions = write_counts(block_tables, seq_lens)
-        #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
-        self.planned_shapes = (block_tables.shape, seq_lens.shape)
+        self._attach_pool(registry if registry is not None else get_registry(), pool, lane)
         #: ``(query shape, query dtype, KV dtype, max_seq_len, sm_scale)`` of the 4-D calls
         #: this plan serves; ``mla_decode`` compares it in one step.
         self.call_signature = (torch.Size(self._query_shape), q_dtype, self.kv_dtype, max_seq_len, self.sm_scale)
@@ -219,49 +171,43 @@ class MLADecodePlan:
         self._generation = -1
         self._token = object()  # identifies this plan as a shared wrapper's current owner
         self._graph_buffers: tuple[torch.Tensor, ...] | None = None
-        self._csr_constants: tuple[CSRConstants, torch.Tensor] | None = None
+        self._csr_constants: StepConstants | None = None
         self._csr_factory: Any = None  # FlashInfer's MLAPlanMetadata.csr, on the wrapper path
         self.plan_calls = 0
-        rule_bytes = self._pool.resolve(self.rule, self.facts)
+        self._size_workspace(pool, enable_dcp)
+        self._prepare_path(lane)
+
+    def _attach_pool(self, registry: PoolRegistry, pool: str, lane: str | None) -> None:
+        """Take the plan's pool and complete its facts with the pool's default and device facts."""
+        self._registry = registry
+        self._pool = registry.pool(pool, self.device, lane=lane)
+        # Merged once: every per-layer request passes complete facts.
+        self.facts = {**self._pool.default_facts(self.rule), **self.facts}
+        self._setting = describe_setting(("pools", pool, "rules", self.rule))
+
+    def _size_workspace(self, pool: str, enable_dcp: bool) -> None:
+        """Size the workspace for the rule and the path's need, and grow the pool to it now."""
         self.need_bytes = path_need_bytes(
-            self.path, sm_count=self.facts["sm_count"], batch_size=batch_size, q_len=q_len, num_heads=num_heads,
-            kv_lora_rank=kv_lora_rank, max_seq_len=max_seq_len, return_lse=return_lse, enable_dcp=enable_dcp,
+            self.path, sm_count=self.facts["sm_count"], batch_size=self.batch_size, q_len=self.q_len,
+            num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, max_seq_len=self.max_seq_len,
+            return_lse=self.return_lse, enable_dcp=enable_dcp,
         )  # fmt: skip
         #: What this plan requests: the rule, or the path's need where the rule is below it.
-        #: A replan checks the pool against it, not the rule.
-        self._nbytes = max(rule_bytes, self.need_bytes)
-        if self.need_bytes > rule_bytes:
-            self._warn_rule_below_need(pool, rule_bytes)
-        # Grow now, outside the per-layer path (and outside any later capture).
-        self._pool.grow_to(self._nbytes, f"rule {self.rule}" if self._nbytes == rule_bytes else self._need_reason,
-                           self._setting)  # fmt: skip
+        self._nbytes = size_workspace(
+            self._registry, self._pool, pool_name=pool, rule=self.rule, facts=self.facts, path=self.path,
+            need_bytes=self.need_bytes, setting=self._setting,
+        )  # fmt: skip
+
+    def _prepare_path(self, lane: str | None) -> None:
+        """Check the Blackwell kernel's keywords and take its counters, or plan the wrapper."""
         if self.path in BLACKWELL_BACKENDS:
             check_kernel_keywords(kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla,
                                   kernels.TRTLLM_DECODE_KEYWORDS)  # fmt: skip
         if self.path == "trtllm-gen":
-            self._registry.declare_pool(COUNTER_POOL, {"default": COUNTER_RULE})
-            self._counters = self._registry.pool(COUNTER_POOL, device, lane=lane)
-            self._counters.ensure("default", self.facts)
+            self._counters = counter_pool(self._registry, self.device, lane, self.facts)
         elif self.path != "reference":
             self._csr_factory = kernels.load_flashinfer_mla().MLAPlanMetadata.csr
             self._plan_wrapper()
-
-    @property
-    def _need_reason(self) -> str:
-        return f"the {self.path} kernel path"
-
-    def _warn_rule_below_need(self, pool: str, rule_bytes: int) -> None:
-        """Say once per registry, pool, rule and path that the rule is below the path's need."""
-        warned: set[tuple[str, str, str]] = self._registry.op_state.setdefault("mla_rule_below_need", set())
-        key = (pool, self.rule, self.path)
-        if key in warned:
-            return
-        warned.add(key)
-        logger.warning(
-            "wspool: rule %s of pool %s resolves to %d bytes, below the %d bytes FlashInfer's %s MLA decode needs "
-            "here; requesting %d bytes. Raise %s to at least that to silence this",
-            self.rule, pool, rule_bytes, self.need_bytes, self.path, self._nbytes, self._setting,
-        )  # fmt: skip
 
     @property
     def flashinfer_backend(self) -> str | None:
@@ -269,48 +215,9 @@ class MLADecodePlan:
         wrapper = self._wrapper
         return None if wrapper is None else getattr(wrapper, "_backend", None)
 
-    # -- metadata identity (for mla_decode's reuse) --------------------------
-
-    def is_current_for(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
-        """Whether these are the very tensors this plan was made for, unmodified since.
-
-        Always ``False`` for inference tensors (made under ``torch.inference_mode``):
-        torch counts no writes to them, so an edit cannot be ruled out.
-        """
-        return (
-            block_tables is self.block_tables
-            and seq_lens is self.seq_lens
-            and self._versions is not None
-            and write_counts(block_tables, seq_lens) == self._versions
-        )
-
-    def replan(self) -> None:
-        """Plan again for the current contents of ``block_tables`` and ``seq_lens``.
-
-        Raises:
-            ValueError: They were resized in place since planning; make a new plan.
-        """
-        if self.metadata_resized():
-            raise ValueError(
-                f"block_tables/seq_lens were resized to {tuple(self.block_tables.shape)}/"
-                f"{tuple(self.seq_lens.shape)} after planning for {tuple(self.planned_shapes[0])}/"
-                f"{tuple(self.planned_shapes[1])}; make a new plan"
-            )
-        self.replan_for(write_counts(self.block_tables, self.seq_lens))
-
-    def metadata_resized(self) -> bool:
-        """Whether ``block_tables`` or ``seq_lens`` were resized in place since planning."""
-        return (self.block_tables.shape, self.seq_lens.shape) != self.planned_shapes
-
-    @property
-    def metadata_versions(self) -> tuple[int, int] | None:
-        """The metadata's write counts this plan was made for; ``None`` for inference tensors (they count none)."""
-        return self._versions
-
-    def replan_for(self, versions: tuple[int, int] | None) -> None:
-        """:meth:`replan` for metadata whose shapes the caller checked, with its write counts read."""
-        self._versions = versions
-        if self._fast_shape is not None:  # the wrapper path; the others read the metadata at run time
+    def plan_metadata(self) -> None:
+        """Plan the wrapper for the current metadata; the other paths read it at run time."""
+        if self._fast_shape is not None:
             self._plan_wrapper()
 
     # -- the per-layer call ----------------------------------------------------
@@ -414,9 +321,17 @@ class MLADecodePlan:
                 out = None if out is None else out.view(*self._query_shape[:3], -1)
                 lse = None if lse is None else lse.view(self._query_shape[:3])
             if path == "reference":
-                result = self._run_reference(query, kv_cache, out, lse)
+                result = mla_decode_reference_into(
+                    query, kv_cache, self.block_tables, self.seq_lens, out, lse, sm_scale=self.sm_scale,
+                    kv_lora_rank=self.kv_lora_rank, return_lse=self.return_lse,
+                )  # fmt: skip
             else:
-                result = self._run_blackwell(query, kv_cache, out, lse, workspace)
+                counters = self._counters.workspace("default", self.facts) if path == "trtllm-gen" else None
+                result = self._shape_result(
+                    run_trtllm(self, query, kv_cache, out, lse, workspace, counters, pool=self._pool,
+                               setting=self._setting),
+                    out, lse,
+                )  # fmt: skip
             return self._packed_result(result, *given) if packed else result
         if not packed:
             return self.run_matched(query, kv_cache, out, lse)  # validated above; it requests the workspace
@@ -449,80 +364,15 @@ class MLADecodePlan:
             )
         return out if out is not None else result.view(tokens, heads, -1)
 
-    def _run_reference(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ref_out, ref_lse = mla_decode_reference(
-            query, kv_cache, self.block_tables, self.seq_lens, sm_scale=self.sm_scale, kv_lora_rank=self.kv_lora_rank
-        )
-        if out is not None:
-            out.copy_(ref_out)
-            ref_out = out
-        if not self.return_lse:
-            return ref_out
-        if lse is not None:
-            lse.copy_(ref_lse)
-            ref_lse = lse
-        return ref_out, ref_lse
-
-    def _run_blackwell(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        out: torch.Tensor | None,
-        lse: torch.Tensor | None,
-        workspace: torch.Tensor,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        kernel = kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla
-        counters = self._counters.workspace("default", self.facts) if self.path == "trtllm-gen" else None
-        tokens = self.batch_size * self.q_len
-        for attempt in range(_MAX_RECOVERIES + 1):
-            try:
-                result = kernel(
-                    **kernels.trtllm_decode_kwargs(
-                        query=query,
-                        kv_cache=kv_cache,
-                        workspace=workspace,
-                        backend=self.path,
-                        dcp=self.dcp,
-                        counters=counters,
-                        block_tables=self.block_tables,
-                        seq_lens=self.seq_lens,
-                        max_seq_len=self.max_seq_len,
-                        sm_scale=self.sm_scale,
-                        out=out,
-                        lse=None if lse is None else lse.view(tokens, self.num_heads),  # trtllm's native LSE form
-                        return_lse=self.return_lse,
-                        kv_lora_rank=self.kv_lora_rank,
-                        qk_rope_head_dim=self.qk_rope_head_dim,
-                        qk_nope_head_dim=self.qk_nope_head_dim,
-                    )
-                )
-                return self._shape_result(result, out, lse)
-            except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
-                workspace = self._recover(exc, workspace.numel(), attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
-
     # -- planning (wrapper path) ----------------------------------------------
 
     def _plan_wrapper(self) -> None:
         """Plan FlashInfer's wrapper for the current metadata, on the pool's current buffer."""
         plan_kwargs = self._plan_kwargs
         if plan_kwargs is None:
-            plan_kwargs = self._plan_kwargs = kernels.wrapper_plan_kwargs(
-                metadata=None,
-                num_heads=self.num_heads,
-                kv_lora_rank=self.kv_lora_rank,
-                qk_rope_head_dim=self.qk_rope_head_dim,
-                page_size=self.page_size,
-                causal=self.q_len > 1,
-                sm_scale=self.sm_scale,
-                q_dtype=self.q_dtype,
-                kv_dtype=self.kv_dtype,
-                return_lse=self.return_lse,
-            )
+            plan_kwargs = self._plan_kwargs = self.wrapper_plan_kwargs()
         plan_kwargs["metadata"] = self._csr_factory(*self._csr_metadata())
-        for attempt in range(_MAX_RECOVERIES + 1):
+        for attempt in range(MAX_RECOVERIES + 1):
             workspace = self._pool.buffer
             wrapper = self._wrapper
             generation = self._generation
@@ -539,7 +389,10 @@ class MLADecodePlan:
                 self.plan_calls += 1
                 wrapper.plan(**plan_kwargs)
             except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
-                self._recover(exc, workspace.numel(), attempt)  # type: ignore[union-attr]  # the planned buffer
+                grow_after_overflow(
+                    exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt,  # type: ignore[union-attr]
+                    op="MLA decode", rule=self.rule, setting=self._setting, path=self.path,
+                )  # fmt: skip
                 continue
             wrapper._wspool_owner = self._token
             self._wrapper = wrapper
@@ -551,58 +404,22 @@ class MLADecodePlan:
         """Convert the page table to FlashInfer's CSR form, on the device (one host sync)."""
         constants = self._csr_constants
         if constants is None:
-            # Fixed by the plan's shapes: made once, never written (FlashInfer may keep a
-            # reference to the query offsets until the step's last run).
-            with torch.inference_mode(False):
-                q_len = self.q_len
-                offsets = torch.arange(0, (self.batch_size + 1) * q_len, q_len, dtype=torch.int32, device=self.device)
-            constants = self._csr_constants = (CSRConstants.for_table(self.block_tables), offsets)
-        kv_indptr, kv_indices, lengths, _ = csr_parts(self.block_tables, self.seq_lens, self.page_size, constants[0])
-        qo_indptr = constants[1]
-        if self._graph_buffers is not None:
-            # Graph mode: FlashInfer copies the metadata into the fixed buffers at plan time.
-            capacity = self._graph_buffers[2].numel()
-            if kv_indices.numel() > capacity:
-                raise ValueError(
-                    f"the page table holds {kv_indices.numel()} live pages, more than the {capacity} "
-                    f"this CUDA-graph plan was made for; make a new plan"
-                )
-        return qo_indptr, kv_indptr, kv_indices, lengths
+            constants = step_constants(self.block_tables, self.batch_size, self.q_len, self.device)
+            self._csr_constants = constants
+        capacity = None if self._graph_buffers is None else self._graph_buffers[2].numel()
+        return wrapper_metadata(self.block_tables, self.seq_lens, self.page_size, constants, capacity)
 
     def _acquire_wrapper(self, workspace: torch.Tensor, generation: int) -> Any:
         if self.use_cuda_graph:
             if self._wrapper is not None and self._generation == generation:
                 return self._wrapper
-            max_pages = self.block_tables.numel()
-            with torch.inference_mode(False):  # FlashInfer copies into them at every plan, in any mode
-                self._graph_buffers = (
-                    torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
-                    torch.empty(self.batch_size + 1, dtype=torch.int32, device=self.device),
-                    torch.empty(max_pages, dtype=torch.int32, device=self.device),
-                    torch.empty(self.batch_size, dtype=torch.int32, device=self.device),
-                )
+            self._graph_buffers = graph_buffers(self.batch_size, self.block_tables.numel(), self.device)
             wrapper = mla_wrappers.make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
         else:
             wrapper = mla_wrappers.shared_wrapper(self._pool, workspace, self.path, self.return_lse)
         track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
         return wrapper
 
-    # -- overflow recovery -----------------------------------------------------
-
-    def _recover(self, exc: Exception, capacity: int, attempt: int) -> torch.Tensor:
-        """Grow the pool past what a FlashInfer refusal needed; re-raise anything else."""
-        return grow_after_overflow(
-            exc, pool=self._pool, capacity=capacity, attempt=attempt, op="MLA decode", rule=self.rule,
-            setting=self._setting, path=self.path,
-        )  # fmt: skip
-
 
 #: Plan MLA decode for one step (the documented entry point; the class is the plan).
 mla_decode_plan = MLADecodePlan
-
-
-def write_counts(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int] | None:
-    """torch's in-place write counters of the metadata; ``None`` for inference tensors, which keep none."""
-    if block_tables.is_inference() or seq_lens.is_inference():
-        return None
-    return block_tables._version, seq_lens._version

@@ -21,7 +21,7 @@ from collections.abc import Container
 import torch
 
 from wspool.errors import WorkspaceOverflowError
-from wspool.flashinfer.refusals import parse_refusal
+from wspool.flashinfer.refusals import WorkspaceRefusal, parse_refusal
 from wspool.pool import WorkspacePool
 from wspool.units import format_size
 
@@ -90,19 +90,36 @@ def grow_after_overflow(
     # Headroom for the carves after the one that failed, so one retry normally suffices.
     target = -(-(needed + max(needed // 8, _MiB)) // _MiB) * _MiB
     if attempt == 0:
-        logger.warning(
-            "wspool: FlashInfer %s overflowed pool %s on %s (rule %s): %s needed %d bytes, %d available of %s; "
-            "growing to %s and retrying. Raise %s to at least %s to avoid this",
-            op,
-            name,
-            device,
-            rule,
-            overflow.name,
-            overflow.size_bytes,
-            available,
-            format_size(capacity),
-            format_size(target),
-            setting,
-            format_size(needed),
-        )
+        _warn_growth(op, pool, rule, setting, overflow, available=available, capacity=capacity,
+                     target=target, needed=needed)  # fmt: skip
     return pool.grow_to(target, f"overflow recovery ({overflow.name})", setting)
+
+
+def _warn_growth(
+    op: str,
+    pool: WorkspacePool,
+    rule: str,
+    setting: str,
+    overflow: WorkspaceRefusal,
+    *,
+    available: int | None,
+    capacity: int,
+    target: int,
+    needed: int,
+) -> None:
+    """Say once per call, before growing, what overflowed and which setting to raise."""
+    logger.warning(
+        "wspool: FlashInfer %s overflowed pool %s on %s (rule %s): %s needed %d bytes, %d available of %s; "
+        "growing to %s and retrying. Raise %s to at least %s to avoid this",
+        op,
+        pool.spec.name,
+        pool.device,
+        rule,
+        overflow.name,
+        overflow.size_bytes,
+        available,
+        format_size(capacity),
+        format_size(target),
+        setting,
+        format_size(needed),
+    )

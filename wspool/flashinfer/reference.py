@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_decode_reference"]
+__all__ = ["mla_decode_reference", "mla_decode_reference_into"]
 
 
 def mla_decode_reference(
@@ -63,3 +63,30 @@ def mla_decode_reference(
         probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("qhl,ld->qhd", probs, rows[:, :kv_lora_rank]).to(query.dtype)
     return out, lse
+
+
+def mla_decode_reference_into(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    *,
+    sm_scale: float,
+    kv_lora_rank: int,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mla_decode_reference` in a plan's form: into ``out``/``lse`` where given, the LSE only if asked."""
+    ref_out, ref_lse = mla_decode_reference(
+        query, kv_cache, block_tables, seq_lens, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
+    )
+    if out is not None:
+        out.copy_(ref_out)
+        ref_out = out
+    if not return_lse:
+        return ref_out
+    if lse is not None:
+        lse.copy_(ref_lse)
+        ref_lse = lse
+    return ref_out, ref_lse
