@@ -16,7 +16,8 @@ SEED = (
     "Buffer overflow when allocating memory for trtllm_gen_softmax_workspace with size 135266304 and "
     "alignment 16, but only 125829120 bytes available in AlignedAllocator. Increase the workspace buffer size."
 )
-# Texts captured on the H200 test machine (SM90, 132 SMs), verbatim, one per distinct message and capacity:
+# Texts captured on the H200 test machine (SM90, 132 SMs), verbatim but for the install prefix of the
+# allocator.h path in the C++ messages (shown as <site-packages>), one per distinct message and capacity:
 # (FlashInfer version, the case, the exception type, the capacity the call was given, the message).
 CAPTURED = [
     (r["flashinfer"], r["case"], r["type"], r["capacity_bytes"], r["message"])
