@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import wspool
+from tests.helpers.dcp_config import use_lse_rule_without_facts
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import RuleError, WorkspaceFrozenError
 from wspool.integrations import vllm as plugin
@@ -378,15 +379,8 @@ def test_dcp_rule_without_its_facts_is_a_clear_error(
     loaded: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Called outside a vLLM config and call site, the DCP rule names the facts it lacks."""
-    # configs/kimi_dcp.yaml's DCP rule without the default facts that file ships
-    # (cp_world and q_len still come from the flashinfer_mla pool's built-in defaults).
-    config = tmp_path / "dcp_no_facts.yaml"
-    config.write_text(
-        "pools:\n  flashinfer_mla:\n    rules:\n"
-        "      lse: 8 * num_heads * cp_world * batch_size * round_up(q_len, 256) + 1MiB + 32MiB\n"
-    )
-    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
-    wspool.reset_registry()
+    # cp_world and q_len still come from the flashinfer_mla pool's built-in default facts.
+    use_lse_rule_without_facts(monkeypatch, tmp_path)
     with pytest.raises(
         RuleError,
         match=r"needs fact\(s\) batch_size, num_heads .*plugin passes the facts it knows: none",

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 import wspool
+from tests.helpers.dcp_config import use_lse_rule_without_facts
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError
 from wspool.integrations import vllm_workspaces as ws
@@ -164,14 +165,8 @@ def test_facts_from_the_config_reach_the_rule(monkeypatch: pytest.MonkeyPatch) -
 
 def test_missing_facts_name_what_the_plugin_knows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A rule that reads facts nobody gave fails naming the facts known and unknown."""
-    # The DCP rule without the default facts that configs/kimi_dcp.yaml ships.
-    config = tmp_path / "dcp_no_facts.yaml"
-    config.write_text(
-        "pools:\n  flashinfer_mla:\n    rules:\n"
-        "      lse: 8 * num_heads * tp_heads * batch_size * round_up(q_len, 256) + 1MiB\n"
-    )
-    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
-    wspool.reset_registry()
+    rule = "8 * num_heads * tp_heads * batch_size * round_up(q_len, 256) + 1MiB"  # tp_heads: a fact nobody gives
+    use_lse_rule_without_facts(monkeypatch, tmp_path, rule)
     ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
     with pytest.raises(
         RuleError, match=r"plugin passes the facts it knows: batch_size=8, q_len=1; unknown here: num_heads, cp_world,"
@@ -201,14 +196,7 @@ def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
 
 def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Inside forward_mqa the heads come from the query where the configuration has none."""
-    # configs/kimi_dcp.yaml's DCP rule, without the default facts that file ships.
-    config = tmp_path / "dcp_no_facts.yaml"
-    config.write_text(
-        "pools:\n  flashinfer_mla:\n    rules:\n"
-        "      lse: 8 * num_heads * cp_world * batch_size * round_up(q_len, 256) + 1MiB + 32MiB\n"
-    )
-    monkeypatch.setenv("WSPOOL_CONFIG", str(config))
-    wspool.reset_registry()
+    use_lse_rule_without_facts(monkeypatch, tmp_path)
     ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
 
     def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> torch.Tensor:
