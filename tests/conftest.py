@@ -20,7 +20,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 @pytest.fixture(autouse=True)
 def clean_wspool_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Remove WSPOOL_* variables and engine knobs, and forget the default registry around each test."""
-    from wspool.settings.engine_knobs import ENGINE_KNOBS
+    from wspool.settings.sources import ENGINE_KNOBS
 
     knobs = {name for name, _, _ in ENGINE_KNOBS}
     for name in list(os.environ):

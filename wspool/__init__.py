@@ -17,15 +17,15 @@ from wspool.errors import (
     WorkspaceOverflowError,
     WspoolError,
 )
-from wspool.lanes import current_lane, lane
 from wspool.pool import PoolSpec as PoolSpec
 from wspool.pool import PoolStats, WorkspacePool
 from wspool.registry import PoolRegistry, get_registry, set_registry
 from wspool.registry import reset_registry as reset_registry
 from wspool.rules import SizeRule as SizeRule
 from wspool.rules import compile_rule as compile_rule
-from wspool.settings.config import PoolConfig, load_settings
-from wspool.settings.config import WspoolSettings as WspoolSettings
+from wspool.settings.schema import PoolConfig, load_settings
+from wspool.settings.schema import WspoolSettings as WspoolSettings
+from wspool.streams import current_lane, lane
 from wspool.units import format_size, parse_size
 
 __version__ = "0.1.0"

@@ -1,16 +1,159 @@
-"""Turning a caller's ``device`` argument into the device a pool lives on.
+"""Devices: turning a ``device`` argument into a ``torch.device``, and the facts a rule may read about it.
 
-``None`` means the current device: the current CUDA device when CUDA is
-available, else the CPU. ``"cuda"`` (or ``torch.device("cuda")``) means the
-current CUDA device, read at call time. Nothing here creates a CUDA context
-before a call that names CUDA.
+``None`` is the current device (CUDA when available, else the CPU); ``"cuda"``
+is the current CUDA device, read at call time. A CUDA device's facts
+(``sm_count``, ``cc_major``, ``cc_minor``, ``device_memory``) are read once per
+device and cached; other devices have none. :func:`fake_device` makes any
+device describe itself as a given GPU, for tests without CUDA. Nothing here
+creates a CUDA context before a call that names CUDA; thread-safe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
+
 import torch
 
-__all__ = ["DeviceLike", "is_dynamic", "resolve_device"]
+__all__ = [
+    "DEVICE_FACTS",
+    "DeviceDescription",
+    "DeviceLike",
+    "describe_device",
+    "device_facts",
+    "fake_device",
+    "is_dynamic",
+    "resolve_device",
+]
+
+
+#: The facts a CUDA device supplies to every rule of every pool.
+DEVICE_FACTS = ("sm_count", "cc_major", "cc_minor", "device_memory")
+
+_EMPTY: Mapping[str, int] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class DeviceDescription:
+    """What wspool knows about one GPU.
+
+    Attributes:
+        name: The device's name, e.g. ``"NVIDIA H200"``.
+        cc_major: Compute capability, major part (9 on Hopper, 10 on B200).
+        cc_minor: Compute capability, minor part.
+        sm_count: Streaming multiprocessors.
+        device_memory: Total device memory in bytes.
+    """
+
+    name: str
+    cc_major: int
+    cc_minor: int
+    sm_count: int
+    device_memory: int
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        """``(cc_major, cc_minor)``."""
+        return self.cc_major, self.cc_minor
+
+    def facts(self) -> Mapping[str, int]:
+        """Return the device facts (:data:`DEVICE_FACTS`) as a read-only mapping."""
+        return MappingProxyType(
+            {
+                "sm_count": self.sm_count,
+                "cc_major": self.cc_major,
+                "cc_minor": self.cc_minor,
+                "device_memory": self.device_memory,
+            }
+        )
+
+    def label(self) -> str:
+        """Return e.g. ``"NVIDIA H200, compute capability 9.0, 132 SMs, 140.4 GiB"``."""
+        return (
+            f"{self.name}, compute capability {self.cc_major}.{self.cc_minor}, {self.sm_count} SMs, "
+            f"{self.device_memory / 2**30:.1f} GiB"
+        )
+
+
+_fakes: dict[torch.device, DeviceDescription | None] = {}
+_described: dict[torch.device, DeviceDescription] = {}
+_facts: dict[torch.device, Mapping[str, int]] = {}
+
+
+def describe_device(device: torch.device) -> DeviceDescription | None:
+    """Return ``device``'s description, read once per device; ``None`` for devices that are not GPUs.
+
+    Args:
+        device: A concrete device (``cuda:0``, ``cpu``); a CUDA device without an
+            index is the current one.
+
+    Returns:
+        The description; ``None`` off the GPU, and for a CUDA device that torch
+        cannot describe (then the pool's first allocation there fails with torch's error).
+    """
+    if _fakes and device in _fakes:
+        return _fakes[device]
+    if device.type != "cuda":
+        return None
+    found = _described.get(device)
+    if found is None:
+        try:
+            props = torch.cuda.get_device_properties(device)
+        except (AssertionError, RuntimeError):
+            # torch cannot describe it (built without CUDA, no such index): no facts, and the
+            # pool's allocation on that device reports the real problem.
+            return None
+        found = DeviceDescription(
+            name=str(props.name),
+            cc_major=int(props.major),
+            cc_minor=int(props.minor),
+            sm_count=int(props.multi_processor_count),
+            device_memory=int(props.total_memory),
+        )
+        _described[device] = found
+    return found
+
+
+def device_facts(device: torch.device) -> Mapping[str, int]:
+    """Return the facts ``device`` supplies to rules (empty off the GPU), cached per device."""
+    found = _facts.get(device)
+    if found is None:
+        description = describe_device(device)
+        found = _EMPTY if description is None else description.facts()
+        if not _fakes:
+            _facts[device] = found
+    return found
+
+
+@contextmanager
+def fake_device(device: torch.device | str, description: DeviceDescription | None) -> Iterator[None]:
+    """Make ``device`` describe itself as ``description`` inside the block (a test hook).
+
+    Registries built inside the block read the fake for pools on ``device``:
+    ``fake_device("cpu", DeviceDescription("NVIDIA H200", 9, 0, 132, 141 << 30))``
+    gives CPU pools the H200's facts and the profile ``auto`` picks for it.
+    ``None`` makes a GPU look like it has no description.
+
+    Thread semantics: the fake is process-wide while the block runs.
+    """
+    key = torch.device(device)
+    previous = _fakes.get(key, _MISSING)
+    _fakes[key] = description
+    _facts.clear()
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            del _fakes[key]
+        else:
+            _fakes[key] = previous  # type: ignore[assignment]
+        _facts.clear()
+
+
+_MISSING = object()
+
 
 DeviceLike = str | torch.device | int | None
 

@@ -39,8 +39,7 @@ from wspool.units import format_size
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from wspool.pool import WorkspacePool
-    from wspool.pool_source import PoolSource
+    from wspool.pool import PoolSource, WorkspacePool
 
 __all__ = [
     "AgreedChange",

@@ -7,7 +7,7 @@ already catch the builtin kinds keep working.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "ConfigError",
@@ -19,6 +19,8 @@ __all__ = [
     "WspoolError",
     "printable",
     "setting_names",
+    "unknown_pool",
+    "unknown_rule",
 ]
 
 ENV_PREFIX = "WSPOOL_"
@@ -95,3 +97,22 @@ class WorkspaceFrozenError(WspoolError, RuntimeError):
 
 class WorkspaceOverflowError(WspoolError, RuntimeError):
     """A kernel still overflowed its workspace after wspool grew it and retried."""
+
+
+def unknown_pool(pool: str, known: Iterable[str]) -> ConfigError:
+    """The error for a pool that is neither configured nor declared, naming where to define it."""
+    listed = ", ".join(sorted(known)) or "none"
+    return ConfigError(
+        f"unknown pool {pool!r} (configured: {listed}); define pools.{pool}.rules in the YAML "
+        f"file or WSPOOL_POOLS__{pool.upper()}__RULES__DEFAULT",
+        path=("pools", pool),
+    )
+
+
+def unknown_rule(pool: str, rule: str, known: Iterable[str]) -> RuleError:
+    """The error for a rule ``pool`` does not have, naming its rules and the setting that adds it."""
+    listed = ", ".join(sorted(known)) or "none"
+    return RuleError(
+        f"pool {pool!r} has no rule {rule!r} (rules: {listed}); set {describe_setting(('pools', pool, 'rules', rule))}",
+        path=("pools", pool, "rules", rule),
+    )

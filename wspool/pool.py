@@ -1,54 +1,369 @@
 """One workspace pool on one device and lane: a lazily grown, zero-filled ``uint8`` buffer.
 
-Device semantics: a pool lives on exactly one ``torch.device``; nothing is
-allocated before the first request, and the buffer is created there with
-``torch.zeros`` (so kernels that keep semaphores in it start from zero).
+Device semantics: nothing is allocated before the first request; the buffer
+is made on the pool's device with ``torch.zeros`` (kernels keep semaphores in
+it). A request that resolves larger than the capacity replaces the buffer
+(rounded by the growth policy, capped by ``max_bytes``); a pool never shrinks
+and never calls ``torch.cuda.empty_cache()``.
 
-Growth: a request that resolves larger than the capacity replaces the buffer
-with a new, larger, zero-filled one (rounded by the pool's growth policy,
-capped by ``max_bytes``). The pool never shrinks by itself and never calls
-``torch.cuda.empty_cache()``.
+Capture semantics: a pool never grows while its registry is frozen or the
+current stream is capturing a CUDA graph; it raises
+:class:`~wspool.errors.WorkspaceFrozenError` and leaves the buffer as it was.
+A replaced buffer that a graph may still use is retired (kept alive) until
+:meth:`WorkspacePool.release_retired`.
 
-Capture semantics: a pool never allocates while the current CUDA stream is
-capturing a graph; such a request raises :class:`WorkspaceFrozenError`, and
-the buffer is left exactly as it was.
-
-Old buffers: a captured graph holds raw addresses, not references, so when a
-pool grows, its previous buffer is *retired* (kept alive, counted in
-``retired_bytes``) rather than dropped if a graph may still replay into it:
-if it was handed out during a capture, or if the registry was frozen while it
-was current (freezing is how an engine says "graphs are being captured now").
-Retired buffers live until :meth:`WorkspacePool.release_retired`, which the
-engine calls once those graphs are gone. Any other previous buffer is dropped
-by the pool and freed by PyTorch when the caller's last reference to it goes
-(a kernel wrapper that keeps the tensor keeps its memory). Pools never call
-``torch.cuda.empty_cache()``.
-
-Thread semantics: every method is thread-safe; concurrent first requests
-allocate once. No lock is held while the pool logs or calls its allocator or
-capture probe, so those may read the pool's statistics. Using one buffer from two CUDA streams at once is a data race:
-give each stream its own lane; :mod:`wspool.streams` can watch for it.
+Thread semantics: thread-safe; concurrent first requests allocate once, and
+no lock is held while the pool logs or calls its allocator or capture probe.
+One buffer used from two streams at once is a race: give each a lane.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import torch
 
-from wspool.errors import SizeError, WspoolError
-from wspool.freeze import FreezeState, cuda_capture_probe
-from wspool.growth_errors import Refusal, allocation_failure, growth_refusal, unknown_rule
-from wspool.pool_spec import Allocator, PoolSpec, PoolStats, zeros_allocator
-from wspool.rule_slots import RuleSlot, rule_slots
+from wspool.errors import (
+    SizeError,
+    WorkspaceFrozenError,
+    WorkspaceLimitError,
+    WspoolError,
+    describe_setting,
+    unknown_rule,
+)
+from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.streams import StreamOrderWatch
-from wspool.units import format_size
+from wspool.units import MAX_SIZE_BYTES, format_size
 
-__all__ = ["Allocator", "PoolSpec", "PoolStats", "WorkspacePool", "cuda_capture_probe"]
+if TYPE_CHECKING:
+    from wspool.devices import DeviceLike
+
+__all__ = [
+    "Allocator",
+    "FreezeState",
+    "PoolSource",
+    "PoolSpec",
+    "PoolStats",
+    "WorkspacePool",
+    "cuda_capture_probe",
+    "zeros_allocator",
+]
+
+
+#: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
+Allocator = Callable[[int, torch.device], torch.Tensor]
+
+
+def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Allocate a zero-filled ``uint8`` buffer (the default allocator)."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of one pool's state; reading it has no side effects.
+
+    Attributes:
+        pool: The pool's name.
+        device: The device, as a string (``"cuda:0"``, ``"cpu"``).
+        lane: The lane (``"main"`` unless a lane was chosen).
+        capacity_bytes: Size of the current buffer (0 before the first request).
+        peak_request_bytes: Largest size any request resolved to.
+        request_count: Requests served.
+        grow_count: Times the buffer was (re)allocated, the first allocation included.
+        last_grow_reason: Why the buffer last grew, e.g. ``"rule lse: 256MiB"``.
+        refused_count: Requests refused (frozen, capturing, over the limit, out of memory).
+        retired_bytes: Bytes of old buffers kept alive for captured graphs.
+        requests_by_rule: Requests served per rule (or per reason for sized requests).
+    """
+
+    pool: str
+    device: str
+    lane: str
+    capacity_bytes: int
+    peak_request_bytes: int
+    request_count: int
+    grow_count: int
+    last_grow_reason: str | None
+    refused_count: int = 0
+    retired_bytes: int = 0
+    requests_by_rule: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class PoolSpec:
+    """A pool's configuration, shared by its instances on every device and lane.
+
+    Args:
+        name: The pool's name.
+        rules: Rule name -> rule source (size or expression).
+        growth: ``"exact"``, ``"power_of_two"`` or a granularity size string.
+        max_bytes: Largest capacity allowed, or ``None``.
+        rule_pools: For rules that another pool brought to this one's buffer
+            (``shared_with``), the pool whose key sets them; others are this pool's.
+        facts: The pool's configured default facts (``pools.<name>.facts``).
+        rule_facts: For rules another pool brought, that pool's default facts.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rules: Mapping[str, str | int],
+        growth: str = "exact",
+        max_bytes: int | None = None,
+        rule_pools: Mapping[str, str] | None = None,
+        facts: Mapping[str, int] | None = None,
+        rule_facts: Mapping[str, Mapping[str, int]] | None = None,
+    ) -> None:
+        from wspool.units import parse_size  # the one place sizes are parsed
+
+        self.name = name
+        self.rule_pools: dict[str, str] = {rule: (rule_pools or {}).get(rule, name) for rule in rules}
+        """Rule name -> the pool whose ``pools.<pool>.rules.<rule>`` key sets it."""
+        self.rules: dict[str, SizeRule] = {
+            rule: compile_rule(source, ("pools", self.rule_pools[rule], "rules", rule))
+            for rule, source in rules.items()
+        }
+        self.facts: dict[str, int] = dict(facts or {})
+        """The pool's own default facts."""
+        self.rule_facts: dict[str, Mapping[str, int]] = {
+            rule: (rule_facts or {}).get(rule, self.facts) for rule in rules
+        }
+        """Rule name -> the default facts of the pool that brought it (this pool's, for its own rules)."""
+        self.growth = growth
+        self.granularity = 0 if growth in ("exact", "power_of_two") else parse_size(growth)
+        self.max_bytes = max_bytes
+
+    def setting(self, *parts: str) -> str:
+        """Name a setting of this pool as ``"key / ENV_VAR"``."""
+        return describe_setting(("pools", self.name, *parts))
+
+    def rule_setting(self, rule: str) -> str:
+        """Name the key that sets ``rule`` (in the pool that brought it, for shared buffers)."""
+        return describe_setting(("pools", self.rule_pools.get(rule, self.name), "rules", rule))
+
+    def capacity_for(self, nbytes: int) -> int:
+        """Return the capacity to allocate for a request of ``nbytes``."""
+        if self.growth == "power_of_two":
+            capacity = 1 << max(nbytes - 1, 0).bit_length()
+        elif self.granularity:
+            capacity = -(-nbytes // self.granularity) * self.granularity
+        else:
+            capacity = nbytes
+        if self.max_bytes is not None and capacity > self.max_bytes >= nbytes:
+            capacity = self.max_bytes  # rounding may not push a fitting request over the cap
+        return capacity
+
+
+class FreezeState:
+    """Shared by a registry's pools: growth is refused while ``frozen``.
+
+    Frozen while :meth:`freeze` holds it or any ``frozen()`` block is open (the
+    blocks are counted, so blocks overlapping across threads keep the freeze
+    until the last one closes). ``epoch`` counts the times it became frozen, so a
+    pool can tell at growth whether its buffer was current during a freeze (and
+    so may be in a graph).
+    """
+
+    __slots__ = ("_blocks", "_held", "_lock", "_resets", "epoch")
+
+    def __init__(self) -> None:
+        self._held = False
+        self._blocks = 0
+        self._resets = 0
+        self._lock = threading.Lock()
+        self.epoch = 0
+
+    @property
+    def frozen(self) -> bool:
+        """Whether growth is refused now."""
+        return self._held or self._blocks > 0
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        with self._lock:
+            if value and not self.frozen:
+                self.epoch += 1
+            self._held = bool(value)
+
+    def enter(self) -> int:
+        """Open a frozen block; returns the token that :meth:`leave` takes."""
+        with self._lock:
+            if not self.frozen:
+                self.epoch += 1
+            self._blocks += 1
+            return self._resets
+
+    def leave(self, token: int) -> None:
+        """Close a block opened by :meth:`enter` (a no-op after :meth:`clear`)."""
+        with self._lock:
+            if token == self._resets and self._blocks > 0:
+                self._blocks -= 1
+
+    def clear(self) -> None:
+        """Unfreeze completely; blocks open now no longer count."""
+        with self._lock:
+            self._held = False
+            self._blocks = 0
+            self._resets += 1
+
+
+def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
+    """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
+
+    The legacy default stream (raw handle 0) cannot be captured, so on it the
+    probe answers with one call that reads the current stream instead of
+    asking CUDA for the capture status, which costs more; any other stream is
+    asked.
+    """
+    index = device.index if device.index is not None else 0
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    capturing = torch.cuda.is_current_stream_capturing
+    if raw_stream is None:  # pragma: no cover - every torch this project supports has it
+        return capturing
+
+    def probe() -> bool:
+        return raw_stream(index) != 0 and capturing()
+
+    return probe
+
+
+#: A refused growth: the error to raise, and the log line (format and arguments) to write first.
+_Refusal = tuple[Exception, str, tuple[object, ...]]
+
+
+def _growth_refusal(
+    spec: PoolSpec,
+    device: torch.device,
+    lane: str,
+    *,
+    nbytes: int,
+    old: int,
+    reason: str,
+    setting: str,
+    frozen: bool,
+    capturing: bool,
+) -> _Refusal | None:
+    """Return the error and log line for a growth to ``nbytes`` that must be refused, or ``None`` to grow.
+
+    Refused: above ``max_bytes`` or wspool's size limit, or while ``frozen`` or ``capturing``.
+    """
+    limit = spec.max_bytes
+    if (limit is not None and nbytes > limit) or nbytes > MAX_SIZE_BYTES:
+        shown = limit if limit is not None and nbytes > limit else MAX_SIZE_BYTES
+        what = "max_bytes" if shown == limit else "wspool's size limit"
+        hint = f"raise {spec.setting('max_bytes')}" if shown == limit else f"lower {setting}"
+        return (
+            WorkspaceLimitError(
+                f"pool {spec.name!r} on {device} (lane {lane}) needs {nbytes} bytes "
+                f"({format_size(nbytes)}) for {reason}, above {what} = {shown} bytes "
+                f"({format_size(shown)}); {hint}"
+            ),
+            "wspool: refused %s on %s lane %s: %s (%s) needs %d bytes, above %s %d",
+            (spec.name, device, lane, reason, format_size(nbytes), nbytes, what, shown),
+        )
+    if frozen or capturing:
+        why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
+        return (
+            WorkspaceFrozenError(
+                f"pool {spec.name!r} on {device} (lane {lane}) would have to grow {why}: "
+                f"{reason} needs {nbytes} bytes ({format_size(nbytes)}), {old} bytes available. "
+                f"Reserve or warm up that size before capturing/freezing, or raise {setting}"
+            ),
+            "wspool: refused growth of %s on %s lane %s %s: %s needs %d bytes, %d available",
+            (spec.name, device, lane, why, reason, nbytes, old),
+        )
+    return None
+
+
+def _allocation_failure(
+    spec: PoolSpec,
+    device: torch.device,
+    lane: str,
+    exc: BaseException,
+    *,
+    old: int,
+    capacity: int,
+    reason: str,
+    setting: str,
+) -> WorkspaceLimitError:
+    """The error for an allocator that failed to grow the buffer from ``old`` to ``capacity`` bytes."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        cause = "the device is out of memory"
+    else:
+        first = (str(exc).splitlines() or [""])[0][:120]
+        cause = f"the allocation failed ({type(exc).__name__}: {first})"
+    return WorkspaceLimitError(
+        f"pool {spec.name!r} on {device} (lane {lane}) could not grow from {old} to "
+        f"{capacity} bytes ({format_size(capacity)}) for {reason}: {cause}; "
+        f"the pool keeps its {format_size(old) if old else 'empty'} buffer. "
+        f"Lower {setting} or free device memory"
+    )
+
+
+class _RuleSlot:
+    """Per rule (or request reason): its compiled rule and an atomic request counter.
+
+    Attributes:
+        rule: The compiled rule; ``None`` for an explicit-request reason.
+        nbytes: A literal rule's size; ``None`` for an expression (or no rule).
+        defaults: The facts a call's missing facts are read from.
+        default_nbytes: The size of a call that gives no facts, when the defaults resolve it.
+        label: Says why the pool grew, e.g. ``"rule lse"``.
+        setting: The key that sizes these requests, for error messages.
+        counter: Counts requests (read with :attr:`count`).
+    """
+
+    __slots__ = ("counter", "default_nbytes", "defaults", "label", "nbytes", "rule", "setting")
+
+    def __init__(
+        self, rule: SizeRule | None, label: str, setting: str, defaults: Mapping[str, int] | None = None
+    ) -> None:
+        self.rule = rule
+        # A literal rule's size, read without a method call on the hot path.
+        self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None
+        # Configured default facts over the device's: what a call's missing facts are read from.
+        self.defaults: Mapping[str, int] = defaults if defaults is not None else {}
+        # The size of a call that gives no facts, resolved once (None: the defaults lack a fact,
+        # and such a call raises the error that names it).
+        self.default_nbytes: int | None = None
+        if rule is not None and self.nbytes is None and set(rule.names) <= set(self.defaults):
+            # A default fact the rule cannot use: each call raises the rule's own error.
+            with contextlib.suppress(ValueError):
+                self.default_nbytes = rule.resolve(self.defaults)
+        self.label = label  # says why the pool grew, e.g. "rule lse"
+        self.setting = setting  # the key that sizes these requests, for error messages
+        # next() on itertools.count is atomic under the GIL: exact counts without a lock.
+        self.counter = itertools.count()
+
+    @property
+    def count(self) -> int:
+        """The requests counted so far."""
+        # count's repr is "count(N)": the only way to read it without advancing it.
+        return int(repr(self.counter)[6:-1])
+
+
+def _rule_slots(spec: PoolSpec, device_facts: Mapping[str, int] | None) -> dict[str, _RuleSlot]:
+    """Build a slot for each of ``spec``'s rules, its default facts over ``device_facts``.
+
+    The rules of one pool share one merged mapping (merged once per pool and
+    device); plain dicts, so merging one into a call's partial facts is a C-level copy.
+    """
+    merged: dict[int, dict[str, int]] = {}
+    for own in spec.rule_facts.values():
+        if id(own) not in merged:
+            merged[id(own)] = {**(device_facts or {}), **own}
+    return {
+        name: _RuleSlot(rule, f"rule {name}", spec.rule_setting(name), merged[id(spec.rule_facts[name])])
+        for name, rule in spec.rules.items()
+    }
+
 
 logger = logging.getLogger("wspool")
 
@@ -69,7 +384,7 @@ class WorkspacePool:
             track capture themselves, and tests, may pass their own.
         debug_streams: On CUDA devices, watch for the buffer being handed to
             two streams without ordering (see :mod:`wspool.streams`).
-        device_facts: The device's facts (:mod:`wspool.device_facts`); each rule
+        device_facts: The device's facts (:mod:`wspool.devices`); each rule
             reads a fact its call lacks from its pool's default facts, then from these.
     """
 
@@ -112,7 +427,7 @@ class WorkspacePool:
         self._captured = False
         self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
         self._retired: list[torch.Tensor] = []
-        self._slots: dict[str, RuleSlot] = rule_slots(spec, device_facts)
+        self._slots: dict[str, _RuleSlot] = _rule_slots(spec, device_facts)
         self.generation = 0
         """Increments each time the buffer is replaced; caches keyed on it go stale."""
         self.buffer_cache: dict[Hashable, Any] = {}
@@ -209,7 +524,7 @@ class WorkspacePool:
         slot = self._slots.get(reason)
         if slot is None:
             with self._lock:
-                slot = self._slots.setdefault(reason, RuleSlot(None, reason, self.spec.setting("rules", "<rule>")))
+                slot = self._slots.setdefault(reason, _RuleSlot(None, reason, self.spec.setting("rules", "<rule>")))
         if self._capture_probe is not None:
             if self._capture_probe():
                 self._captured = True
@@ -235,7 +550,7 @@ class WorkspacePool:
             if nbytes > self._peak:
                 self._peak = nbytes
 
-    def _serve_growing(self, slot: RuleSlot, nbytes: int) -> torch.Tensor:
+    def _serve_growing(self, slot: _RuleSlot, nbytes: int) -> torch.Tensor:
         buffer = self._grow(nbytes, slot.label, slot.setting)
         next(slot.counter)
         if nbytes > self._peak:
@@ -295,9 +610,9 @@ class WorkspacePool:
                     self._grower = None
                     self._grown.notify_all()
 
-    def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> Refusal | None:
+    def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> _Refusal | None:
         """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
-        refusal = growth_refusal(
+        refusal = _growth_refusal(
             self.spec, self.device, self.lane, nbytes=nbytes, old=self._state[1], reason=reason, setting=setting,
             frozen=self._freeze.frozen, capturing=capturing,
         )  # fmt: skip
@@ -332,7 +647,7 @@ class WorkspacePool:
                 capacity,
                 reason,
             )
-            raise allocation_failure(
+            raise _allocation_failure(
                 spec, self.device, self.lane, exc, old=old, capacity=capacity, reason=reason, setting=setting
             ) from exc
         with self._lock:
@@ -404,10 +719,44 @@ class WorkspacePool:
             return released
 
     def _unknown_rule(self, rule: str) -> Exception:
-        return unknown_rule(self.spec, rule, (n for n, s in self._slots.items() if s.rule is not None))
+        return unknown_rule(self.spec.name, rule, (n for n, s in self._slots.items() if s.rule is not None))
 
     def __repr__(self) -> str:
         return (
             f"WorkspacePool({self.spec.name!r}, device={self.device}, lane={self.lane!r}, "
             f"capacity={format_size(self._state[1])})"
         )
+
+
+class PoolSource(Protocol):
+    """What accounting, agreement and kernel-buffer tracking read from a registry.
+
+    Thread semantics: those of the implementation (the registry's methods are thread-safe).
+    """
+
+    op_state: dict[str, Any]
+
+    @property
+    def is_frozen(self) -> bool:
+        """Whether growth is refused."""
+        ...
+
+    def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int:
+        """Return the bytes a call on ``device`` would get from ``rule``; allocates nothing."""
+        ...
+
+    def pool_names(self) -> list[str]:
+        """Return the names of every configured or declared pool, sorted."""
+        ...
+
+    def spec(self, pool: str, device: DeviceLike = None) -> PoolSpec:
+        """Return a pool's configuration under ``device``'s profile."""
+        ...
+
+    def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool:
+        """Return (creating, without allocating) the pool for ``name`` on ``device`` and ``lane``."""
+        ...
+
+    def pools(self) -> Iterator[WorkspacePool]:
+        """Iterate over every pool instance created so far."""
+        ...

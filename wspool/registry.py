@@ -1,24 +1,14 @@
 """The registry: pool name + device + lane -> one shared workspace pool.
 
-Several backends embed one registry: each names the pool it draws from, and
-pools with the same name on the same device and lane are the same memory, as
-are pools configured to share a buffer (``pools.<pool>.shared_with``): their
-rules are served by one buffer, which grows to the largest. That is safe for
-sequential use on one stream; concurrent streams need separate pools or lanes
-(see :mod:`wspool.lanes`). :meth:`PoolRegistry.memory_summary` shows what each
-buffer holds and which backends drew from it.
+Pools of one name on one device and lane are the same memory, as are pools
+configured to share a buffer (``shared_with``). Each device's pools follow the
+profile the ``profile`` setting gives that device; a rule reads a fact its
+call lacks from the pool's default facts, then from the device's.
 
-Profiles: each device's pools are configured by the profile the ``profile``
-setting gives that device (:mod:`wspool.settings.profiles`; ``auto`` picks per compute
-capability), layered just above the built-in defaults; :meth:`PoolRegistry.profile_of`
-says which and why. Facts: a rule reads a fact its call lacks from the pool's
-default facts (``pools.<pool>.facts``), then from the device's
-(:mod:`wspool.device_facts`), merged once per pool and device.
-
-Thread semantics: all methods are thread-safe. Device semantics: see
-:func:`wspool.devices.resolve_device`; ``"cuda"`` and ``None`` are resolved
-to the current device on every call, never cached. Capture semantics: see
-:mod:`wspool.pool`; :meth:`PoolRegistry.freeze` refuses all growth.
+Thread semantics: every method is thread-safe. Device semantics: ``"cuda"`` and
+``None`` are resolved to the current device on every call, never cached.
+Capture semantics: reserve and warm up before capture; :meth:`PoolRegistry.freeze`
+refuses all growth (docs/profiles.md, README's CUDA-graph rules).
 """
 
 from __future__ import annotations
@@ -26,30 +16,140 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 
-from wspool.declarations import Declaration, linked_spec, stage_declaration
-from wspool.device_facts import DeviceDescription
-from wspool.device_facts import describe_device as describe_any_device
-from wspool.devices import DeviceLike, is_dynamic, resolve_device
-from wspool.freeze import FreezeState
-from wspool.lanes import current_lane
-from wspool.lifecycle import RegistryLifecycle
-from wspool.pool import Allocator, PoolSpec, WorkspacePool
-from wspool.pool_checks import check_rule_facts, unknown_pool, unknown_rule
-from wspool.settings.config import WspoolSettings, check_shared_pools, load_settings, profile_settings
+from wspool.devices import DeviceDescription, DeviceLike, is_dynamic, resolve_device
+from wspool.devices import describe_device as describe_any_device
+from wspool.errors import ConfigError, describe_setting, unknown_pool, unknown_rule
+from wspool.pool import Allocator, FreezeState, PoolSource, PoolSpec, PoolStats, WorkspacePool
 from wspool.settings.profiles import ProfileChoice, choose_profile
+from wspool.settings.schema import WspoolSettings, check_shared_pools, load_settings, profile_settings, validate_pool
+from wspool.streams import current_lane
 
 __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
+
+
+def _check_rule_facts(
+    pool: str, spec: PoolSpec, rules: Iterable[str] | None, *, available: set[str], profile: str
+) -> None:
+    """Check that ``rules`` of ``pool`` (``None``: all) read only ``available`` facts.
+
+    Raises:
+        ConfigError: A rule is unknown, or reads a fact that is not available; the
+            message names ``pools.<pool>.facts.<name>`` / ``WSPOOL_POOLS__<POOL>__FACTS__<NAME>``.
+    """
+    for rule in sorted(spec.rules) if rules is None else rules:
+        compiled = spec.rules.get(rule)
+        if compiled is None:
+            raise unknown_rule(pool, rule, spec.rules)
+        missing = [name for name in compiled.names if name not in available]
+        if missing:
+            keys = ", ".join(describe_setting(("pools", pool, "facts", name)) for name in missing)
+            raise ConfigError(
+                f"rule {describe_setting(('pools', pool, 'rules', rule))} = {compiled.source!r} (profile "
+                f"{profile}) needs fact(s) {', '.join(missing)}, which this call site does not pass "
+                f"and no default supplies; set {keys}",
+                path=("pools", pool, "facts", missing[0]),
+            )
+
+
+class _Declaration(NamedTuple):
+    """A pool declaration staged for one profile view: applied only once every view validated it."""
+
+    spec: PoolSpec  # what declare_pool returns
+    specs: dict[str, PoolSpec] | None  # the view's new specs; None: nothing changes
+    host: str  # the pool whose buffer it draws from
+    linked: PoolSpec | None  # the host buffer's new spec, when it is shared
+
+
+def _build_declaration(
+    name: str,
+    declared: Mapping[str, Any],
+    *,
+    settings: WspoolSettings,
+    specs: Mapping[str, PoolSpec],
+    hosts: Mapping[str, str],
+    shared_hosts: Mapping[str, PoolSpec],
+    host_in_use: Callable[[str], bool],
+    spec_of: Callable[[str], PoolSpec],
+    replay: bool = False,
+) -> _Declaration:
+    """Build one profile view's spec for a declaration, validated as YAML is; change nothing.
+
+    Args:
+        name: The declared pool.
+        declared: Its ``rules``, ``growth`` and ``max_bytes`` as declared.
+        settings: The view's settings (configured values override the declared ones rule by rule).
+        specs: The view's current specs, by pool.
+        hosts: Each ``shared_with`` pool's host.
+        shared_hosts: The current spec of each shared buffer, by host.
+        host_in_use: Whether a pool instance of that host exists already.
+        spec_of: The view's spec of a pool (raises for an unknown one).
+        replay: Replaying an earlier declaration on a new view (in-use pools are no obstacle).
+
+    Raises:
+        ConfigError: A declared rule is invalid, or the pool is in use with other rules.
+    """
+    values: dict[str, Any] = {**declared, "rules": dict(declared["rules"])}
+    configured = settings.pools.get(name)
+    if configured is not None:
+        values["rules"].update(configured.rules)
+        for key in ("growth", "max_bytes"):
+            if key in configured.model_fields_set:
+                values[key] = getattr(configured, key)
+    # Validated as YAML is (max_bytes 0, a fixed rule above max_bytes, growth's case).
+    validated = validate_pool(name, values)
+    spec = PoolSpec(
+        name, validated.rules, validated.growth, validated.max_bytes, facts=configured.facts if configured else None
+    )
+    host = hosts.get(name, name)
+    current = specs.get(name)
+    if not replay and current is not None and host_in_use(host):
+        if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
+            raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
+        return _Declaration(current, None, host, None)
+    new_specs = {**specs, name: spec}
+    # May raise: nothing is set yet.
+    linked = _linked_spec(host, new_specs, hosts, spec_of) if host in shared_hosts else None
+    return _Declaration(spec, new_specs, host, linked)
+
+
+def _linked_spec(
+    host: str, specs: Mapping[str, PoolSpec], hosts: Mapping[str, str], spec_of: Callable[[str], PoolSpec]
+) -> PoolSpec:
+    """Return the spec of ``host``'s buffer: its own rules and those of the pools that share it.
+
+    Raises:
+        ConfigError: Two pools sharing the buffer have a rule of the same name.
+    """
+    own = specs[host] if host in specs else spec_of(host)
+    rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
+    owners: dict[str, str] = {}
+    facts: dict[str, Mapping[str, int]] = {}
+    for guest in sorted(g for g, h in hosts.items() if h == host):
+        facts.update(dict.fromkeys(specs[guest].rules, specs[guest].facts))
+        for rule, compiled in specs[guest].rules.items():
+            if rule in rules:
+                raise ConfigError(
+                    f"pools {guest!r} and {host!r} share one buffer (pools.{guest}.shared_with) and both "
+                    f"have a rule {rule!r}; rename one, or set {describe_setting(('pools', guest, 'shared_with'))} "
+                    f"empty to give {guest!r} its own buffer",
+                    path=("pools", guest, "rules", rule),
+                )
+            rules[rule] = compiled.source
+            owners[rule] = guest
+    return PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts)
+
 
 _PoolKey = tuple[str, torch.device, str]
 #: Describes a device for its facts and profile; ``None`` for a device that is not a GPU.
 DeviceDescriber = Callable[[torch.device], DeviceDescription | None]
 
 
-class PoolRegistry(RegistryLifecycle):
+class PoolRegistry:
     """Named, per-device workspace pools sized by configured rules.
 
     Args:
@@ -61,7 +161,7 @@ class PoolRegistry(RegistryLifecycle):
             in (under :func:`torch.cuda.use_mem_pool`), for engines that manage
             a pool's memory as a whole (sleep and offload modes).
         describe_device: Describes a device for its facts and profile; default
-            :func:`wspool.device_facts.describe_device` (read once per device).
+            :func:`wspool.devices.describe_device` (read once per device).
             Tests pass their own to stand a CPU in for an SM90 or SM100 GPU.
 
     Attributes:
@@ -87,7 +187,7 @@ class PoolRegistry(RegistryLifecycle):
         self._views: dict[str, PoolRegistry] = {base.profile: self}
         self._devices: dict[torch.device, tuple[PoolRegistry, ProfileChoice, Mapping[str, int]]] = {}
         if mem_pool is not None:
-            from wspool.accounting import mem_pool_allocator
+            from wspool.memory import mem_pool_allocator
 
             allocator = mem_pool_allocator(mem_pool, allocator)
         self._allocator = allocator
@@ -177,7 +277,7 @@ class PoolRegistry(RegistryLifecycle):
         view, choice, _ = self._device_entry(resolve_device(device))
         spec = view.spec(pool)
         available = set(supplied) | set(self.default_facts(pool, device))
-        check_rule_facts(pool, spec, rules, available=available, profile=choice.profile)
+        _check_rule_facts(pool, spec, rules, available=available, profile=choice.profile)
 
     @classmethod
     def from_config(cls, config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> PoolRegistry:
@@ -245,7 +345,7 @@ class PoolRegistry(RegistryLifecycle):
         spec = view.spec(pool)
         compiled = spec.rules.get(rule)
         if compiled is None:
-            raise unknown_rule(pool, rule, spec)
+            raise unknown_rule(pool, rule, spec.rules)
         return compiled.resolve(facts, {**device_facts, **spec.facts})
 
     # -- pools -------------------------------------------------------------
@@ -324,15 +424,15 @@ class PoolRegistry(RegistryLifecycle):
             self._declared[name] = declared
             return staged[0].spec
 
-    def _stage_declaration(self, name: str, declared: Mapping[str, Any], replay: bool = False) -> Declaration:
+    def _stage_declaration(self, name: str, declared: Mapping[str, Any], replay: bool = False) -> _Declaration:
         """Build this view's spec for a declaration, validated as YAML is; change nothing (lock held)."""
-        return stage_declaration(
+        return _build_declaration(
             name, declared, settings=self.settings, specs=self._specs, hosts=self._hosts,
             shared_hosts=self._buffer_specs, host_in_use=lambda host: any(key[0] == host for key in self._pools),
             spec_of=self.spec, replay=replay,
         )  # fmt: skip
 
-    def _apply_declaration(self, change: Declaration) -> None:
+    def _apply_declaration(self, change: _Declaration) -> None:
         """Install a staged declaration (lock held); swapping whole dicts keeps lock-free readers consistent."""
         if change.specs is None:
             return
@@ -342,7 +442,11 @@ class PoolRegistry(RegistryLifecycle):
 
     def _link(self, host: str) -> None:
         """Build the spec of ``host``'s buffer from the current specs."""
-        self._buffer_specs[host] = linked_spec(host, self._specs, self._hosts, self.spec)
+        self._buffer_specs[host] = _linked_spec(host, self._specs, self._hosts, self.spec)
+
+    def pool_names(self) -> list[str]:
+        """Return the names of every configured or declared pool, sorted."""
+        return sorted(self._specs)
 
     def buffer_pool(self, name: str) -> str:
         """Return the pool whose buffer ``name`` draws from: its ``shared_with`` host, else itself."""
@@ -361,6 +465,130 @@ class PoolRegistry(RegistryLifecycle):
             self._fast.clear()
             self.op_state.clear()
             self.freeze_state.clear()
+
+    # -- reserve, warm up, freeze, release, report --------------------------------
+
+    def stats(self, pool: str, device: DeviceLike = None, *, lane: str | None = None) -> PoolStats:
+        """Return the statistics of one pool on one device and lane (zeros if never used)."""
+        return self.pool(pool, device, lane=lane).stats()
+
+    def all_stats(self) -> list[PoolStats]:
+        """Return the statistics of every pool instance, sorted by pool, device and lane."""
+        return sorted((p.stats() for p in self.pools()), key=lambda s: (s.pool, s.device, s.lane))
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Return what every buffer holds, per backend, with PyTorch's figures on CUDA (JSON-able).
+
+        See :func:`wspool.memory.memory_stats`; reading it has no side effects.
+        """
+        from wspool.memory import memory_stats
+
+        return memory_stats(self._source())
+
+    def memory_summary(self) -> str:
+        """Return a table: pool, device, lane, capacity, peak request, grows, backends; then totals per device."""
+        from wspool.memory import memory_summary
+
+        return memory_summary(self._source())
+
+    # -- reserve, warm up, freeze --------------------------------------------
+
+    def reserve(
+        self,
+        pool: str,
+        device: DeviceLike = None,
+        *,
+        nbytes: int | str | None = None,
+        rule: str | None = None,
+        lane: str | None = None,
+        **facts: object,
+    ) -> torch.Tensor:
+        """Grow a pool ahead of time to ``nbytes`` or to what ``rule`` resolves to.
+
+        Raises:
+            ValueError: Neither or both of ``nbytes`` and ``rule`` are given.
+        """
+        if (nbytes is None) == (rule is None):
+            raise ValueError("reserve() takes exactly one of nbytes= or rule=")
+        target = self.pool(pool, device, lane=lane)
+        if rule is not None:
+            return target.workspace(rule, facts)
+        from wspool.units import parse_size
+
+        return target.request(parse_size(nbytes), "reserve")
+
+    def warmup(
+        self,
+        pool: str,
+        facts_list: Iterable[Mapping[str, object]],
+        device: DeviceLike = None,
+        *,
+        rule: str = "default",
+        lane: str | None = None,
+        agree_group: Any = None,
+    ) -> int:
+        """Resolve ``rule`` over every shape an engine will capture; grow once, to the largest.
+
+        Args:
+            agree_group: A ``torch.distributed`` process group, e.g.
+                ``torch.distributed.group.WORLD``. Given, the largest size is
+                agreed with :func:`wspool.distributed.agree` (a collective: every
+                rank of the group calls ``warmup`` for the same pools in the same
+                order), so every rank grows once, to the maximum over the ranks,
+                and a rank that cannot grow raises on every rank. ``None``: local only.
+
+        Returns:
+            The pool's capacity afterwards, in bytes.
+        """
+        target = self.pool(pool, device, lane=lane)
+        largest = max((target.resolve(rule, facts) for facts in facts_list), default=0)
+        if agree_group is not None:
+            from wspool.distributed import agree
+
+            agree(self._source(), agree_group, device=target.device, reserve={(pool, target.lane): largest})
+        if largest:
+            target.request(largest, f"warmup of rule {rule}")
+        return target.capacity_bytes
+
+    def freeze(self) -> None:
+        """Refuse all growth from now on (requests that fit are still served)."""
+        self.freeze_state.frozen = True
+
+    def unfreeze(self) -> None:
+        """Undo :meth:`freeze`; growth stays refused while a :meth:`frozen` block is open."""
+        self.freeze_state.frozen = False
+
+    @property
+    def is_frozen(self) -> bool:
+        """Whether growth is refused."""
+        return self.freeze_state.frozen
+
+    @contextmanager
+    def frozen(self) -> Iterator[PoolRegistry]:
+        """Refuse growth inside the block.
+
+        Blocks are counted: with blocks open in several threads at once, the
+        registry stays frozen until the last one closes, and then is frozen
+        exactly when :meth:`freeze` was called without :meth:`unfreeze`.
+        """
+        token = self.freeze_state.enter()
+        try:
+            yield self
+        finally:
+            self.freeze_state.leave(token)
+
+    def release_retired(self) -> int:
+        """Free buffers kept for captured graphs; call once those graphs are gone.
+
+        Returns:
+            Bytes released across all pools.
+        """
+        return sum(p.release_retired() for p in self.pools())
+
+    def _source(self) -> PoolSource:
+        """This registry, as the modules below it read one."""
+        source: PoolSource = self
+        return source
 
 
 _default: PoolRegistry | None = None

@@ -1,50 +1,49 @@
-"""A debug check: one pool's buffer handed to two CUDA streams with no ordering between them.
+"""Lanes, and a debug check for one buffer handed to two CUDA streams without ordering.
 
-Two streams that use one workspace at the same time corrupt each other's
-partial results without any error. The fix is a lane per stream
-(:func:`wspool.lane`); this module helps find the places that need one. It is
-off by default and switched on with ``debug_streams: true`` in the YAML file
-or ``WSPOOL_DEBUG_STREAMS=1``; pools on CUDA devices then carry a
-:class:`StreamOrderWatch` and call it on every request served outside a
-CUDA-graph capture. With the check off, a pool pays nothing for it beyond
-one attribute test on CUDA devices.
-
-How it decides. Each request records a CUDA event on the requesting stream:
-the point after which that stream may use the buffer. When the next request
-of the same pool comes from another stream, wspool cannot see whether the new
-stream waited for the old one (``wait_stream``, ``wait_event``), so it looks at
-the GPU instead. If the old stream's event is still pending, the host waits
-until the *new* stream has reached its own event; if the old event is still
-pending then, the new stream got there without waiting for the old one, and
-the two may use the buffer at once: one :class:`StreamOrderWarning` is issued
-per pool and pair of streams.
-
-The heuristic never warns about correctly ordered streams, but it can miss a
-race: when the old stream had already passed its request point by the time
-the new stream asks, its kernels may still be running on the buffer and
-nothing is reported. Passing the check is not a proof of safety.
-
-Cost, with the check on: one event created and recorded per request (a few
-microseconds of host time), and, when the stream changes while the previous
-stream's event is pending, a host wait for the new stream to catch up, which
-serialises the host with that stream. Use it in tests and debugging runs,
-not in production. Requests made while the current stream is capturing are
-not checked (event queries are not allowed during capture); nor should the
-check run while another thread captures a graph in ``"global"`` capture mode.
-
-Thread semantics: a watch is thread-safe; the host wait runs outside its lock.
+A pool is keyed by ``(name, device, lane)`` and lanes never share memory:
+work that may run concurrently takes a lane of its own (:func:`lane`, a
+context variable that follows threads and asyncio tasks). With
+``debug_streams`` on, :class:`StreamOrderWatch` warns once per pool and pair
+of streams that used one buffer without ordering; off, it costs nothing.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 
-__all__ = ["StreamOrderWarning", "StreamOrderWatch"]
+__all__ = ["DEFAULT_LANE", "StreamOrderWarning", "StreamOrderWatch", "current_lane", "lane"]
+
+
+DEFAULT_LANE = "main"
+
+_LANE: contextvars.ContextVar[str] = contextvars.ContextVar("wspool_lane", default=DEFAULT_LANE)
+
+#: The hot path reads the lane through this bound method (no attribute lookups).
+current_lane = _LANE.get
+
+
+@contextmanager
+def lane(name: str) -> Iterator[str]:
+    """Use lane ``name`` for every request made inside the block (this thread/task only).
+
+    Example:
+        >>> with wspool.lane("ubatch1"):
+        ...     buf = reg.workspace("flashinfer_mla", device="cuda")
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a lane name must be a non-empty string, got {name!r}")
+    token = _LANE.set(name)
+    try:
+        yield name
+    finally:
+        _LANE.reset(token)
 
 
 class StreamOrderWarning(RuntimeWarning):

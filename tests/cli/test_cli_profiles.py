@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.devices_fake import H200, HOPPER_MLA_BYTES
 from wspool.cli import main
-from wspool.device_facts import fake_device
+from wspool.devices import fake_device
 
 ENV = "WSPOOL_POOLS__FLASHINFER_MLA__FACTS__KV_LORA_RANK"
 

@@ -1,4 +1,4 @@
-"""Tests for wspool.accounting: memory_summary / memory_stats, MemPool allocation, the stats command."""
+"""Tests for wspool.memory: memory_summary / memory_stats, MemPool allocation, the stats command."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import wspool
-from wspool.accounting import dry_run, mem_pool_allocator
 from wspool.cli import main
+from wspool.memory import dry_run, mem_pool_allocator
 
 MiB = 1 << 20
 FACTS = ["--fact", "sm_count=132", "--fact", "head_dim=128", "--fact", "num_qo_heads=32"]
@@ -78,7 +78,7 @@ def test_mem_pool_allocator_routes_cuda_buffers(monkeypatch: pytest.MonkeyPatch)
 def test_registry_takes_a_mem_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """PoolRegistry(mem_pool=...) allocates through the MemPool allocator (and still zero-fills on the CPU)."""
     seen: list[object] = []
-    monkeypatch.setattr("wspool.accounting.mem_pool_allocator", lambda pool, base: seen.append(pool) or base)
+    monkeypatch.setattr("wspool.memory.mem_pool_allocator", lambda pool, base: seen.append(pool) or base)
     reg = wspool.PoolRegistry(wspool.load_settings(), mem_pool="the pool")
     assert seen == ["the pool"]
     assert int(reg.workspace("flashinfer_mla", "cpu").count_nonzero()) == 0

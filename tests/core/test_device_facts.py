@@ -1,4 +1,4 @@
-"""Tests for wspool.device_facts: facts from the device, cached, below configured and caller facts."""
+"""Tests for wspool.devices: facts from the device, cached, below configured and caller facts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import wspool
 from tests.helpers.devices_fake import B200, H200
-from wspool.device_facts import DEVICE_FACTS, describe_device, device_facts, fake_device
+from wspool.devices import DEVICE_FACTS, describe_device, device_facts, fake_device
 from wspool.errors import RuleError
 
 RULE = "sm_count * 1KiB + cc_major + device_memory // 1TiB"

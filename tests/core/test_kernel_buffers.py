@@ -1,4 +1,4 @@
-"""Tests for wspool.kernel_buffers: FlashInfer wrappers' own buffers counted per pool, while they live."""
+"""Tests for wspool.memory: FlashInfer wrappers' own buffers counted per pool, while they live."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import torch
 
 import wspool
-from wspool.kernel_buffers import kernel_buffer_stats, track_kernel_buffers
+from wspool.memory import kernel_buffer_stats, track_kernel_buffers
 
 MiB = 1 << 20
 

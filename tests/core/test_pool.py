@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from wspool.errors import RuleError, WorkspaceFrozenError, WorkspaceLimitError
-from wspool.freeze import FreezeState
-from wspool.pool import PoolSpec, WorkspacePool
+from wspool.pool import FreezeState, PoolSpec, WorkspacePool
 
 CPU = torch.device("cpu")
 MiB = 2**20

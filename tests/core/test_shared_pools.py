@@ -8,7 +8,7 @@ import pytest
 
 import wspool
 from wspool.errors import ConfigError
-from wspool.settings.config import load_settings
+from wspool.settings.schema import load_settings
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""Tests for wspool.shipped: the package data matches configs/, and survives a regular installation."""
+"""Tests for wspool.settings.profiles: the package data matches configs/, and survives a regular installation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError
-from wspool.shipped import shipped_config, shipped_config_names, shipped_text
+from wspool.settings.profiles import shipped_config, shipped_config_names, shipped_text
 
 
 def test_top_level_configs_are_the_package_data() -> None:
@@ -54,7 +54,7 @@ def test_a_regular_install_finds_the_profiles_and_configs(tmp_path: Path) -> Non
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
     subprocess.run([*install, "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
     check = (
-        "import wspool, wspool.settings.profiles as p, wspool.shipped as s\n"
+        "import wspool, wspool.settings.profiles as p, wspool.settings.profiles as s\n"
         f"assert wspool.__file__.startswith({str(target)!r}), wspool.__file__\n"
         "for n in s.shipped_config_names():\n"
         "    for q in p.PROFILE_NAMES:\n"

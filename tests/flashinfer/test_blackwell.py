@@ -1,4 +1,4 @@
-"""Tests for wspool.flashinfer.blackwell: backend choice, DCP checks and cute-dsl sizing without a Blackwell GPU."""
+"""Tests for wspool.flashinfer.backends: backend choice, DCP checks and cute-dsl sizing without a Blackwell GPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from wspool.flashinfer.blackwell import (
+from wspool.flashinfer.backends import (
     DCPArgs,
     blackwell_backend,
     check_dcp,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from wspool.flashinfer import kernels
-from wspool.flashinfer.blackwell import DCPArgs
+from wspool.flashinfer.backends import DCPArgs
 
 fi_mla = pytest.importorskip("flashinfer.mla", reason="flashinfer-python is not installed")
 

@@ -14,11 +14,11 @@ from tests.helpers.mla_inputs import MLAInputs, make_inputs
 from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError
 from wspool.flashinfer import (
     MLADecodePlan,
-    mla_call,
+    backends,
+    mla_cache,
     mla_decode,
     mla_decode_plan,
     mla_decode_reference,
-    mla_paths,
     select_path,
 )
 from wspool.flashinfer import kernels as fi_kernels
@@ -43,7 +43,7 @@ def _decode(inputs: MLAInputs, **kwargs: object) -> object:
 def hopper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Pretend the CPU is an SM90 GPU whose FlashInfer is the wrapper double."""
     WrapperDouble.instances.clear()
-    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(backends, "device_arch", lambda device: (9, 0))
     monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
     yield
 
@@ -52,7 +52,7 @@ def hopper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def blackwell(monkeypatch: pytest.MonkeyPatch) -> TrtllmDouble:
     """Pretend the CPU is an SM100 GPU whose trtllm-gen kernel is the carving double."""
     double = TrtllmDouble()
-    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (10, 0))
+    monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
     monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla(double))
     return double
 
@@ -73,7 +73,7 @@ def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = torch.device("cuda", 0)
     for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "fa3"), ((8, 0), "fa2"),
                        ((8, 9), "fa2"), ((12, 0), "fa2")]:  # fmt: skip
-        monkeypatch.setattr(mla_paths, "device_arch", lambda device, arch=arch: arch)
+        monkeypatch.setattr(backends, "device_arch", lambda device, arch=arch: arch)
         assert select_path(gpu) == path
     assert select_path(gpu, "fa2") == "fa2"
 
@@ -81,7 +81,7 @@ def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
     """On Blackwell, DCP, 64 < heads < 128 and page sizes other than 32/64 take cute-dsl; explicit choices stay."""
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (10, 0))
+    monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
     assert select_path(gpu, num_heads=16, page_size=32) == "trtllm-gen"
     assert select_path(gpu, num_heads=96) == "cute-dsl"
     assert select_path(gpu, page_size=128) == "cute-dsl"
@@ -91,7 +91,7 @@ def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pyte
 
 def test_blackwell_kernels_elsewhere_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Asking for a Blackwell kernel on Hopper is a ValueError naming the backend, before any kernel runs."""
-    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(backends, "device_arch", lambda device: (9, 0))
     with pytest.raises(ValueError, match=r"backend 'cute-dsl' needs Blackwell \(SM100/SM103/SM107\), this GPU is SM90"):
         select_path(torch.device("cuda", 0), "cute-dsl")
 
@@ -431,7 +431,7 @@ def test_inference_tensor_metadata_plans_every_call(
     hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Metadata made under inference_mode has no write counter: each call replans (right results) and warns once."""
-    monkeypatch.setattr(mla_call, "_warned_unversioned", False)
+    monkeypatch.setattr(mla_cache, "_warned_unversioned", False)
     with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="wspool"):
         inputs = make_inputs(2, 4, [50, 60])
         assert inputs.seq_lens.is_inference()
@@ -480,7 +480,7 @@ def test_undersized_rule_is_raised_to_the_paths_need_up_front(
     hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An 8MiB rule on an H200-sized device is raised to fa3's 17369088 bytes before plan(): no overflow, 1 warning."""
-    monkeypatch.setattr(mla_paths, "sm_count", lambda device: 132)
+    monkeypatch.setattr(backends, "sm_count", lambda device: 132)
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
     inputs = make_inputs(2, 4, [50, 60])
     with caplog.at_level(logging.WARNING, logger="wspool"):
@@ -499,7 +499,7 @@ def test_undersized_rule_is_raised_to_the_paths_need_up_front(
 
 def test_cute_dsl_dcp_plan_calls_as_vllm_does(blackwell: TrtllmDouble) -> None:
     """A DCP plan on Blackwell runs cute-dsl: int8 workspace view, DCP arguments, no counters, FlashInfer's size."""
-    from wspool.flashinfer.blackwell import cute_dsl_workspace_bytes
+    from wspool.flashinfer.backends import cute_dsl_workspace_bytes
 
     inputs = make_inputs(2, 16, [50, 60])
     global_lengths = inputs.seq_lens * 4

@@ -5,10 +5,10 @@ from __future__ import annotations
 import wspool
 from tests.helpers.devices_fake import H200, HOPPER_MLA_BYTES, meta_allocator
 from tests.helpers.mla_inputs import make_inputs
-from wspool.device_facts import fake_device
+from wspool.devices import fake_device
 from wspool.flashinfer import mla_decode_plan
-from wspool.flashinfer.trtllm_layout import softmax_slab_bytes
-from wspool.shipped import shipped_config
+from wspool.flashinfer.layouts import softmax_slab_bytes
+from wspool.settings.profiles import shipped_config
 from wspool.tools.demo import run_demo
 
 MiB = 1 << 20

@@ -12,7 +12,7 @@ from tests.helpers.mla_inputs import MLAInputs, make_inputs
 from wspool.errors import WorkspaceFrozenError
 from wspool.flashinfer import mla as mla_module
 from wspool.flashinfer import mla_decode, mla_decode_plan, mla_decode_reference
-from wspool.flashinfer.mla_paths import BLACKWELL_ARCHS, device_arch
+from wspool.flashinfer.backends import BLACKWELL_ARCHS, device_arch
 from wspool.units import format_size
 
 pytestmark = pytest.mark.gpu

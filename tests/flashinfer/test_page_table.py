@@ -1,10 +1,10 @@
-"""Tests for wspool.flashinfer.page_table: dense page tables to FlashInfer's CSR form."""
+"""Tests for wspool.flashinfer.layouts: dense page tables to FlashInfer's CSR form."""
 
 from __future__ import annotations
 
 import torch
 
-from wspool.flashinfer.page_table import page_table_to_csr
+from wspool.flashinfer.layouts import page_table_to_csr
 
 
 def test_csr_keeps_only_live_pages_in_order() -> None:

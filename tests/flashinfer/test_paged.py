@@ -14,7 +14,7 @@ from tests.helpers.paged_inputs import PagedInputs, make_paged_inputs
 from wspool.errors import WorkspaceFrozenError
 from wspool.flashinfer import (
     PagedAttentionPlan,
-    mla_paths,
+    backends,
     paged_attention_reference,
     paged_decode_plan,
     paged_prefill_plan,
@@ -66,7 +66,7 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     DecodeWrapperDouble.instances.clear()
     PrefillWrapperDouble.instances.clear()
     monkeypatch.setattr(paged_module, "_has_kernels", lambda device: True)
-    monkeypatch.setattr(mla_paths, "sm_count", lambda device: 132)
+    monkeypatch.setattr(backends, "sm_count", lambda device: 132)
     monkeypatch.setattr(fi_kernels, "load_flashinfer_attention", fake_flashinfer)
     yield
 

@@ -1,4 +1,4 @@
-"""Tests for wspool.flashinfer.paged_reference: the fp32 paged-attention reference against dense attention."""
+"""Tests for wspool.flashinfer.reference: the fp32 paged-attention reference against dense attention."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.paged_inputs import PagedInputs, make_paged_inputs
-from wspool.flashinfer.paged_reference import paged_attention_reference
+from wspool.flashinfer.reference import paged_attention_reference
 
 
 def _dense(inputs: PagedInputs, b: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,10 @@
-"""Tests for wspool.flashinfer.path_sizing: each kernel path's known need, before FlashInfer is called."""
+"""Tests for wspool.flashinfer.backends: each kernel path's known need, before FlashInfer is called."""
 
 from __future__ import annotations
 
 import pytest
 
-from wspool.flashinfer.blackwell import cute_dsl_workspace_bytes
-from wspool.flashinfer.path_sizing import TRTLLM_SCRATCH_BYTES, path_need_bytes
+from wspool.flashinfer.backends import TRTLLM_SCRATCH_BYTES, cute_dsl_workspace_bytes, path_need_bytes
 from wspool.rules import compile_rule
 
 FACTS = {"sm_count": 132, "batch_size": 64, "q_len": 1, "num_heads": 128, "kv_lora_rank": 512, "max_seq_len": 4096}

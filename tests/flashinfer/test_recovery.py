@@ -1,4 +1,4 @@
-"""Tests for wspool.flashinfer.recovery: growth past an overflow, other errors untouched, giving up."""
+"""Tests for wspool.flashinfer.refusals: growth past an overflow, other errors untouched, giving up."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import wspool
 from tests.helpers.paged_doubles import overflow_message
 from wspool.errors import WorkspaceOverflowError
-from wspool.flashinfer.recovery import MAX_RECOVERIES, grow_after_overflow
+from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
 
 MiB = 1 << 20
 SETTING = "pools.p.rules.default / WSPOOL_POOLS__P__RULES__DEFAULT"

@@ -1,10 +1,10 @@
-"""Descriptions of real GPUs, for tests that stand the CPU in for one (wspool.device_facts.fake_device)."""
+"""Descriptions of real GPUs, for tests that stand the CPU in for one (wspool.devices.fake_device)."""
 
 from __future__ import annotations
 
 import torch
 
-from wspool.device_facts import DeviceDescription
+from wspool.devices import DeviceDescription
 
 H200 = DeviceDescription("NVIDIA H200", 9, 0, 132, 150_754_820_096)
 A100 = DeviceDescription("NVIDIA A100-SXM4-80GB", 8, 0, 108, 85_097_971_712)

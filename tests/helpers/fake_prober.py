@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from wspool.flashinfer.layouts import AlignedCarver
 from wspool.flashinfer.refusals import parse_refusal
-from wspool.flashinfer.trtllm_layout import AlignedCarver
 from wspool.tools.search import SearchResult, search_min_bytes
 from wspool.tools.sweep import MLAShape
 

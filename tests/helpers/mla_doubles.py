@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from wspool.flashinfer.layouts import carve_trtllm_mla_workspace
 from wspool.flashinfer.reference import mla_decode_reference
-from wspool.flashinfer.trtllm_layout import carve_trtllm_mla_workspace
 
 MiB = 1 << 20
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from wspool.flashinfer.paged_reference import paged_attention_reference
+from wspool.flashinfer.reference import paged_attention_reference
 
 MiB = 1 << 20
 

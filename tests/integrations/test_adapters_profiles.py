@@ -6,11 +6,11 @@ import pytest
 
 import wspool
 from tests.helpers.devices_fake import B200, H200, HOPPER_MLA_BYTES, meta_allocator
-from wspool.device_facts import DeviceDescription, fake_device
+from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import ConfigError
-from wspool.flashinfer.trtllm_layout import softmax_slab_bytes
+from wspool.flashinfer.layouts import softmax_slab_bytes
 from wspool.integrations import adapters
-from wspool.shipped import shipped_config, shipped_config_names
+from wspool.settings.profiles import shipped_config, shipped_config_names
 
 MiB = 1 << 20
 

@@ -25,7 +25,7 @@ import torch
 import wspool
 from wspool.cli import main
 from wspool.errors import ConfigError, RuleError
-from wspool.settings.config import load_settings
+from wspool.settings.schema import load_settings
 
 CORPUS = Path(__file__).parent / "corpus"
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import wspool
 from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError
 from wspool.pool import PoolSpec, WorkspacePool
-from wspool.settings.config import MAX_CONFIG_FILE_BYTES, load_settings
+from wspool.settings.schema import MAX_CONFIG_FILE_BYTES, load_settings
 
 CPU = torch.device("cpu")
 CUDA0 = torch.device("cuda", 0)

@@ -1,4 +1,4 @@
-"""Tests for wspool.settings.config: sources, precedence, provenance and errors."""
+"""Tests for wspool.settings.schema: sources, precedence, provenance and errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import yaml
 
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError
-from wspool.settings.config import BUILTIN_DEFAULTS, load_settings, load_settings_with_provenance
+from wspool.settings.schema import BUILTIN_DEFAULTS, load_settings, load_settings_with_provenance
 
 LSE_ENV = "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"
 

@@ -1,4 +1,4 @@
-"""Tests for the default facts of wspool.settings.config (pools.<pool>.facts): values, names, precedence, provenance."""
+"""Tests for the default facts of wspool.settings.schema (pools.<pool>.facts): values, names, precedence, provenance."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 import wspool
 from wspool.errors import ConfigError
-from wspool.settings.config import BUILTIN_DEFAULTS, RESERVED_FACT_NAMES, load_settings, load_settings_with_provenance
+from wspool.settings.schema import BUILTIN_DEFAULTS, RESERVED_FACT_NAMES, load_settings, load_settings_with_provenance
 
 KEY = "pools.flashinfer_mla.facts.kv_lora_rank"
 ENV = "WSPOOL_POOLS__FLASHINFER_MLA__FACTS__KV_LORA_RANK"

@@ -1,4 +1,4 @@
-"""Tests for wspool.settings.engine_knobs: engines' own workspace variables, below YAML and WSPOOL_*, above defaults."""
+"""Tests for wspool.settings.sources: engines' own workspace variables, below YAML and WSPOOL_*, above defaults."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from wspool.cli import main
 from wspool.errors import ConfigError
-from wspool.settings.config import load_settings, load_settings_with_provenance
+from wspool.settings.schema import load_settings, load_settings_with_provenance
 
 VLLM = "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"
 SGLANG = "SGLANG_FLASHINFER_WORKSPACE_SIZE"

@@ -9,9 +9,9 @@ import pytest
 
 import wspool
 from tests.helpers.devices_fake import A100, B200, GB300, H200, HOPPER_MLA_BYTES, RTX_PRO_6000, meta_allocator
-from wspool.device_facts import DeviceDescription, fake_device
+from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import ConfigError
-from wspool.flashinfer.trtllm_layout import softmax_slab_bytes
+from wspool.flashinfer.layouts import softmax_slab_bytes
 from wspool.settings.profiles import PROFILE_NAMES, choose_profile, load_profile
 
 MiB = 1 << 20

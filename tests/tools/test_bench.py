@@ -179,14 +179,14 @@ def test_gpu_measurements_run_against_doubles(monkeypatch: pytest.MonkeyPatch) -
     from tests.helpers.fake_prober import FakeProber
     from tests.helpers.mla_doubles import WrapperDouble, fake_flashinfer_mla
     from tests.helpers.paths import REPO_ROOT
+    from wspool.flashinfer import backends
     from wspool.flashinfer import kernels as fi_kernels
-    from wspool.flashinfer import mla_paths
     from wspool.registry import PoolRegistry
     from wspool.tools import bench_gpu
 
     WrapperDouble.instances.clear()
-    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (9, 0))
-    monkeypatch.setattr(mla_paths, "sm_count", lambda device: 132)
+    monkeypatch.setattr(backends, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(backends, "sm_count", lambda device: 132)
     monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     registry = PoolRegistry.from_config(REPO_ROOT / "configs" / "hopper.yaml")

@@ -22,9 +22,9 @@ from tests.helpers.mla_doubles import WrapperDouble, fake_flashinfer_mla
 from tests.helpers.mla_inputs import make_inputs
 from tests.helpers.paths import REPO_ROOT
 from wspool.cli import main
+from wspool.flashinfer import backends, mla_decode
 from wspool.flashinfer import kernels as fi_kernels
-from wspool.flashinfer import mla_decode, mla_paths
-from wspool.flashinfer.fa_layout import FA_MLA_WORKSPACE_RULE, fa_mla_float_workspace_bytes
+from wspool.flashinfer.layouts import FA_MLA_WORKSPACE_RULE, fa_mla_float_workspace_bytes
 from wspool.rules import compile_rule
 from wspool.tools.calibrate import CalibrationReport, derive_rules, run_calibration
 from wspool.tools.search import CalibrationError, search_min_bytes
@@ -108,8 +108,8 @@ def test_blackwell_config_holds_the_seed_slab_plus_margin() -> None:
 def hopper_h200(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Pretend the CPU is an H200 (SM90, 132 SMs) whose FlashInfer is the wrapper double."""
     WrapperDouble.instances.clear()
-    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (9, 0))
-    monkeypatch.setattr(mla_paths, "sm_count", lambda device: H200_SMS)
+    monkeypatch.setattr(backends, "device_arch", lambda device: (9, 0))
+    monkeypatch.setattr(backends, "sm_count", lambda device: H200_SMS)
     monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
     yield
 
@@ -279,7 +279,7 @@ def test_probe_refuses_blackwell(monkeypatch: pytest.MonkeyPatch) -> None:
     from wspool.tools.mla_probe import MLAWorkspaceProbe
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(mla_paths, "device_arch", lambda device: (10, 0))
+    monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
     with pytest.raises(CalibrationError, match=r"cannot measure trtllm-gen.*configs/blackwell\.yaml"):
         MLAWorkspaceProbe(torch.device("cuda", 0))
 

@@ -10,7 +10,7 @@ import torch
 
 import wspool
 from wspool.cli import main
-from wspool.flashinfer.fa_layout import fa_mla_float_workspace_bytes
+from wspool.flashinfer.layouts import fa_mla_float_workspace_bytes
 
 pytestmark = pytest.mark.gpu
 

@@ -6,6 +6,7 @@ returns an :class:`MLADecodePlan` (the same class); the fp32 references, the
 refusal parser and path selection stay importable here, outside ``__all__``.
 """
 
+from wspool.flashinfer.backends import select_path as select_path
 from wspool.flashinfer.mla import (
     COUNTER_POOL,
     MLA_POOL,
@@ -14,11 +15,10 @@ from wspool.flashinfer.mla import (
 from wspool.flashinfer.mla import (
     MLADecodePlan as MLADecodePlan,
 )
-from wspool.flashinfer.mla_call import mla_decode
-from wspool.flashinfer.mla_paths import select_path as select_path
+from wspool.flashinfer.mla_cache import mla_decode
 from wspool.flashinfer.paged import PAGED_POOL, PagedAttentionPlan, paged_decode_plan, paged_prefill_plan
-from wspool.flashinfer.paged_reference import paged_attention_reference as paged_attention_reference
 from wspool.flashinfer.reference import mla_decode_reference as mla_decode_reference
+from wspool.flashinfer.reference import paged_attention_reference as paged_attention_reference
 from wspool.flashinfer.refusals import WorkspaceRefusal as WorkspaceRefusal
 from wspool.flashinfer.refusals import parse_refusal as parse_refusal
 

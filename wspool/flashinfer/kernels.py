@@ -1,9 +1,10 @@
-"""Every FlashInfer call wspool makes, built in one place.
+"""Every FlashInfer call wspool makes, built in one place, and the MLA wrappers built on a pool's buffer.
 
 Each ``*_kwargs`` function returns the exact keyword arguments wspool passes,
-so the CPU tests can bind them to the installed FlashInfer's real signatures
-with ``inspect.signature(...).bind(**kwargs)``. FlashInfer itself is imported
-lazily, on the first call that needs a kernel, never at ``import wspool``.
+so the CPU tests bind them to the installed FlashInfer's signatures.
+FlashInfer is imported lazily, with an install hint when it is missing.
+Wrappers are built with normal (never inference) tensors and cached in the
+pool's ``buffer_cache``, so none outlives the buffer it was built on.
 """
 
 from __future__ import annotations
@@ -14,23 +15,27 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer.blackwell import DCPArgs, int8_view
+from wspool.flashinfer.backends import DCPArgs, int8_view
+from wspool.pool import WorkspacePool
 
 __all__ = [
     "TRTLLM_DECODE_KEYWORDS",
     "load_flashinfer_attention",
     "load_flashinfer_mla",
+    "make_wrapper",
     "paged_decode_init_kwargs",
     "paged_decode_plan_kwargs",
     "paged_decode_run_kwargs",
     "paged_prefill_init_kwargs",
     "paged_prefill_plan_kwargs",
     "paged_prefill_run_kwargs",
+    "shared_wrapper",
     "trtllm_decode_kwargs",
     "wrapper_init_kwargs",
     "wrapper_plan_kwargs",
     "wrapper_run_kwargs",
 ]
+
 
 _INSTALL_HINT = "install a tested one: pip install 'flashinfer-python>=0.7.2.post1,<=0.7.4' (or backend='reference')"
 
@@ -300,3 +305,34 @@ def paged_prefill_run_kwargs(
         "return_lse": return_lse,
         "lse_base": "ln",
     }
+
+
+def make_wrapper(
+    workspace: torch.Tensor,
+    backend: str,
+    graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> Any:
+    """Build a ``BatchMLAPagedAttentionWrapper`` on ``workspace`` (and ``graph_buffers`` for a graph plan)."""
+    wrapper_cls = load_flashinfer_mla().BatchMLAPagedAttentionWrapper
+    # The wrapper's own buffers must be normal tensors: it is shared across steps, and its plan()
+    # writes them in place whether or not the caller is under torch.inference_mode.
+    with torch.inference_mode(False):
+        wrapper = wrapper_cls(**wrapper_init_kwargs(workspace=workspace, backend=backend, graph_buffers=graph_buffers))
+    wrapper._wspool_owner = None
+    return wrapper
+
+
+def shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, lse: bool) -> Any:
+    """One eager wrapper per (pool instance, buffer, backend, LSE mode), shared by the plans of successive steps.
+
+    Each wrapper holds 16 MiB of FlashInfer's own buffers. It lives in the pool's
+    ``buffer_cache``, which the pool empties when it replaces the buffer, so no
+    cached wrapper outlives the buffer it was built on.
+    """
+    key = ("mla", backend, lse)
+    wrapper = pool.buffer_cache.get(key)
+    if wrapper is None:
+        wrapper = make_wrapper(workspace, backend)
+        if pool.buffer is workspace:  # not replaced meanwhile by another thread
+            pool.buffer_cache[key] = wrapper
+    return wrapper

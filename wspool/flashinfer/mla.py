@@ -1,58 +1,30 @@
-"""MLA decode (DeepSeek / Kimi style) with its workspace from a wspool pool.
+"""MLA decode (DeepSeek / Kimi geometry) planned once per step, run once per layer, on a pool's buffer.
 
-An engine calls MLA decode once per layer with the same page table and lengths
-for every layer of a step. :func:`mla_decode_plan` makes one
-:class:`MLADecodePlan` per step (FlashInfer's ``plan()`` costs about a
-millisecond of host time); :meth:`MLADecodePlan.run` is the per-layer call.
-:func:`mla_decode` is the one-call form: it reuses the previous call's plan
-while the page table and lengths are the same, unmodified tensors.
-
-Kernel paths: wspool resolves ``backend="auto"`` to a concrete path first,
-reports it as ``plan.path``, passes that explicit backend to FlashInfer, and
-sizes the workspace for it (:mod:`~wspool.flashinfer.path_sizing`): the size
-of the buffer never decides which kernel runs.
-
-- Blackwell (SM100/SM103/SM107): ``trtllm_batch_decode_with_kv_cache_mla``
-  with ``workspace_buffer`` from the pool, ``backend="trtllm-gen"`` (its
-  counter buffer from the ``flashinfer_mla_counters`` pool) or ``"cute-dsl"``
-  (an ``int8`` view of the buffer; the only kernel with decode-context
-  parallelism), chosen by :func:`~wspool.flashinfer.blackwell.blackwell_backend`.
-- Hopper (SM90): ``BatchMLAPagedAttentionWrapper`` with ``backend="fa3"``;
-  other CUDA devices (Ampere SM80 and the rest): ``backend="fa2"``. The
-  wrapper is built on the pool's buffer and planned from the page table
-  converted to CSR on the device.
-- CPU, or ``backend="reference"``: :func:`~wspool.flashinfer.reference.mla_decode_reference`.
-  It is never chosen on a GPU unless asked for. It requests the workspace like
-  the kernels do, so sizes and statistics behave the same everywhere.
-
-The LSE is the natural-log log-sum-exp on every path.
-
-Device semantics: everything runs on the device of ``block_tables``, which
-must be the device of the query and the KV cache. Thread and stream
-semantics: a plan and its lane's buffer serve one stream at a time; use
-``lane=`` for concurrent streams. Capture semantics: ``run()`` of a plan made
-with ``use_cuda_graph=True`` can be captured; the pool must not need to grow
-during capture (reserve or warm up first, then freeze).
+:func:`mla_decode_plan` checks the step's metadata, sizes the workspace for
+its kernel path and prepares the kernel; :meth:`MLADecodePlan.run` calls it
+per layer. Device semantics: a plan lives on the device of its tensors.
+Capture semantics: with ``use_cuda_graph=True`` the plan's buffers never move
+and :meth:`MLADecodePlan.replan` updates them in place. Thread semantics: a
+plan is used by one thread at a time. Paths and sizes: docs/kernels.md.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from wspool.devices import resolve_device
 from wspool.errors import describe_setting
-from wspool.flashinfer import kernels, mla_paths, mla_wrappers
-from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS, check_kernel_keywords
-from wspool.flashinfer.mla_metadata import StepConstants, graph_buffers, step_constants, wrapper_metadata
-from wspool.flashinfer.mla_setup import COUNTER_POOL, COUNTER_RULE, MLAPlanArgs, counter_pool, size_workspace
-from wspool.flashinfer.mla_setup import write_counts as write_counts
-from wspool.flashinfer.mla_trtllm import run_trtllm
-from wspool.flashinfer.path_sizing import path_need_bytes
-from wspool.flashinfer.recovery import MAX_RECOVERIES, grow_after_overflow
+from wspool.flashinfer import backends, kernels
+from wspool.flashinfer.backends import BLACKWELL_BACKENDS, check_dcp, check_kernel_keywords, path_need_bytes
+from wspool.flashinfer.layouts import CSRConstants, csr_parts
 from wspool.flashinfer.reference import mla_decode_reference_into
-from wspool.kernel_buffers import track_kernel_buffers
+from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
+from wspool.memory import track_kernel_buffers
+from wspool.pool import WorkspacePool
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
@@ -60,9 +32,358 @@ __all__ = [
     "COUNTER_RULE",
     "MLA_POOL",
     "MLADecodePlan",
+    "MLAPlanArgs",
+    "StepConstants",
+    "check_plan_args",
+    "counter_pool",
+    "graph_buffers",
     "mla_decode_plan",
+    "run_trtllm",
+    "size_workspace",
+    "step_constants",
+    "wrapper_metadata",
     "write_counts",
 ]
+
+
+#: The page-table constants and the ``[batch + 1]`` query offsets of one plan.
+StepConstants = tuple[CSRConstants, torch.Tensor]
+
+
+def step_constants(block_tables: torch.Tensor, batch_size: int, q_len: int, device: torch.device) -> StepConstants:
+    """Make what the conversion needs that the plan's shapes fix: made once, never written.
+
+    FlashInfer may keep a reference to the query offsets until the step's last run.
+    """
+    with torch.inference_mode(False):
+        offsets = torch.arange(0, (batch_size + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    return CSRConstants.for_table(block_tables), offsets
+
+
+def wrapper_metadata(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    constants: StepConstants,
+    graph_capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Convert the page table to FlashInfer's ``(qo_indptr, kv_indptr, kv_indices, lengths)``, on the device.
+
+    Args:
+        graph_capacity: The page capacity of a CUDA-graph plan's fixed buffers; ``None`` for eager plans.
+
+    Raises:
+        ValueError: The live pages exceed ``graph_capacity``.
+    """
+    kv_indptr, kv_indices, lengths, _ = csr_parts(block_tables, seq_lens, page_size, constants[0])
+    if graph_capacity is not None and kv_indices.numel() > graph_capacity:
+        # Graph mode: FlashInfer copies the metadata into the fixed buffers at plan time.
+        raise ValueError(
+            f"the page table holds {kv_indices.numel()} live pages, more than the {graph_capacity} "
+            f"this CUDA-graph plan was made for; make a new plan"
+        )
+    return constants[1], kv_indptr, kv_indices, lengths
+
+
+def graph_buffers(
+    batch_size: int, max_pages: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CUDA-graph wrapper's fixed index buffers: ``(qo_indptr, kv_indptr, kv_indices, kv_len)``.
+
+    Normal tensors (never inference tensors): FlashInfer copies into them at every plan, in any mode.
+    """
+    with torch.inference_mode(False):
+        return (
+            torch.empty(batch_size + 1, dtype=torch.int32, device=device),
+            torch.empty(batch_size + 1, dtype=torch.int32, device=device),
+            torch.empty(max_pages, dtype=torch.int32, device=device),
+            torch.empty(batch_size, dtype=torch.int32, device=device),
+        )
+
+
+logger = logging.getLogger("wspool")
+
+COUNTER_POOL = "flashinfer_mla_counters"
+#: trtllm-gen's multi-CTA semaphores: FlashInfer's own formula, as a rule.
+COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
+
+
+class MLAPlanArgs:
+    """An MLA decode plan's checked arguments, kernel path, rule and call facts, and the metadata it is for.
+
+    The base of :class:`~wspool.flashinfer.mla.MLADecodePlan`, which documents
+    each argument. Its attributes are fixed for the plan's life (``facts``
+    gains the pool's default facts once, in the plan), but for the metadata's
+    write counts, which a replan renews. Thread semantics: one thread at a time.
+
+    Raises:
+        ValueError: A bad argument, named, before any pool grows or kernel runs.
+    """
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        *,
+        num_heads: int,
+        sm_scale: float,
+        page_size: int,
+        q_len: int,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype | None,
+        return_lse: bool,
+        backend: str,
+        use_cuda_graph: bool,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        qk_nope_head_dim: int,
+        facts: Mapping[str, int] | None,
+        enable_dcp: bool,
+        cp_world: int,
+        cp_rank: int,
+        causal_seqlens_kv_global: torch.Tensor | None,
+    ) -> None:
+        device, batch_size = check_plan_args(
+            block_tables, seq_lens, max_seq_len, num_heads=num_heads, page_size=page_size, q_len=q_len
+        )
+        self.device = device
+        self.dcp = check_dcp(
+            enable_dcp, cp_world, cp_rank, causal_seqlens_kv_global, backend=backend, return_lse=return_lse,
+            batch_size=batch_size, device=device,
+        )  # fmt: skip
+        self.path = backends.select_path(
+            device, backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp
+        )
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+        self.q_len = q_len
+        self.num_heads = num_heads
+        self.page_size = page_size
+        self.sm_scale = float(sm_scale)
+        self.q_dtype = q_dtype
+        self.kv_dtype = kv_dtype or q_dtype
+        self.return_lse = return_lse
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.use_cuda_graph = use_cuda_graph
+        self.rule = "lse" if return_lse else "default"
+        self.facts: dict[str, int] = {
+            **backends.call_facts(
+                batch_size=batch_size, q_len=q_len, num_heads=num_heads, max_seq_len=max_seq_len,
+                page_size=page_size, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                dtype_bytes=q_dtype.itemsize, sm_count=backends.sm_count(device),
+                cp_world=cp_world if enable_dcp else None,
+            ),
+            **(facts or {}),
+        }  # fmt: skip
+        self._versions = write_counts(block_tables, seq_lens)
+        #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
+        self.planned_shapes = (block_tables.shape, seq_lens.shape)
+
+    def is_current_for(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+        """Whether these are the very tensors this plan was made for, unmodified since.
+
+        Always ``False`` for inference tensors (made under ``torch.inference_mode``):
+        torch counts no writes to them, so an edit cannot be ruled out.
+        """
+        return (
+            block_tables is self.block_tables
+            and seq_lens is self.seq_lens
+            and self._versions is not None
+            and write_counts(block_tables, seq_lens) == self._versions
+        )
+
+    def replan(self) -> None:
+        """Plan again for the current contents of ``block_tables`` and ``seq_lens``.
+
+        Raises:
+            ValueError: They were resized in place since planning; make a new plan.
+        """
+        if self.metadata_resized():
+            raise ValueError(
+                f"block_tables/seq_lens were resized to {tuple(self.block_tables.shape)}/"
+                f"{tuple(self.seq_lens.shape)} after planning for {tuple(self.planned_shapes[0])}/"
+                f"{tuple(self.planned_shapes[1])}; make a new plan"
+            )
+        self.replan_for(write_counts(self.block_tables, self.seq_lens))
+
+    def metadata_resized(self) -> bool:
+        """Whether ``block_tables`` or ``seq_lens`` were resized in place since planning."""
+        return (self.block_tables.shape, self.seq_lens.shape) != self.planned_shapes
+
+    @property
+    def metadata_versions(self) -> tuple[int, int] | None:
+        """The metadata's write counts this plan was made for; ``None`` for inference tensors (they count none)."""
+        return self._versions
+
+    def replan_for(self, versions: tuple[int, int] | None) -> None:
+        """:meth:`replan` for metadata whose shapes the caller checked, with its write counts read."""
+        self._versions = versions
+        self.plan_metadata()
+
+    def plan_metadata(self) -> None:
+        """Plan the kernel for the current metadata (the plan's; a no-op for paths that read it at run time)."""
+
+    def wrapper_plan_kwargs(self) -> dict[str, Any]:
+        """The arguments of FlashInfer's wrapper ``plan()`` for this plan, without the metadata."""
+        return kernels.wrapper_plan_kwargs(
+            metadata=None,
+            num_heads=self.num_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            page_size=self.page_size,
+            causal=self.q_len > 1,
+            sm_scale=self.sm_scale,
+            q_dtype=self.q_dtype,
+            kv_dtype=self.kv_dtype,
+            return_lse=self.return_lse,
+        )
+
+
+def check_plan_args(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, *, num_heads: int, page_size: int, q_len: int
+) -> tuple[torch.device, int]:
+    """Check a plan's metadata and sizes; return its device and batch size.
+
+    Raises:
+        ValueError: A bad argument, named.
+    """
+    device = block_tables.device if isinstance(block_tables, torch.Tensor) else resolve_device(None)
+    backends.check_int_tensor("block_tables", block_tables, 2, device)
+    backends.check_int_tensor("seq_lens", seq_lens, 1, device)
+    batch_size: int = seq_lens.shape[0]
+    if block_tables.shape[0] != batch_size:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch_size} entries")
+    for name, value in (("num_heads", num_heads), ("page_size", page_size), ("q_len", q_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    return device, batch_size
+
+
+def size_workspace(
+    registry: PoolRegistry,
+    pool: WorkspacePool,
+    *,
+    pool_name: str,
+    rule: str,
+    facts: dict[str, int],
+    path: str,
+    need_bytes: int,
+    setting: str,
+) -> int:
+    """Grow ``pool`` to what a plan requests, the rule or the path's need where the rule is below it; return that.
+
+    A replan checks the pool against the returned size, not the rule. The pool
+    grows here, outside the per-layer path (and outside any later capture).
+    """
+    rule_bytes = pool.resolve(rule, facts)
+    nbytes = max(rule_bytes, need_bytes)
+    if need_bytes > rule_bytes:
+        _warn_rule_below_need(registry, pool_name, rule, path, rule_bytes, need_bytes, nbytes, setting)
+    pool.grow_to(nbytes, f"rule {rule}" if nbytes == rule_bytes else f"the {path} kernel path", setting)
+    return nbytes
+
+
+def _warn_rule_below_need(
+    registry: PoolRegistry,
+    pool_name: str,
+    rule: str,
+    path: str,
+    rule_bytes: int,
+    need_bytes: int,
+    nbytes: int,
+    setting: str,
+) -> None:
+    """Say once per registry, pool, rule and path that the rule is below the path's need."""
+    warned: set[tuple[str, str, str]] = registry.op_state.setdefault("mla_rule_below_need", set())
+    key = (pool_name, rule, path)
+    if key in warned:
+        return
+    warned.add(key)
+    logger.warning(
+        "wspool: rule %s of pool %s resolves to %d bytes, below the %d bytes FlashInfer's %s MLA decode needs "
+        "here; requesting %d bytes. Raise %s to at least that to silence this",
+        rule, pool_name, rule_bytes, need_bytes, path, nbytes, setting,
+    )  # fmt: skip
+
+
+def counter_pool(
+    registry: PoolRegistry, device: torch.device, lane: str | None, facts: dict[str, int]
+) -> WorkspacePool:
+    """trtllm-gen's counter pool (declared on first use), grown for ``facts``."""
+    registry.declare_pool(COUNTER_POOL, {"default": COUNTER_RULE})
+    counters = registry.pool(COUNTER_POOL, device, lane=lane)
+    counters.ensure("default", facts)
+    return counters
+
+
+def write_counts(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int] | None:
+    """torch's in-place write counters of the metadata; ``None`` for inference tensors, which keep none."""
+    if block_tables.is_inference() or seq_lens.is_inference():
+        return None
+    return block_tables._version, seq_lens._version
+
+
+def run_trtllm(
+    plan: MLAPlanArgs,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    workspace: torch.Tensor,
+    counters: torch.Tensor | None,
+    *,
+    pool: WorkspacePool,
+    setting: str,
+) -> Any:
+    """Run the plan's Blackwell kernel on a 4-D query; return what the kernel returns.
+
+    Args:
+        workspace: The pool's buffer, requested for the plan's size.
+        counters: trtllm-gen's counter buffer (``None`` for cute-dsl).
+        pool: The pool ``workspace`` came from; it grows when FlashInfer refuses the buffer.
+        setting: The rule's setting, named in recovery's messages.
+
+    Raises:
+        WorkspaceOverflowError: FlashInfer still overflowed after recovery.
+    """
+    kernel = kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla
+    tokens = plan.batch_size * plan.q_len
+    for attempt in range(MAX_RECOVERIES + 1):
+        try:
+            return kernel(
+                **kernels.trtllm_decode_kwargs(
+                    query=query,
+                    kv_cache=kv_cache,
+                    workspace=workspace,
+                    backend=plan.path,
+                    dcp=plan.dcp,
+                    counters=counters,
+                    block_tables=plan.block_tables,
+                    seq_lens=plan.seq_lens,
+                    max_seq_len=plan.max_seq_len,
+                    sm_scale=plan.sm_scale,
+                    out=out,
+                    lse=None if lse is None else lse.view(tokens, plan.num_heads),  # trtllm's native LSE form
+                    return_lse=plan.return_lse,
+                    kv_lora_rank=plan.kv_lora_rank,
+                    qk_rope_head_dim=plan.qk_rope_head_dim,
+                    qk_nope_head_dim=plan.qk_nope_head_dim,
+                )
+            )
+        except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
+            workspace = grow_after_overflow(
+                exc, pool=pool, capacity=workspace.numel(), attempt=attempt, op="MLA decode", rule=plan.rule,
+                setting=setting, path=plan.path,
+            )  # fmt: skip
+    raise AssertionError("unreachable")  # pragma: no cover
+
 
 MLA_POOL = "flashinfer_mla"
 
@@ -83,7 +404,7 @@ class MLADecodePlan(MLAPlanArgs):
             ``"fa3"`` or ``"fa2"``), resolved before the workspace is sized; FlashInfer is
             called with it explicitly.
         need_bytes: What that path is known to need for this plan (see
-            :mod:`~wspool.flashinfer.path_sizing`); the pool holds at least this and the rule.
+            :mod:`~wspool.flashinfer.backends`); the pool holds at least this and the rule.
         rule: The pool rule that sizes the workspace (``"lse"`` or ``"default"``).
         facts: The facts the rule is resolved with.
         plan_calls: How many times this plan called FlashInfer's ``plan()``.
@@ -135,8 +456,8 @@ class MLADecodePlan(MLAPlanArgs):
         backend: str = "auto",
         lane: str | None = None,
         use_cuda_graph: bool = False,
-        kv_lora_rank: int = mla_paths.KV_LORA_RANK,
-        qk_rope_head_dim: int = mla_paths.QK_ROPE_HEAD_DIM,
+        kv_lora_rank: int = backends.KV_LORA_RANK,
+        qk_rope_head_dim: int = backends.QK_ROPE_HEAD_DIM,
         qk_nope_head_dim: int = 128,
         facts: Mapping[str, int] | None = None,
         enable_dcp: bool = False,
@@ -414,9 +735,9 @@ class MLADecodePlan(MLAPlanArgs):
             if self._wrapper is not None and self._generation == generation:
                 return self._wrapper
             self._graph_buffers = graph_buffers(self.batch_size, self.block_tables.numel(), self.device)
-            wrapper = mla_wrappers.make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
+            wrapper = kernels.make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
         else:
-            wrapper = mla_wrappers.shared_wrapper(self._pool, workspace, self.path, self.return_lse)
+            wrapper = kernels.shared_wrapper(self._pool, workspace, self.path, self.return_lse)
         track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
         return wrapper
 

@@ -23,7 +23,7 @@ Kernel paths: on CUDA, FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
 (tensor cores by default for GQA groups above 4) and
 ``BatchPrefillWithPagedKVCacheWrapper``, backend as FlashInfer picks for
 ``"auto"``. On the CPU, or with ``backend="reference"``:
-:func:`~wspool.flashinfer.paged_reference.paged_attention_reference`, which
+:func:`~wspool.flashinfer.reference.paged_attention_reference`, which
 requests the workspace like the kernels. The KV cache is NHD
 (``[pages, 2, page_size, kv_heads, head_dim]``). The LSE is the natural log on
 every path (prefill asks for ``lse_base="ln"``; decode's base-2 LSE is
@@ -50,11 +50,11 @@ from typing import Any
 import torch
 
 from wspool.errors import describe_setting
-from wspool.flashinfer import kernels, mla_paths
-from wspool.flashinfer.page_table import page_table_to_csr
-from wspool.flashinfer.paged_reference import paged_attention_reference
-from wspool.flashinfer.recovery import MAX_RECOVERIES, grow_after_overflow
-from wspool.kernel_buffers import track_kernel_buffers
+from wspool.flashinfer import backends, kernels
+from wspool.flashinfer.layouts import page_table_to_csr
+from wspool.flashinfer.reference import paged_attention_reference
+from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
+from wspool.memory import track_kernel_buffers
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = ["BACKENDS", "FLOAT_CARVES", "PAGED_POOL", "PagedAttentionPlan", "paged_decode_plan", "paged_prefill_plan"]
@@ -116,8 +116,8 @@ class PagedAttentionPlan:
         facts: Mapping[str, int] | None,
     ) -> None:
         device = block_tables.device if isinstance(block_tables, torch.Tensor) else torch.device("cpu")
-        mla_paths.check_int_tensor("block_tables", block_tables, 2, device)
-        mla_paths.check_int_tensor("seq_lens", seq_lens, 1, device)
+        backends.check_int_tensor("block_tables", block_tables, 2, device)
+        backends.check_int_tensor("seq_lens", seq_lens, 1, device)
         batch = seq_lens.shape[0]
         if block_tables.shape[0] != batch:
             raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch} entries")
@@ -142,7 +142,7 @@ class PagedAttentionPlan:
                              f"{block_tables.shape[1]} columns")  # fmt: skip
         if qo_indptr is None:
             qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        mla_paths.check_int_tensor("qo_indptr", qo_indptr, 1, device)
+        backends.check_int_tensor("qo_indptr", qo_indptr, 1, device)
         if qo_indptr.numel() != batch + 1:
             raise ValueError(f"qo_indptr must have batch + 1 = {batch + 1} entries, got {qo_indptr.numel()}")
         rows = qo_indptr[1:] - qo_indptr[:-1]
@@ -171,7 +171,7 @@ class PagedAttentionPlan:
             "head_dim": head_dim,
             "page_size": page_size,
             "dtype_bytes": torch.empty((), dtype=q_dtype).element_size(),
-            "sm_count": mla_paths.sm_count(device),
+            "sm_count": backends.sm_count(device),
             **(facts or {}),
         }
         self._registry = registry if registry is not None else get_registry()
@@ -298,7 +298,7 @@ class PagedAttentionPlan:
         else:
             wrapper_cls = flashinfer.BatchPrefillWithPagedKVCacheWrapper
             init_kwargs = kernels.paged_prefill_init_kwargs(workspace=workspace, backend=self.path)
-        # Normal tensors for the wrapper's own buffers, as for the MLA wrapper (see mla_wrappers.make_wrapper).
+        # Normal tensors for the wrapper's own buffers, as for the MLA wrapper (see kernels.make_wrapper).
         with torch.inference_mode(False):
             wrapper = wrapper_cls(**init_kwargs)
         wrapper._wspool_owner = None

@@ -1,22 +1,16 @@
-"""A torch implementation of MLA decode in fp32: the CPU path and the tests' reference.
+"""Torch implementations of MLA decode and paged attention in fp32: the CPU path and the tests' reference.
 
-Layout (DeepSeek / Kimi style, matrix-absorbed MLA):
-``query [batch, q_len, heads, kv_lora_rank + rope]``, ``kv_cache [pages,
-page_size, kv_lora_rank + rope]`` where keys are the whole row and values the
-first ``kv_lora_rank`` features. With ``q_len > 1`` (speculative decode) query
-token ``i`` of a request sees the first ``seq_len - q_len + i + 1`` cached
-tokens (causal). The LSE is the natural-log log-sum-exp of the scaled scores.
-A request with no cached tokens gets output 0 and LSE ``-inf``: the identity
-of an LSE merge.
-
-Runs on whatever device its inputs are on; allocates its own temporaries.
+MLA layout (DeepSeek / Kimi, matrix-absorbed): ``query [batch, q_len, heads,
+kv_lora_rank + rope]``, ``kv_cache [pages, page_size, kv_lora_rank + rope]``.
+Paged layout (FlashInfer's NHD): ``kv_cache [pages, 2, page_size, kv_heads,
+head_dim]``. The LSE is natural-log, fp32. Slow by design; pure functions.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_decode_reference", "mla_decode_reference_into"]
+__all__ = ["mla_decode_reference", "mla_decode_reference_into", "paged_attention_reference"]
 
 
 def mla_decode_reference(
@@ -90,3 +84,57 @@ def mla_decode_reference_into(
         lse.copy_(ref_lse)
         ref_lse = lse
     return ref_out, ref_lse
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    causal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute paged attention in fp32.
+
+    Args:
+        query: ``[tokens, qo_heads, head_dim]``.
+        kv_cache: ``[pages, 2, page_size, kv_heads, head_dim]``.
+        qo_indptr: ``[batch + 1]`` integer offsets of each request's query rows.
+        block_tables: ``[batch, max_pages]`` integer page ids.
+        seq_lens: ``[batch]`` integer cached lengths (the query tokens included).
+        sm_scale: The softmax scale.
+        causal: Mask each query row to the tokens up to its own position.
+
+    Returns:
+        ``(out, lse)``: ``out [tokens, qo_heads, head_dim]`` in the query's dtype
+        and ``lse [tokens, qo_heads]`` in fp32, natural log.
+    """
+    tokens, qo_heads, head_dim = query.shape
+    page_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = qo_heads // kv_heads
+    out = torch.empty_like(query)
+    lse = torch.empty(tokens, qo_heads, dtype=torch.float32, device=query.device)
+    starts = qo_indptr.tolist()
+    tables = block_tables.to(torch.long)
+    for b, length in enumerate(seq_lens.tolist()):
+        first, last = starts[b], starts[b + 1]
+        rows = last - first
+        if rows == 0:
+            continue
+        pages = -(-length // page_size)
+        kv = kv_cache[tables[b, :pages]].transpose(0, 1).reshape(2, pages * page_size, kv_heads, head_dim)
+        keys = kv[0, :length].float().repeat_interleave(group, dim=1)  # [length, qo_heads, head_dim]
+        values = kv[1, :length].float().repeat_interleave(group, dim=1)
+        q = query[first:last].float()  # [rows, qo_heads, head_dim]
+        scores = torch.einsum("qhd,lhd->hql", q, keys) * sm_scale
+        if causal:
+            visible = torch.arange(length, device=query.device)[None, :] < (
+                length - rows + 1 + torch.arange(rows, device=query.device)[:, None]
+            )
+            scores = scores.masked_fill(~visible[None], float("-inf"))
+        lse[first:last] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+        probs = torch.softmax(scores, dim=-1)
+        out[first:last] = torch.einsum("hql,lhd->qhd", probs, values).to(query.dtype)
+    return out, lse

@@ -1,29 +1,26 @@
-"""Every way a supported FlashInfer refuses a workspace that is too small, and one parser over them.
+"""Every way a supported FlashInfer refuses a workspace that is too small, one parser over them, and recovery.
 
-FlashInfer says "too small" in several forms, which differ by version and by
-wrapper. :data:`REFUSAL_FORMS` is the table of them (read from the Python and
-C++ sources of FlashInfer 0.7.2.post1 and 0.7.4, and checked against texts
-captured on the H200 test machine); :func:`parse_refusal` is the one parser
-that overflow recovery, ``wspool calibrate`` and the benchmark use.
-
-A refusal either names one failed carve (FlashInfer's C++ ``AlignedAllocator``:
-the capacity that would have served it is ``capacity - available + size``
-plus up to ``alignment`` bytes of padding), or the whole need (0.7.4's
-Python preflight of the planned fa2/fa3 wrapper, the cute-dsl kernels), or no
-size at all (0.7.4's cute-dsl split-tactic check). The parser is the safety
-net: the ops size the workspace for their path before they call FlashInfer
-(:mod:`wspool.flashinfer.path_sizing`).
-
-Everything here is plain text processing: no CUDA, no FlashInfer import,
-thread-safe.
+:data:`REFUSAL_FORMS` lists the forms per version; :func:`parse_refusal`
+reads any of them. Recovery grows the pool past what the failed carve needed
+and retries, at most a few times, within ``max_bytes``; a refusal it does not
+recognise is re-raised unchanged. Thread semantics: those of the pool.
+Capture: recovery grows, so it is refused while frozen or capturing.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 
-__all__ = ["REFUSAL_FORMS", "RefusalForm", "WorkspaceRefusal", "parse_refusal"]
+import torch
+
+from wspool.errors import WorkspaceOverflowError
+from wspool.pool import WorkspacePool
+from wspool.units import format_size
+
+__all__ = ["MAX_RECOVERIES", "REFUSAL_FORMS", "RefusalForm", "WorkspaceRefusal", "grow_after_overflow", "parse_refusal"]
 
 
 @dataclass(frozen=True)
@@ -179,3 +176,101 @@ def parse_refusal(error: BaseException | str, path: str | None = None) -> Worksp
             available_bytes=None if available is None else int(available),
         )
     return None
+
+
+logger = logging.getLogger("wspool")
+
+#: Growths tried for one call before an overflow is reported (each grows past the last need).
+MAX_RECOVERIES = 3
+_MiB = 1 << 20
+
+
+def grow_after_overflow(
+    exc: Exception,
+    *,
+    pool: WorkspacePool,
+    capacity: int,
+    attempt: int,
+    op: str,
+    rule: str,
+    setting: str,
+    float_carves: Container[str] | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """Grow ``pool`` past what the overflow in ``exc`` needed; re-raise anything else.
+
+    Args:
+        exc: What FlashInfer raised.
+        pool: The pool whose buffer the kernel was given.
+        capacity: The size of that buffer, in bytes.
+        attempt: How many growths this call already made (0 first).
+        op: Names the op in messages, e.g. ``"MLA decode"``.
+        rule: The rule that sized the call.
+        setting: The key to raise, ``"key / ENV_VAR"``.
+        float_carves: The carve names that live in the pool's buffer; an overflow
+            of any other carve (FlashInfer's own int workspace) is re-raised as
+            it is. ``None``: every carve.
+        path: The backend the op asked FlashInfer for, to read a refusal that lists several.
+
+    Returns:
+        The grown buffer.
+
+    Raises:
+        Exception: ``exc`` itself, when it is not a refusal of the pool's buffer, or names no size.
+        WorkspaceOverflowError: The call still overflowed after :data:`MAX_RECOVERIES` growths.
+        WorkspaceFrozenError: Growth is refused (frozen or capturing).
+        WorkspaceLimitError: Growth would pass ``max_bytes`` or the device's memory.
+    """
+    overflow = parse_refusal(exc, path)
+    if (
+        overflow is None
+        or not overflow.sized
+        or (float_carves is not None and overflow.form == "aligned-allocator" and overflow.name not in float_carves)
+    ):
+        raise exc
+    needed = overflow.needed_capacity(capacity)
+    # A carve names what was left; a whole-need refusal had the entire buffer to work with.
+    available = overflow.available_bytes if overflow.form == "aligned-allocator" else capacity
+    name, device = pool.spec.name, pool.device
+    if attempt >= MAX_RECOVERIES:
+        raise WorkspaceOverflowError(
+            f"FlashInfer {op} still overflowed pool {name!r} on {device} after {attempt} growth(s): "
+            f"{overflow.name} needs {overflow.size_bytes} bytes with {available} of "
+            f"{capacity} available; raise {setting}"
+        ) from exc
+    # Headroom for the carves after the one that failed, so one retry normally suffices.
+    target = -(-(needed + max(needed // 8, _MiB)) // _MiB) * _MiB
+    if attempt == 0:
+        _warn_growth(op, pool, rule, setting, overflow, available=available, capacity=capacity,
+                     target=target, needed=needed)  # fmt: skip
+    return pool.grow_to(target, f"overflow recovery ({overflow.name})", setting)
+
+
+def _warn_growth(
+    op: str,
+    pool: WorkspacePool,
+    rule: str,
+    setting: str,
+    overflow: WorkspaceRefusal,
+    *,
+    available: int | None,
+    capacity: int,
+    target: int,
+    needed: int,
+) -> None:
+    """Say once per call, before growing, what overflowed and which setting to raise."""
+    logger.warning(
+        "wspool: FlashInfer %s overflowed pool %s on %s (rule %s): %s needed %d bytes, %d available of %s; "
+        "growing to %s and retrying. Raise %s to at least %s to avoid this",
+        op,
+        pool.spec.name,
+        pool.device,
+        rule,
+        overflow.name,
+        overflow.size_bytes,
+        available,
+        format_size(capacity),
+        format_size(target),
+        setting,
+        format_size(needed),
+    )

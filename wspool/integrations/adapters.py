@@ -38,7 +38,7 @@ import torch
 
 from wspool.devices import DeviceLike
 from wspool.registry import PoolRegistry, get_registry
-from wspool.settings.config import SEED_MLA_WORKSPACE_BYTES
+from wspool.settings.schema import SEED_MLA_WORKSPACE_BYTES
 
 __all__ = [
     "FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE",

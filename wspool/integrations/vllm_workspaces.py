@@ -43,8 +43,8 @@ import torch
 
 from wspool.errors import ConfigError, RuleError
 from wspool.integrations.vllm_facts import FACT_NAMES, ConfigFacts, call_facts, set_call_facts
-from wspool.lanes import current_lane
 from wspool.registry import PoolRegistry, get_registry
+from wspool.streams import current_lane
 
 __all__ = [
     "DEVICE_ENV_VAR",

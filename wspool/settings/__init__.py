@@ -4,7 +4,8 @@ Imports only the core modules below it (units, rules, errors, device facts);
 nothing here touches CUDA or FlashInfer.
 """
 
-from wspool.settings.config import (
+from wspool.settings.profiles import PROFILE_NAMES, Profile, choose_profile, load_profile
+from wspool.settings.schema import (
     PoolConfig,
     Provenance,
     WspoolSettings,
@@ -13,7 +14,6 @@ from wspool.settings.config import (
     load_settings_with_provenance,
     profile_settings,
 )
-from wspool.settings.profiles import PROFILE_NAMES, Profile, choose_profile, load_profile
 
 __all__ = [
     "PROFILE_NAMES",

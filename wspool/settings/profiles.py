@@ -1,37 +1,75 @@
-"""Profiles: named sets of pool settings for a kind of device, chosen per device.
+"""Device profiles and the shipped configuration files.
 
-A profile (``wspool/data/profiles/<name>.yaml``) holds pool settings, in the
-configuration's own schema, that sit just above the built-in defaults: the
-YAML file, the engines' knobs, ``WSPOOL_*`` and code override it key by key.
-The ``profile`` setting (``profile`` / ``WSPOOL_PROFILE``) is ``auto`` (the
-default) or a profile's name. ``auto`` picks per device from its compute
-capability, so several GPUs of different kinds each get their own:
-
-==========  ===============================  =========================================
-profile     auto picks it for                sizes
-==========  ===============================  =========================================
-hopper      compute capability 9.0           measured on an H200 (16.56MiB on 132 SMs)
-blackwell   10.0, 10.3, 10.7                 FlashInfer's launcher formula + headroom;
-                                             NOT measured on hardware
-fixed       everything else: CPU, 8.x, 12.x  the seed's constants, 128MiB / 256MiB
-==========  ===============================  =========================================
-
-Reading profiles touches no device; they are parsed once per process.
+A profile is a named set of pool settings for a kind of device (``hopper``,
+``blackwell``, ``fixed``), layered just above the built-in defaults;
+``profile: auto`` picks one per device from its compute capability. The
+profiles and the shipped configurations (``vllm``, ``hopper``, ...) are
+package data read with ``importlib.resources``. Pure functions; thread-safe.
+Tables: docs/profiles.md.
 """
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import cache
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from wspool.device_facts import DeviceDescription
-from wspool.shipped import shipped_text
+from wspool.devices import DeviceDescription
+from wspool.errors import ConfigError
 
-__all__ = ["AUTO", "FALLBACK_PROFILE", "PROFILE_NAMES", "Profile", "ProfileChoice", "choose_profile", "load_profile"]
+__all__ = [
+    "AUTO",
+    "FALLBACK_PROFILE",
+    "PROFILE_NAMES",
+    "Profile",
+    "ProfileChoice",
+    "choose_profile",
+    "load_profile",
+    "shipped_config",
+    "shipped_config_names",
+    "shipped_text",
+]
+
+
+_PACKAGE = "wspool"
+_files = ExitStack()
+atexit.register(_files.close)
+_paths: dict[str, Path] = {}
+
+
+def shipped_text(kind: str, name: str) -> str:
+    """Return the text of ``data/<kind>/<name>.yaml`` (``kind``: ``"configs"`` or ``"profiles"``)."""
+    return resources.files(_PACKAGE).joinpath("data", kind, f"{name}.yaml").read_text(encoding="utf-8")
+
+
+def shipped_config_names() -> list[str]:
+    """Return the names of the shipped configuration files, sorted (``["blackwell", "default", ...]``)."""
+    folder = resources.files(_PACKAGE).joinpath("data", "configs")
+    return sorted(entry.name.removesuffix(".yaml") for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def shipped_config(name: str) -> Path:
+    """Return a file-system path to the shipped configuration ``name`` (e.g. ``"hopper"``).
+
+    Raises:
+        ConfigError: There is no such shipped file.
+    """
+    found = _paths.get(name)
+    if found is None:
+        known = shipped_config_names()
+        if name not in known:
+            raise ConfigError(f"no shipped configuration {name!r} (shipped: {', '.join(known)})")
+        entry = resources.files(_PACKAGE).joinpath("data", "configs", f"{name}.yaml")
+        found = _paths[name] = Path(_files.enter_context(resources.as_file(entry)))
+    return found
+
 
 #: The profile setting that picks per device.
 AUTO = "auto"

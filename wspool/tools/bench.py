@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer.mla_paths import BLACKWELL_ARCHS
+from wspool.flashinfer.backends import BLACKWELL_ARCHS
 from wspool.registry import PoolRegistry
-from wspool.settings.config import SEED_MLA_WORKSPACE_BYTES
-from wspool.shipped import shipped_config
+from wspool.settings.profiles import shipped_config
+from wspool.settings.schema import SEED_MLA_WORKSPACE_BYTES
 from wspool.tools.sweep import DEFAULT_SHAPES, MLAShape
 
 __all__ = [

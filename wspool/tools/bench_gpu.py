@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer import MLADecodePlan, mla_decode, mla_decode_plan, mla_paths
-from wspool.flashinfer.mla_paths import select_path
+from wspool.flashinfer import MLADecodePlan, backends, mla_decode, mla_decode_plan
+from wspool.flashinfer.backends import select_path
 from wspool.registry import PoolRegistry
 from wspool.tools.calibrate import SEED_CONSTANTS
 from wspool.tools.direct import PAGE_SIZE, SM_SCALE, DecodeInputs, DirectMLA
@@ -253,7 +253,7 @@ def measure_mla_decode(
         inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=1)
         for return_lse in (False, True):
             shape = MLAShape(batch, num_heads, max_seq_len, return_lse=return_lse)
-            nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(mla_paths.sm_count(device)))
+            nbytes = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(backends.sm_count(device)))
             direct, twin = (
                 DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), path, num_heads, return_lse)
                 for _ in range(2)

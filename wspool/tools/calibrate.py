@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import yaml
 
 from wspool.errors import WspoolError
-from wspool.flashinfer.fa_layout import FA_MLA_WORKSPACE_RULE
+from wspool.flashinfer.layouts import FA_MLA_WORKSPACE_RULE
 from wspool.rules import compile_rule
-from wspool.settings.config import SEED_MLA_WORKSPACE_BYTES
+from wspool.settings.schema import SEED_MLA_WORKSPACE_BYTES
 from wspool.tools.search import CalibrationError, SearchResult
 from wspool.tools.sweep import MLAShape
 from wspool.units import format_size

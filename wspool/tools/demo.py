@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import torch
 
+from wspool.flashinfer.layouts import carve_trtllm_mla_workspace, softmax_slab_bytes
 from wspool.flashinfer.mla import mla_decode_plan
 from wspool.flashinfer.reference import mla_decode_reference
-from wspool.flashinfer.trtllm_layout import carve_trtllm_mla_workspace, softmax_slab_bytes
 from wspool.registry import PoolRegistry, get_registry
 from wspool.rules import compile_rule
-from wspool.settings.config import profile_settings
+from wspool.settings.schema import profile_settings
 from wspool.units import format_size
 
 __all__ = ["run_demo"]

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from wspool.flashinfer import kernels
-from wspool.flashinfer.mla_paths import KV_LORA_RANK, QK_ROPE_HEAD_DIM
-from wspool.flashinfer.page_table import CSRConstants, csr_parts
+from wspool.flashinfer.backends import KV_LORA_RANK, QK_ROPE_HEAD_DIM
+from wspool.flashinfer.layouts import CSRConstants, csr_parts
 
 __all__ = ["PAGE_SIZE", "SM_SCALE", "DecodeInputs", "DirectMLA"]
 
@@ -54,7 +54,7 @@ class DirectMLA:
     """FlashInfer's planned wrapper called directly, as a careful backend without wspool would.
 
     It converts the page table with the op's own operations
-    (:func:`~wspool.flashinfer.page_table.csr_parts`, what a backend would
+    (:func:`~wspool.flashinfer.layouts.csr_parts`, what a backend would
     write inline) and, like the op, makes the index tensors that do not change
     between steps once, so both do the same device work per step and a
     comparison measures wspool's own cost.

@@ -4,7 +4,7 @@ An engine captures one decode graph per batch size. This captures 20 MLA
 decode plans (batch sizes 1..256, 128 heads, the LSE returned, one plan and
 one graph per batch size, on one registry) and reports the device memory
 before and after, split into what the pool holds, what FlashInfer's wrappers
-hold themselves (:mod:`wspool.kernel_buffers`), and the rest (index buffers,
+hold themselves (:mod:`wspool.memory`), and the rest (index buffers,
 outputs, the graphs' memory). Run it on a GPU, once per profile::
 
     python -m wspool.tools.graph_plans                  # profile auto (hopper on an H200)
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from wspool.kernel_buffers import kernel_buffer_stats
+from wspool.memory import kernel_buffer_stats
 from wspool.registry import PoolRegistry
-from wspool.settings.config import load_settings
+from wspool.settings.schema import load_settings
 from wspool.units import format_size
 
 __all__ = ["BATCH_SIZES", "main", "measure_graph_plans"]

@@ -2,7 +2,7 @@
 
 The planned wrapper (fa3 on Hopper, fa2 on Ampere) carves its float
 workspace in ``plan()`` with a bounds-checked allocator (see
-:mod:`wspool.flashinfer.fa_layout`), so a size is probed with ``plan()``
+:mod:`wspool.flashinfer.layouts`), so a size is probed with ``plan()``
 alone (about a millisecond) on a slice ``buffer[:n]`` of one large buffer,
 and FlashInfer's overflow message names the size the failed carve needed.
 A found size is then confirmed by ``run()``: a guard region right after the
@@ -27,8 +27,7 @@ import torch
 
 from wspool.devices import DeviceLike, resolve_device
 from wspool.flashinfer import kernels
-from wspool.flashinfer.blackwell import BLACKWELL_BACKENDS
-from wspool.flashinfer.mla_paths import KV_LORA_RANK, QK_ROPE_HEAD_DIM, select_path
+from wspool.flashinfer.backends import BLACKWELL_BACKENDS, KV_LORA_RANK, QK_ROPE_HEAD_DIM, select_path
 from wspool.flashinfer.refusals import parse_refusal
 from wspool.tools.calibrate import NEEDS_GPU
 from wspool.tools.direct import SM_SCALE

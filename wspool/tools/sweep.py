@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from wspool.errors import WspoolError
-from wspool.flashinfer.mla_paths import call_facts
+from wspool.flashinfer.backends import call_facts
 
 __all__ = ["DEFAULT_SHAPES", "MLAShape", "ShapeError", "load_shapes", "parse_shape", "shape_from_mapping"]
 

@@ -1,43 +1,141 @@
-"""Memory accounting: what a registry's pools hold, per backend, next to PyTorch's own figures.
+"""Memory accounting: what a registry's buffers hold, per backend, beside PyTorch's figures.
 
-:meth:`PoolRegistry.memory_stats <wspool.PoolRegistry.memory_stats>` returns
-plain data (JSON-able) and :meth:`~wspool.PoolRegistry.memory_summary` a table
-with one row per buffer (pool, device, lane): capacity, peak request, grows,
-FlashInfer's wrappers' own buffers (:mod:`wspool.kernel_buffers`),
-and the backends that drew from it, i.e. each pool whose rules it served
-(pools configured with ``shared_with`` draw from their host's buffer) with
-its requests per rule. For CUDA devices both add PyTorch's allocated and
-reserved bytes from :func:`torch.cuda.memory_stats`, so wspool's share is
-visible; wspool's buffers are part of PyTorch's allocated bytes, not extra.
-
-:func:`mem_pool_allocator` makes a registry allocate inside a caller's
-:class:`torch.cuda.MemPool` (engines' sleep and offload modes manage the
-memory of such a pool as a whole).
-
-:func:`dry_run` resolves a configuration's rules for given facts on the
-``meta`` device, which allocates nothing: what ``wspool stats`` prints.
-
-Reading statistics has no side effects and never creates a CUDA context;
-PyTorch's figures are read only for devices where a pool already allocated.
+``memory_stats`` returns plain (JSON-able) data and ``memory_summary`` a table,
+one row per buffer (pool, device, lane), with the bytes FlashInfer's wrappers
+hold for themselves (tracked weakly per pool) and, on CUDA, PyTorch's
+allocated and reserved bytes. ``dry_run`` resolves rules on the ``meta``
+device, allocating nothing. Reading has no side effects and creates no CUDA
+context; thread-safe. Tables and figures: docs/kernels.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from wspool.errors import RuleError
-from wspool.kernel_buffers import kernel_buffer_stats
-from wspool.pool_spec import Allocator, PoolStats, zeros_allocator
+from wspool.pool import Allocator, PoolStats, zeros_allocator
 from wspool.units import format_size
 
 if TYPE_CHECKING:
-    from wspool.pool_source import PoolSource
+    from wspool.pool import PoolSource, WorkspacePool
 
-__all__ = ["dry_run", "mem_pool_allocator", "memory_stats", "memory_summary"]
+__all__ = [
+    "KernelBufferStats",
+    "dry_run",
+    "kernel_buffer_stats",
+    "mem_pool_allocator",
+    "memory_stats",
+    "memory_summary",
+    "track_kernel_buffers",
+]
+
+
+_STATE_KEY = "kernel_buffers"
+
+
+@dataclass(frozen=True)
+class KernelBufferStats:
+    """What the live FlashInfer wrappers built on one pool's buffer hold themselves.
+
+    Attributes:
+        pool: The pool whose buffer the wrappers use as their float workspace.
+        device: The device, as a string.
+        lane: The lane.
+        wrappers: Live wrappers.
+        device_bytes: Their own device tensors (int workspaces and the like).
+        pinned_host_bytes: Their pinned host tensors (staging copies).
+    """
+
+    pool: str
+    device: str
+    lane: str
+    wrappers: int
+    device_bytes: int
+    pinned_host_bytes: int
+
+
+class _Tracked:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[int, tuple[weakref.ref[Any], str, str, str, tuple[int, ...]]] = {}
+
+
+def track_kernel_buffers(
+    registry: PoolSource, pool: WorkspacePool, wrapper: Any, supplied: Iterable[torch.Tensor] = ()
+) -> None:
+    """Count ``wrapper``'s own buffers against ``pool`` for as long as the wrapper lives.
+
+    Args:
+        registry: The registry whose statistics report it.
+        pool: The pool whose buffer the wrapper was built on.
+        wrapper: The FlashInfer wrapper (held weakly).
+        supplied: Tensors the caller gave the wrapper (index buffers), not counted.
+    """
+    tracked: _Tracked | None = registry.op_state.get(_STATE_KEY)
+    if tracked is None:
+        tracked = registry.op_state.setdefault(_STATE_KEY, _Tracked())
+    key = id(wrapper)
+    found = tracked.entries.get(key)
+    if found is not None and found[0]() is wrapper:
+        return
+    ptrs = tuple(t.data_ptr() for t in supplied)
+    with tracked.lock:
+        tracked.entries[key] = (weakref.ref(wrapper), pool.spec.name, str(pool.device), pool.lane, ptrs)
+
+
+def _own_tensors(wrapper: Any) -> Iterable[torch.Tensor]:
+    """The tensors a wrapper holds in its attributes and in those of its attribute objects, one level deep."""
+    for value in vars(wrapper).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
+
+
+def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
+    """Return, per pool, device and lane, what the live wrappers hold besides the pool's buffer; sorted."""
+    tracked: _Tracked | None = registry.op_state.get(_STATE_KEY)
+    if tracked is None:
+        return []
+    with tracked.lock:
+        entries = list(tracked.entries.items())
+    totals: dict[tuple[str, str, str], list[int]] = {}
+    dead = []
+    buffers = {(p.spec.name, str(p.device), p.lane): p.buffer for p in registry.pools()}
+    for key, (ref, pool, device, lane, supplied) in entries:
+        wrapper = ref()
+        if wrapper is None:
+            dead.append(key)
+            continue
+        workspace = buffers.get((pool, device, lane))
+        skip = {*supplied, *(() if workspace is None else (workspace.data_ptr(),))} - {0}
+        seen: set[int] = set()
+        total = totals.setdefault((pool, device, lane), [0, 0, 0])
+        total[0] += 1
+        for tensor in _own_tensors(wrapper):
+            ptr = tensor.data_ptr()
+            key = ptr or -id(tensor)  # meta tensors have no address: each object counts once
+            if ptr in skip or key in seen:
+                continue
+            seen.add(key)
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.device.type == "cpu":
+                if tensor.is_pinned():
+                    total[2] += nbytes
+            else:
+                total[1] += nbytes
+    if dead:
+        with tracked.lock:
+            for key in dead:
+                if key in tracked.entries and tracked.entries[key][0]() is None:
+                    del tracked.entries[key]
+    return [KernelBufferStats(p, d, ln, *v) for (p, d, ln), v in sorted(totals.items())]
 
 
 def mem_pool_allocator(mem_pool: Any, base: Allocator | None = None) -> Allocator:
@@ -196,7 +294,7 @@ def dry_run(registry: PoolSource, facts: Mapping[str, int], device: str = "meta"
     skipped: dict[str, str] = {}
     largest: dict[str, int] = {}
     requests = []
-    for name in sorted(registry.settings.pools):
+    for name in registry.pool_names():
         for rule in sorted(registry.spec(name).rules):
             try:
                 nbytes = registry.resolve(name, rule, device=device, **facts)

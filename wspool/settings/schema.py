@@ -1,34 +1,23 @@
-"""Configuration: pydantic-settings over built-in defaults, a YAML file and ``WSPOOL_*``.
+"""The configuration schema and its loading: pools, rules, facts, profile, with every value checked.
 
-Precedence, highest first: values passed in code, environment variables, the
-YAML file (named in code or by ``WSPOOL_CONFIG``), the engines' own workspace
-variables (:mod:`wspool.settings.engine_knobs`), built-in defaults. Sources
-are deep-merged, so ``WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE=512MiB``
-overrides that one rule and keeps every other value of the file.
-
-Every value is validated before anything is allocated; a bad value raises
-:class:`~wspool.errors.ConfigError` naming the YAML key, the environment
-variable, the value, where it came from and what was expected.
-
-Hostile input: the YAML file is read with the safe loader, must be at most
-:data:`MAX_CONFIG_FILE_BYTES`, and may hold at most :data:`MAX_CONFIG_VALUES`
-values nested at most :data:`MAX_CONFIG_DEPTH` deep after expanding aliases
-(so an alias bomb is refused before validation walks it). Values quoted back
-in errors are shortened. Nothing is silently dropped: a key given twice in one
-YAML mapping, a ``WSPOOL_*`` variable that names no setting, and pool names that
-differ only in case are errors. Whatever the file or the environment holds,
-loading raises nothing but :class:`~wspool.errors.ConfigError`.
+:func:`load_settings` merges code overrides > ``WSPOOL_*`` variables > the
+YAML file > engine knobs > the device profile > built-in defaults, key by key,
+and validates the result: a bad value raises one
+:class:`~wspool.errors.ConfigError` naming the YAML key, the variable, the
+value and its source, and nothing is allocated. Loading reads files and the
+environment once; the returned settings are immutable and thread-safe.
 """
 
 from __future__ import annotations
 
+import keyword
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -40,33 +29,26 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError
-from wspool.rules import LiteralRule, compile_rule
-from wspool.settings.engine_knobs import engine_knob_layers, engine_knob_settings
-from wspool.settings.forensics import MAX_REPORTED_ERRORS, config_error, env_error, quote
-from wspool.settings.name_checks import check_env_names, check_pool_names, check_shared_pools
-from wspool.settings.profiles import AUTO, load_profile
-from wspool.settings.provenance import Provenance, deep_copy
-from wspool.settings.values import (
-    GROWTH_POLICIES,
-    RESERVED_FACT_NAMES,
-    FactName,
-    FactValue,
-    GrowthPolicy,
-    OptionalLimit,
-    PoolName,
-    ProfileSetting,
-    RuleSource,
-)
-from wspool.settings.yaml_file import (
+from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
+from wspool.rules import FUNCTIONS, LiteralRule, compile_rule
+from wspool.settings.profiles import AUTO, PROFILE_NAMES, load_profile
+from wspool.settings.sources import (
     CONFIG_ENV_VAR,
     MAX_CONFIG_DEPTH,
     MAX_CONFIG_FILE_BYTES,
     MAX_CONFIG_VALUES,
+    MAX_REPORTED_ERRORS,
+    Provenance,
+    config_error,
     config_file_from,
+    deep_copy,
+    engine_knob_layers,
+    engine_knob_settings,
+    env_error,
+    quote,
     read_yaml,
 )
-from wspool.units import format_size
+from wspool.units import format_size, parse_size
 
 __all__ = [
     "BUILTIN_DEFAULTS",
@@ -79,9 +61,17 @@ __all__ = [
     "MAX_REPORTED_ERRORS",
     "RESERVED_FACT_NAMES",
     "SEED_MLA_WORKSPACE_BYTES",
+    "FactName",
+    "FactValue",
+    "GrowthPolicy",
+    "OptionalLimit",
     "PoolConfig",
+    "PoolName",
+    "ProfileSetting",
     "Provenance",
+    "RuleSource",
     "WspoolSettings",
+    "check_env_names",
     "check_pool_names",
     "check_shared_pools",
     "iter_settings",
@@ -90,6 +80,188 @@ __all__ = [
     "profile_settings",
     "validate_pool",
 ]
+
+
+GROWTH_POLICIES = ("exact", "power_of_two")
+
+
+# Values quoted back in errors are shortened, so a hostile value cannot make a huge message.
+
+
+def _rule_value(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a size or an expression string, got {type(value).__name__}")
+    compile_rule(value)  # raises a RuleError (a ValueError) naming what is wrong
+    return str(value)
+
+
+def _growth_value(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in GROWTH_POLICIES:
+        return value.strip().lower()
+    try:
+        granularity = parse_size(value)
+    except ValueError:
+        raise ValueError(
+            f"expected 'exact', 'power_of_two' or a granularity size such as '32MiB', got {value!r}"
+        ) from None
+    if granularity <= 0:
+        raise ValueError("a growth granularity must be positive")
+    return str(value)
+
+
+def _size_value(value: object) -> int | None:
+    if value is None:
+        return None
+    return parse_size(value)
+
+
+def _limit_value(value: object) -> int | None:
+    nbytes = _size_value(value)
+    if nbytes == 0:
+        raise ValueError("max_bytes must be positive (leave it out for no limit)")
+    return nbytes
+
+
+def _pool_name_value(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None  # empty: the pool has its own buffer
+    if not isinstance(value, str):
+        raise ValueError(f"expected the name of another pool, got {type(value).__name__}")
+    return value.strip()
+
+
+#: Names a default fact may not have: the parameters of the per-call methods (facts are
+#: passed as keyword arguments next to them), Python's keywords and the rule functions.
+RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "self", *keyword.kwlist, *FUNCTIONS})
+
+
+def _fact_name(value: object) -> str:
+    if not isinstance(value, str):
+        raise PydanticCustomError("string_type", "Input should be a valid string")
+    if not value.isidentifier() or value.startswith("_"):
+        raise ValueError(f"fact name {value!r} is not a name a rule can read (letters, digits, _; no leading _)")
+    if value in RESERVED_FACT_NAMES:
+        raise ValueError(
+            f"fact name {value!r} is reserved (it names a parameter of the per-call methods, a Python keyword "
+            f"or a rule function); choose another name"
+        )
+    return value
+
+
+def _fact_value(value: object) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a fact must be a non-negative integer, got {type(value).__name__} {quote(value)}")
+    return value
+
+
+RuleSource = Annotated[str, BeforeValidator(_rule_value)]
+FactName = Annotated[str, BeforeValidator(_fact_name)]
+FactValue = Annotated[int, BeforeValidator(_fact_value)]
+GrowthPolicy = Annotated[str, BeforeValidator(_growth_value)]
+OptionalLimit = Annotated[int | None, BeforeValidator(_limit_value)]
+PoolName = Annotated[str | None, BeforeValidator(_pool_name_value)]
+
+
+def _profile_value(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in (AUTO, *PROFILE_NAMES):
+        return value.strip().lower()
+    raise ValueError(f"unknown profile {quote(value)} (choose {AUTO} or one of {', '.join(PROFILE_NAMES)})")
+
+
+ProfileSetting = Annotated[str, BeforeValidator(_profile_value)]
+
+
+def check_env_names(setting_names: Iterable[str], extra_env_vars: Iterable[str]) -> None:
+    """Refuse a ``WSPOOL_*`` variable that names no setting (pydantic-settings would ignore it).
+
+    Args:
+        setting_names: The top-level settings.
+        extra_env_vars: ``WSPOOL_*`` variables that are not settings but are read elsewhere.
+    """
+    extra = tuple(extra_env_vars)
+    fields = {name.upper() for name in setting_names}
+    unknown = []
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in extra:
+            continue
+        head, nested, _ = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
+        if head not in fields or (nested and head != "POOLS"):
+            unknown.append(name)
+    if unknown:
+        known = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
+        shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
+        more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
+        raise ConfigError(
+            f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
+            f"(check the spelling; the variables are {known}, and pools are set through "
+            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)",
+            path=(unknown[0][len(ENV_PREFIX) :].lower(),),
+        )
+
+
+def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:
+    """Refuse empty pool or rule names, and pool names that differ only in case.
+
+    Environment variables are matched case-insensitively, so ``WSPOOL_POOLS__MYPOOL__...``
+    names ``mypool``: a YAML pool ``MyPool`` next to it would otherwise be a second pool.
+    """
+    where = source_of or (lambda path: "code")
+    by_folded: dict[str, str] = {}
+    for name, pool in pools.items():
+        if not name.strip():
+            raise ConfigError(f"invalid wspool configuration: a pool name is empty ({quote(name)})", path=("pools",))
+        for rule in pool.rules:
+            if not rule.strip():
+                path = ("pools", name, "rules")
+                raise ConfigError(
+                    f"invalid wspool configuration: pool {name!r} has a rule with an empty name "
+                    f"({quote(rule)}, from {where(path)})",
+                    path=path,
+                )
+        other = by_folded.setdefault(name.lower(), name)
+        if other != name:
+            first, second = sorted((other, name))
+            raise ConfigError(
+                f"invalid wspool configuration: pools {first!r} (from {where(('pools', first))}) and {second!r} "
+                f"(from {where(('pools', second))}) differ only in case; environment variables name pools in "
+                f"lower case ({ENV_PREFIX}POOLS{ENV_DELIMITER}{name.upper()}{ENV_DELIMITER}... is "
+                f"pools.{name.lower()}), so write the pool's name in lower case",
+                path=("pools", first),
+            )
+
+
+def check_shared_pools(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
+    """Refuse a ``shared_with`` that names no pool, itself, or a pool that shares yet another's buffer."""
+    pools = settings.pools
+    for name, pool in pools.items():
+        host = pool.shared_with
+        if host is None:
+            continue
+        target = pools.get(host)
+        clash = sorted(set(pool.rules) & set(target.rules)) if target is not None else []
+        if host == name:
+            problem = "a pool cannot share its own buffer"
+        elif target is None:
+            problem = f"there is no pool {host!r} (configured: {', '.join(sorted(pools))})"
+        elif target.shared_with is not None:
+            problem = f"pool {host!r} itself draws from {target.shared_with!r}; name {target.shared_with!r}"
+        elif {"growth", "max_bytes"} & pool.model_fields_set:
+            problem = f"its buffer is {host!r}'s, so set growth and max_bytes under pools.{host}"
+        elif clash:
+            problem = f"both pools have a rule {clash[0]!r}, and rule names on one buffer must differ"
+        else:
+            continue
+        path = ("pools", name, "shared_with")
+        source = f" (from {provenance.source_of(path)})" if provenance is not None else ""
+        raise ConfigError(
+            f"invalid wspool configuration: {setting_names(path)[0]} = {host!r}{source}: {problem}; "
+            f"set {describe_setting(path)} (empty: its own buffer)",
+            path=path,
+        )
+
 
 #: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
 #: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).

@@ -1,10 +1,9 @@
 """``mla_decode``: MLA decode for one layer, reusing the previous call's plan while the metadata is unchanged.
 
-The plans live in an :class:`MLAPlanCache` in the registry's ``op_state`` (so
+Plans live in an :class:`MLAPlanCache` in the registry's ``op_state`` (so
 :meth:`~wspool.PoolRegistry.reset` forgets them with the buffers), one per
-(pool, lane, backend, LSE mode). Device semantics: the metadata's device.
-Thread semantics: one caller per (pool, lane) at a time, as for the lane's
-buffer. Capture semantics: those of :meth:`MLADecodePlan.run`.
+device, lane and call shape. Thread semantics: the cache is thread-safe; a
+plan is used by one lane at a time.
 """
 
 from __future__ import annotations
@@ -16,10 +15,11 @@ from typing import Any
 import torch
 
 from wspool.flashinfer.mla import MLA_POOL, MLADecodePlan
-from wspool.lanes import current_lane
 from wspool.registry import PoolRegistry, get_registry
+from wspool.streams import current_lane
 
 __all__ = ["MLAPlanCache", "mla_decode"]
+
 
 logger = logging.getLogger("wspool")
 

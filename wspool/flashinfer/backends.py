@@ -1,27 +1,11 @@
-"""MLA decode on Blackwell as vLLM calls it: trtllm-gen or cute-dsl, with decode-context parallelism.
+"""MLA decode's kernel paths: which path a device runs, its Blackwell arguments, and the float workspace it needs.
 
-vLLM's FlashInfer MLA backend calls ``trtllm_batch_decode_with_kv_cache_mla``
-with ``backend="trtllm-gen"``, falling back to ``"cute-dsl"`` for the shapes
-trtllm-gen cannot tile, and with ``backend="cute-dsl"``, ``enable_dcp=True``,
-``cp_world``, ``cp_rank`` and ``causal_seqlens_kv_global`` under
-decode-context parallelism (DCP). The cute-dsl kernel takes an ``int8``
-workspace; wspool hands it an ``int8`` view of the pool's ``uint8`` buffer
-(the same memory).
-
-This module holds the choices and checks that do not need a GPU:
-
-- :func:`blackwell_backend` resolves ``"auto"`` to the concrete kernel, the
-  rule FlashInfer's own sources state (trtllm-gen refuses
-  ``64 < num_heads < 128`` and page sizes other than 32 and 64; DCP exists
-  only in cute-dsl);
-- :func:`check_dcp` rejects bad DCP arguments with a ``ValueError`` naming the
-  argument, before any pool grows or kernel runs;
-- :func:`cute_dsl_workspace_bytes` asks FlashInfer's own cute-dsl size
-  function (pure Python; it imports on the CPU) what a call needs;
-- :func:`check_kernel_keywords` names the installed FlashInfer version when
-  its kernel lacks a keyword wspool passes.
-
-Device semantics: nothing here allocates or touches CUDA. Thread-safe.
+``select_path`` resolves ``backend="auto"`` in wspool (``fa3`` on SM90,
+``fa2`` on other GPUs, ``trtllm-gen`` or ``cute-dsl`` on Blackwell,
+``reference`` on the CPU), so the buffer's size never picks the kernel; each
+path's need is then known before FlashInfer is called. The MLA geometry and
+the Blackwell compute capabilities live here once. Pure functions apart from
+FlashInfer's own size function (CPU-only); thread-safe. docs/flashinfer-versions.md.
 """
 
 from __future__ import annotations
@@ -35,15 +19,30 @@ from typing import Any
 
 import torch
 
+from wspool.devices import device_facts
+from wspool.flashinfer.layouts import fa_mla_float_workspace_bytes, softmax_slab_bytes
+
 __all__ = [
+    "BACKENDS",
+    "BLACKWELL_ARCHS",
     "BLACKWELL_BACKENDS",
+    "KV_LORA_RANK",
+    "QK_ROPE_HEAD_DIM",
+    "TRTLLM_SCRATCH_BYTES",
     "DCPArgs",
     "blackwell_backend",
+    "call_facts",
     "check_dcp",
+    "check_int_tensor",
     "check_kernel_keywords",
     "cute_dsl_workspace_bytes",
+    "device_arch",
     "int8_view",
+    "path_need_bytes",
+    "select_path",
+    "sm_count",
 ]
+
 
 #: The kernels of ``trtllm_batch_decode_with_kv_cache_mla`` that wspool drives.
 BLACKWELL_BACKENDS = ("trtllm-gen", "cute-dsl")
@@ -213,3 +212,157 @@ def _flashinfer_version() -> str:
         return importlib.metadata.version("flashinfer-python")
     except importlib.metadata.PackageNotFoundError:
         return "(unknown version)"
+
+
+#: DeepSeek-style MLA geometry: the latent (compressed KV) width and the rope width per head.
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+BACKENDS = ("auto", "reference", "trtllm-gen", "cute-dsl", "fa3", "fa2")
+#: The Blackwell compute capabilities (SM100, SM103, SM107) that run trtllm-gen and cute-dsl.
+BLACKWELL_ARCHS = ((10, 0), (10, 3), (10, 7))
+
+_capabilities: dict[torch.device, tuple[int, int]] = {}
+
+
+def device_arch(device: torch.device) -> tuple[int, int] | None:
+    """Return a CUDA device's compute capability (read once per device), ``None`` off the GPU."""
+    if device.type != "cuda":
+        return None
+    found = _capabilities.get(device)
+    if found is None:
+        found = _capabilities[device] = torch.cuda.get_device_capability(device)
+    return found
+
+
+def sm_count(device: torch.device) -> int:
+    """Return the device's SM count fact (1 off the GPU, where the reference path runs)."""
+    # The device's fact (read once per device; wspool.devices.fake_device stands a CPU in for a GPU);
+    # 1 off the GPU, where the reference path runs.
+    return device_facts(device).get("sm_count", 1)
+
+
+def select_path(
+    device: torch.device, backend: str = "auto", *, num_heads: int = 128, page_size: int = 64, enable_dcp: bool = False
+) -> str:
+    """Return the concrete kernel path for ``device``, never ``"auto"``.
+
+    ``"auto"`` is ``"reference"`` on the CPU, trtllm-gen or cute-dsl on
+    Blackwell (see :func:`~wspool.flashinfer.backends.blackwell_backend`:
+    ``num_heads``, ``page_size`` and ``enable_dcp`` decide), ``"fa3"`` on
+    Hopper (SM90) and ``"fa2"`` on every other CUDA device.
+
+    Raises:
+        ValueError: ``backend`` is unknown, names a GPU kernel for a CPU device,
+            or a Blackwell kernel for another GPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MLA decode backend {backend!r} (choose one of {', '.join(BACKENDS)})")
+    if backend == "reference":
+        return "reference"
+    arch = device_arch(device)
+    if arch is None:
+        if backend == "auto":
+            return "reference"
+        raise ValueError(f"MLA decode backend {backend!r} needs a CUDA device, got {device}; use backend='reference'")
+    if arch in BLACKWELL_ARCHS and backend in ("auto", *BLACKWELL_BACKENDS):
+        return blackwell_backend(backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp)
+    if backend in BLACKWELL_BACKENDS:
+        raise ValueError(
+            f"MLA decode backend {backend!r} needs Blackwell (SM100/SM103/SM107), this GPU is SM{arch[0]}{arch[1]}; "
+            f"use backend='auto'"
+        )
+    if backend == "auto":
+        return "fa3" if arch == (9, 0) else "fa2"
+    return backend
+
+
+def check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.device) -> None:
+    """Check that ``tensor`` is a ``dim``-D integer tensor on ``device`` (the page table's device).
+
+    Raises:
+        ValueError: It is not, naming ``name``.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in (torch.int32, torch.int64):
+        shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be a {dim}-D int32 tensor, got {shown}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, but block_tables is on {device}")
+
+
+def call_facts(
+    *,
+    batch_size: int,
+    q_len: int,
+    num_heads: int,
+    max_seq_len: int,
+    page_size: int,
+    dtype_bytes: int,
+    sm_count: int,
+    cp_world: int | None,
+    kv_lora_rank: int = KV_LORA_RANK,
+    qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
+) -> dict[str, int]:
+    """Return the facts an MLA decode call passes to its pool's rules (``cp_world`` left out when ``None``).
+
+    The one place the fact names of an MLA call are spelled: the plan, the
+    calibration sweep and the benchmark all build them here.
+    """
+    facts = {
+        "batch_size": batch_size,
+        "q_len": q_len,
+        "num_heads": num_heads,
+        "max_seq_len": max_seq_len,
+        "page_size": page_size,
+        "kv_lora_rank": kv_lora_rank,
+        "qk_rope_head_dim": qk_rope_head_dim,
+        "dtype_bytes": dtype_bytes,
+        "sm_count": sm_count,
+    }
+    if cp_world is not None:
+        facts["cp_world"] = cp_world
+    return facts
+
+
+#: The scratch kept behind trtllm-gen's softmax slab (unchecked by FlashInfer; about 20-32 MB on a B200).
+TRTLLM_SCRATCH_BYTES = 64 << 20
+
+
+def path_need_bytes(
+    path: str,
+    *,
+    sm_count: int,
+    batch_size: int,
+    q_len: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    max_seq_len: int,
+    return_lse: bool,
+    enable_dcp: bool = False,
+) -> int:
+    """Return the float workspace bytes ``path`` is known to need for one plan's facts.
+
+    Args:
+        path: A concrete path: ``"fa3"``, ``"fa2"``, ``"trtllm-gen"``, ``"cute-dsl"`` or ``"reference"``.
+        sm_count: The device's streaming multiprocessors.
+        batch_size, q_len, num_heads, kv_lora_rank, max_seq_len: The plan's shape.
+        return_lse: Whether the LSE is returned.
+        enable_dcp: Whether the call runs decode-context parallel (cute-dsl).
+
+    Raises:
+        ValueError: ``path`` is not a concrete path.
+    """
+    if path in ("fa3", "fa2"):
+        return fa_mla_float_workspace_bytes(
+            sm_count=sm_count, num_heads=num_heads, q_len=q_len, kv_lora_rank=kv_lora_rank
+        )
+    if path == "trtllm-gen":
+        slab = softmax_slab_bytes(num_heads, batch_size, q_len) if return_lse else 0
+        return slab + TRTLLM_SCRATCH_BYTES
+    if path == "cute-dsl":
+        return cute_dsl_workspace_bytes(
+            batch_size=batch_size, q_len=q_len, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+            sm_count=sm_count, max_seq_len=max_seq_len, enable_dcp=enable_dcp,
+        )  # fmt: skip
+    if path == "reference":
+        return 0
+    raise ValueError(f"no known workspace need for MLA decode path {path!r}; resolve 'auto' first")

@@ -14,7 +14,7 @@ from typing import Any
 
 from wspool.errors import describe_setting, printable
 from wspool.registry import PoolRegistry
-from wspool.settings.config import (
+from wspool.settings.schema import (
     Provenance,
     WspoolSettings,
     iter_settings,
@@ -118,10 +118,9 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """``wspool stats``: what the pools would hold for given facts (a dry run on the meta device)."""
-    from wspool.accounting import dry_run, memory_summary
-    from wspool.device_facts import describe_device
-    from wspool.devices import resolve_device
-    from wspool.settings.config import load_settings
+    from wspool.devices import describe_device, resolve_device
+    from wspool.memory import dry_run, memory_summary
+    from wspool.settings.schema import load_settings
 
     # The meta device stands in for the current one: its profile and device facts size the rules.
     current = resolve_device(None)
