@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
 from wspool.errors import RuleError, SizeError, describe_setting
-from wspool.units import MAX_SIZE_BYTES, UNIT_BYTES, format_size, parse_size
+from wspool.units import MAX_SIZE_BYTES, UNIT_BYTES, ceil_div, format_size, parse_size, round_up
 
 __all__ = [
     "FUNCTIONS",
@@ -50,24 +50,12 @@ _SIZE_LITERAL_RE = re.compile(
 )
 
 
-def _round_up(value: int, multiple: int) -> int:
-    if multiple <= 0:
-        raise ZeroDivisionError("round_up's multiple must be positive")
-    return -(-value // multiple) * multiple
-
-
-def _ceil_div(value: int, divisor: int) -> int:
-    if divisor <= 0:
-        raise ZeroDivisionError("ceil_div's divisor must be positive")
-    return -(-value // divisor)
-
-
 #: The functions an expression may call, with their arity (None: two or more).
 FUNCTIONS: dict[str, tuple[Callable[..., int], int | None]] = {
     "max": (max, None),
     "min": (min, None),
-    "round_up": (_round_up, 2),
-    "ceil_div": (_ceil_div, 2),
+    "round_up": (round_up, 2),
+    "ceil_div": (ceil_div, 2),
 }
 
 _BINARY_OPS: dict[type[ast.operator], Callable[[int, int], int]] = {

@@ -14,7 +14,11 @@ from decimal import Decimal, InvalidOperation
 
 from wspool.errors import SizeError, describe_setting
 
-__all__ = ["MAX_SIZE_BYTES", "UNIT_BYTES", "format_size", "parse_size"]
+__all__ = ["GiB", "KiB", "MAX_SIZE_BYTES", "UNIT_BYTES", "MiB", "ceil_div", "format_size", "parse_size", "round_up"]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
 
 #: Sizes above this are rejected: no device has a petabyte of memory, and the
 #: bound keeps rule arithmetic on small integers.
@@ -27,15 +31,37 @@ UNIT_BYTES: dict[str, int] = {
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
     "tib": 1 << 40,
 }
 
 # ASCII only: \d and str.isdigit would take fullwidth and Arabic-Indic digits.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
-_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+
+
+def ceil_div(value: int, divisor: int) -> int:
+    """Return ``value / divisor`` rounded up, for a positive ``divisor``.
+
+    Raises:
+        ZeroDivisionError: ``divisor`` is not positive.
+    """
+    if divisor <= 0:
+        raise ZeroDivisionError("ceil_div's divisor must be positive")
+    return -(-value // divisor)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Return the smallest multiple of ``multiple`` that is at least ``value``, for a positive ``multiple``.
+
+    Raises:
+        ZeroDivisionError: ``multiple`` is not positive.
+    """
+    if multiple <= 0:
+        raise ZeroDivisionError("round_up's multiple must be positive")
+    return -(-value // multiple) * multiple
 
 
 def _fail(message: str, setting: Sequence[str] | None) -> SizeError:
