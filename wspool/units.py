@@ -14,7 +14,7 @@ from decimal import Decimal, InvalidOperation
 
 from wspool.errors import SizeError, describe_setting
 
-__all__ = ["GiB", "KiB", "MAX_SIZE_BYTES", "UNIT_BYTES", "MiB", "ceil_div", "format_size", "parse_size", "round_up"]
+__all__ = ["MAX_SIZE_BYTES", "UNIT_BYTES", "GiB", "KiB", "MiB", "ceil_div", "format_size", "parse_size", "round_up"]
 
 KiB = 1 << 10
 MiB = 1 << 20
