@@ -68,12 +68,9 @@ def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """A snapshot of one pool's state; reading it has no side effects.
+    """A snapshot of one pool's state (pool, device and lane as strings); reading it has no side effects.
 
     Attributes:
-        pool: The pool's name.
-        device: The device, as a string (``"cuda:0"``, ``"cpu"``).
-        lane: The lane (``"main"`` unless a lane was chosen).
         capacity_bytes: Size of the current buffer (0 before the first request).
         peak_request_bytes: Largest size any request resolved to.
         request_count: Requests served.
@@ -105,10 +102,9 @@ class PoolSpec:
         rules: Rule name -> rule source (size or expression).
         growth: ``"exact"``, ``"power_of_two"`` or a granularity size string.
         max_bytes: Largest capacity allowed, or ``None``.
-        rule_pools: For rules that another pool brought to this one's buffer
-            (``shared_with``), the pool whose key sets them; others are this pool's.
+        rule_pools: For rules a ``shared_with`` pool brought to this buffer, that pool's name.
         facts: The pool's configured default facts (``pools.<name>.facts``).
-        rule_facts: For rules another pool brought, that pool's default facts.
+        rule_facts: For rules a ``shared_with`` pool brought, that pool's default facts.
     """
 
     def __init__(
@@ -164,11 +160,9 @@ class PoolSpec:
 class FreezeState:
     """Shared by a registry's pools: growth is refused while ``frozen``.
 
-    Frozen while :meth:`freeze` holds it or any ``frozen()`` block is open (the
-    blocks are counted, so blocks overlapping across threads keep the freeze
-    until the last one closes). ``epoch`` counts the times it became frozen, so a
-    pool can tell at growth whether its buffer was current during a freeze (and
-    so may be in a graph).
+    Frozen while held or while any counted ``frozen()`` block is open; ``epoch``
+    counts the times it became frozen, so a pool can tell whether its buffer was
+    current during a freeze (and so may be in a graph).
     """
 
     __slots__ = ("_blocks", "_held", "_lock", "_resets", "epoch")
@@ -217,10 +211,8 @@ class FreezeState:
 def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
     """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
 
-    The legacy default stream (raw handle 0) cannot be captured, so on it the
-    probe answers with one call that reads the current stream instead of
-    asking CUDA for the capture status, which costs more; any other stream is
-    asked.
+    The legacy default stream (raw handle 0) cannot be captured, so there the
+    probe reads only the current stream; any other stream asks CUDA.
     """
     index = device.index if device.index is not None else 0
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -235,7 +227,7 @@ def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
 
 
 #: A refused growth: the error to raise, and the log line (format and arguments) to write first.
-_Refusal = tuple[Exception, str, tuple[object, ...]]
+_GrowthRefusal = tuple[Exception, str, tuple[object, ...]]
 
 
 def _growth_refusal(
@@ -249,7 +241,7 @@ def _growth_refusal(
     setting: str,
     frozen: bool,
     capturing: bool,
-) -> _Refusal | None:
+) -> _GrowthRefusal | None:
     """Return the error and log line for a growth to ``nbytes`` that must be refused, or ``None`` to grow.
 
     Refused: above ``max_bytes`` or wspool's size limit, or while ``frozen`` or ``capturing``.
@@ -308,19 +300,12 @@ def _allocation_failure(
 
 
 class _RuleSlot:
-    """Per rule (or request reason): its compiled rule and an atomic request counter.
+    """Per rule (or request reason): its compiled rule, default facts, label, setting and request counter.
 
-    Attributes:
-        rule: The compiled rule; ``None`` for an explicit-request reason.
-        nbytes: A literal rule's size; ``None`` for an expression (or no rule).
-        defaults: The facts a call's missing facts are read from.
-        default_nbytes: The size of a call that gives no facts, when the defaults resolve it.
-        label: Says why the pool grew, e.g. ``"rule lse"``.
-        setting: The key that sizes these requests, for error messages.
-        counter: Counts requests (read with :attr:`count`).
+    The per-call path reads these as plain attributes, with no method call.
     """
 
-    __slots__ = ("counter", "default_nbytes", "defaults", "label", "nbytes", "rule", "setting")
+    __slots__ = ("_reads", "counter", "default_nbytes", "defaults", "label", "nbytes", "rule", "setting")
 
     def __init__(
         self, rule: SizeRule | None, label: str, setting: str, defaults: Mapping[str, int] | None = None
@@ -341,12 +326,14 @@ class _RuleSlot:
         self.setting = setting  # the key that sizes these requests, for error messages
         # next() on itertools.count is atomic under the GIL: exact counts without a lock.
         self.counter = itertools.count()
+        self._reads = 0
 
-    @property
-    def count(self) -> int:
-        """The requests counted so far."""
-        # count's repr is "count(N)": the only way to read it without advancing it.
-        return int(repr(self.counter)[6:-1])
+    def read_count(self) -> int:
+        """Return the requests counted so far; callers hold the pool's lock, so reads never overlap."""
+        # next() returns how often it was called before: the requests plus this slot's earlier reads.
+        count = next(self.counter) - self._reads
+        self._reads += 1
+        return count
 
 
 def _rule_slots(spec: PoolSpec, device_facts: Mapping[str, int] | None) -> dict[str, _RuleSlot]:
@@ -365,7 +352,7 @@ def _rule_slots(spec: PoolSpec, device_facts: Mapping[str, int] | None) -> dict[
     }
 
 
-logger = logging.getLogger("wspool")
+logger = logging.getLogger(__name__)
 
 
 class WorkspacePool:
@@ -373,19 +360,14 @@ class WorkspacePool:
 
     Args:
         spec: The pool's configuration.
-        device: Where the buffer lives (an explicit device, never ``"cuda"``
-            without an index).
+        device: Where the buffer lives (an explicit device, never ``"cuda"`` without an index).
         lane: The lane name; distinct lanes never share memory.
         freeze: The registry's freeze flag.
         allocator: Makes zero-filled buffers; the default is ``torch.zeros``.
-        capture_probe: Says whether the calling thread's current stream is
-            capturing a CUDA graph. Default: :func:`cuda_capture_probe` on CUDA
-            devices, none (never capturing) elsewhere. Engines that
-            track capture themselves, and tests, may pass their own.
-        debug_streams: On CUDA devices, watch for the buffer being handed to
-            two streams without ordering (see :mod:`wspool.streams`).
-        device_facts: The device's facts (:mod:`wspool.devices`); each rule
-            reads a fact its call lacks from its pool's default facts, then from these.
+        capture_probe: Whether the calling thread's stream is capturing a CUDA graph; default
+            :func:`cuda_capture_probe` on CUDA devices, never elsewhere.
+        debug_streams: On CUDA devices, watch for unordered streams (:mod:`wspool.streams`).
+        device_facts: The device's facts, read after the pool's default facts.
     """
 
     def __init__(
@@ -403,6 +385,7 @@ class WorkspacePool:
         self.spec = spec
         self.device = device
         self.lane = lane
+        self._where = f"{spec.name} on {device} lane {lane}"  # how log lines name this pool
         self._freeze = freeze if freeze is not None else FreezeState()
         self._allocate: Allocator = allocator or zeros_allocator
         if capture_probe is None and device.type == "cuda":
@@ -428,23 +411,14 @@ class WorkspacePool:
         self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
         self._retired: list[torch.Tensor] = []
         self._slots: dict[str, _RuleSlot] = _rule_slots(spec, device_facts)
-        self.generation = 0
-        """Increments each time the buffer is replaced; caches keyed on it go stale."""
+        self.generation = 0  # increments each time the buffer is replaced
+        # Objects built on the current buffer (kernel wrappers), emptied whenever the buffer is replaced.
         self.buffer_cache: dict[Hashable, Any] = {}
-        """Objects built on the current buffer (kernel wrappers); replaced by an empty dict
-        whenever the buffer is, so nothing cached here outlives the buffer it was built on."""
 
     # -- the per-call path -------------------------------------------------
 
     def workspace(self, rule: str, facts: Mapping[str, object]) -> torch.Tensor:
-        """Return the buffer, grown first if ``rule`` resolves larger than it.
-
-        Args:
-            rule: The rule's name (``"default"``, ``"lse"``...).
-            facts: The call's facts that the rule may read.
-
-        Returns:
-            The whole ``uint8`` buffer; ``numel()`` is at least the resolved size.
+        """Return the whole ``uint8`` buffer, grown first if ``rule`` resolves larger than it for ``facts``.
 
         Raises:
             RuleError: The rule is unknown or cannot be resolved for these facts.
@@ -479,23 +453,17 @@ class WorkspacePool:
         Raises:
             The same errors as :meth:`workspace`.
         """
-        slot = self._slots.get(rule)
-        if slot is None or slot.rule is None:
-            raise self._unknown_rule(rule)
-        return self.grow_to(slot.rule.resolve(facts, slot.defaults), slot.label, slot.setting)
+        slot, compiled = self._rule_slot(rule)
+        return self.grow_to(compiled.resolve(facts, slot.defaults), slot.label, slot.setting)
 
     def resolve(self, rule: str, facts: Mapping[str, object]) -> int:
-        """Return the bytes ``rule`` resolves to for ``facts`` on this pool's device; allocates nothing.
-
-        Facts the call lacks are read from the pool's default facts, then the device's.
+        """Return the bytes ``rule`` resolves to for ``facts`` (missing ones from the defaults); allocates nothing.
 
         Raises:
             RuleError: The rule is unknown or cannot be resolved.
         """
-        slot = self._slots.get(rule)
-        if slot is None or slot.rule is None:
-            raise self._unknown_rule(rule)
-        return slot.rule.resolve(facts, slot.defaults)
+        slot, compiled = self._rule_slot(rule)
+        return compiled.resolve(facts, slot.defaults)
 
     def default_facts(self, rule: str) -> Mapping[str, int]:
         """Return the facts ``rule`` reads where a call gives none: the pool's defaults over the device's.
@@ -503,10 +471,7 @@ class WorkspacePool:
         Raises:
             RuleError: The rule is unknown.
         """
-        slot = self._slots.get(rule)
-        if slot is None or slot.rule is None:
-            raise self._unknown_rule(rule)
-        return MappingProxyType(slot.defaults)
+        return MappingProxyType(self._rule_slot(rule)[0].defaults)
 
     def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
         """Return the buffer for an explicit size in bytes, grown first if needed.
@@ -514,8 +479,7 @@ class WorkspacePool:
         Raises:
             SizeError: ``nbytes`` is not a positive integer (nothing is counted).
             WorkspaceFrozenError: Growth was needed while frozen or capturing.
-            WorkspaceLimitError: Growth was needed beyond ``max_bytes``, wspool's size
-                limit or the device's memory.
+            WorkspaceLimitError: Growth was needed beyond a limit or the device's memory.
         """
         if type(nbytes) is not int or nbytes <= 0:
             self._check_request_size(nbytes)
@@ -560,15 +524,7 @@ class WorkspacePool:
     # -- growth ------------------------------------------------------------
 
     def grow_to(self, nbytes: int, reason: str, setting: str | None = None) -> torch.Tensor:
-        """Grow to hold at least ``nbytes`` (used by overflow recovery and reserve).
-
-        Args:
-            nbytes: The capacity needed.
-            reason: Why, for the statistics and the log.
-            setting: The key to raise, named in errors (default: the pool's rules).
-
-        Returns:
-            The (possibly new) buffer.
+        """Grow to hold at least ``nbytes`` for ``reason``; ``setting`` is the key errors name (overflow recovery).
 
         Raises:
             WorkspaceFrozenError: While frozen or capturing.
@@ -579,9 +535,7 @@ class WorkspacePool:
     def _grow(self, nbytes: int, reason: str, setting: str | None) -> torch.Tensor:
         """Grow to ``nbytes`` unless it fits; one thread allocates, the others wait for it.
 
-        The lock guards the state only: the allocator runs, and every log line is
-        written, with it released, so a handler or an allocator that reads the
-        pool's statistics cannot deadlock.
+        The lock guards the state only: the allocator and every log line run without it.
         """
         setting = setting or self.spec.setting("rules", "<rule>")
         # Asked before taking the lock: an engine's probe is its own code.
@@ -610,7 +564,7 @@ class WorkspacePool:
                     self._grower = None
                     self._grown.notify_all()
 
-    def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> _Refusal | None:
+    def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> _GrowthRefusal | None:
         """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
         refusal = _growth_refusal(
             self.spec, self.device, self.lane, nbytes=nbytes, old=self._state[1], reason=reason, setting=setting,
@@ -639,13 +593,7 @@ class WorkspacePool:
             with self._lock:
                 self._refused += 1
             logger.warning(
-                "wspool: out of memory growing %s on %s lane %s from %d to %d bytes for %s",
-                spec.name,
-                self.device,
-                self.lane,
-                old,
-                capacity,
-                reason,
+                "wspool: out of memory growing %s from %d to %d bytes for %s", self._where, old, capacity, reason
             )
             raise _allocation_failure(
                 spec, self.device, self.lane, exc, old=old, capacity=capacity, reason=reason, setting=setting
@@ -665,16 +613,8 @@ class WorkspacePool:
                 self._last_reason = f"{reason}: {format_size(nbytes)}"
         if refusal is not None:  # frozen while allocating: the new buffer is dropped
             self._report_refusal(*refusal)
-        logger.info(
-            "wspool: pool %s on %s lane %s grew %s -> %s for %s (requested %d bytes)",
-            spec.name,
-            self.device,
-            self.lane,
-            format_size(old),
-            format_size(capacity),
-            reason,
-            nbytes,
-        )
+        grown = (self._where, format_size(old), format_size(capacity), reason, nbytes)
+        logger.info("wspool: pool %s grew %s -> %s for %s (requested %d bytes)", *grown)
         return buffer
 
     # -- inspection and maintenance -----------------------------------------
@@ -692,7 +632,8 @@ class WorkspacePool:
     def stats(self) -> PoolStats:
         """Return a consistent snapshot of this pool's statistics."""
         with self._lock:
-            by_rule = {name: slot.count for name, slot in self._slots.items() if slot.count}
+            counts = {name: slot.read_count() for name, slot in self._slots.items()}
+            by_rule = {name: count for name, count in counts.items() if count}
             return PoolStats(
                 pool=self.spec.name,
                 device=str(self.device),
@@ -718,6 +659,13 @@ class WorkspacePool:
             self._retired.clear()
             return released
 
+    def _rule_slot(self, rule: str) -> tuple[_RuleSlot, SizeRule]:
+        """Return ``rule``'s slot and compiled rule (off the per-call path), or raise the error naming its setting."""
+        slot = self._slots.get(rule)
+        if slot is None or slot.rule is None:
+            raise self._unknown_rule(rule)
+        return slot, slot.rule
+
     def _unknown_rule(self, rule: str) -> Exception:
         return unknown_rule(self.spec.name, rule, (n for n, s in self._slots.items() if s.rule is not None))
 
@@ -729,34 +677,19 @@ class WorkspacePool:
 
 
 class PoolSource(Protocol):
-    """What accounting, agreement and kernel-buffer tracking read from a registry.
-
-    Thread semantics: those of the implementation (the registry's methods are thread-safe).
-    """
+    """What accounting and agreement read from a registry (:class:`~wspool.PoolRegistry` is one); thread-safe."""
 
     op_state: dict[str, Any]
 
     @property
-    def is_frozen(self) -> bool:
-        """Whether growth is refused."""
-        ...
+    def is_frozen(self) -> bool: ...
 
-    def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int:
-        """Return the bytes a call on ``device`` would get from ``rule``; allocates nothing."""
-        ...
+    def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int: ...
 
-    def pool_names(self) -> list[str]:
-        """Return the names of every configured or declared pool, sorted."""
-        ...
+    def pool_names(self) -> list[str]: ...
 
-    def spec(self, pool: str, device: DeviceLike = None) -> PoolSpec:
-        """Return a pool's configuration under ``device``'s profile."""
-        ...
+    def spec(self, pool: str, device: DeviceLike = None) -> PoolSpec: ...
 
-    def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool:
-        """Return (creating, without allocating) the pool for ``name`` on ``device`` and ``lane``."""
-        ...
+    def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool: ...
 
-    def pools(self) -> Iterator[WorkspacePool]:
-        """Iterate over every pool instance created so far."""
-        ...
+    def pools(self) -> Iterator[WorkspacePool]: ...
