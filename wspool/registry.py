@@ -25,7 +25,7 @@ from wspool.devices import DeviceDescription, DeviceLike, is_dynamic, resolve_de
 from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, describe_setting, unknown_pool, unknown_rule
 from wspool.pool import Allocator, FreezeState, PoolSource, PoolSpec, PoolStats, WorkspacePool
-from wspool.settings.profiles import ProfileChoice, choose_profile
+from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import WspoolSettings, check_shared_pools, load_settings, profile_settings, validate_pool
 from wspool.streams import current_lane
 
@@ -144,6 +144,61 @@ def _linked_spec(
     return PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts)
 
 
+class _ProfileView:
+    """One profile's configuration of a registry's pools: its settings, specs and shared buffers.
+
+    A registry holds one per profile in use; they share nothing mutable but
+    what the registry passes in. Thread semantics: the registry changes a view
+    under its lock and swaps whole dicts, so lock-free readers stay consistent.
+    """
+
+    def __init__(self, settings: WspoolSettings) -> None:
+        self.settings = settings
+        self.specs: dict[str, PoolSpec] = {
+            name: PoolSpec(name, pool.rules, pool.growth, pool.max_bytes, facts=pool.facts)
+            for name, pool in settings.pools.items()
+        }
+        check_shared_pools(settings)
+        # A pool configured with shared_with draws from its host's buffer, whose spec
+        # carries the rules of both (self.specs keeps each pool's own).
+        self.hosts = {name: p.shared_with for name, p in settings.pools.items() if p.shared_with}
+        self.buffer_specs: dict[str, PoolSpec] = {}
+        for host in sorted(set(self.hosts.values())):
+            self.buffer_specs[host] = _linked_spec(host, self.specs, self.hosts, self.spec)
+
+    def spec(self, pool: str) -> PoolSpec:
+        """Return ``pool``'s own configuration under this profile.
+
+        Raises:
+            ConfigError: No pool of that name is configured or declared.
+        """
+        spec = self.specs.get(pool)
+        if spec is None:
+            raise unknown_pool(pool, self.specs)
+        return spec
+
+    def buffer_spec(self, host: str) -> PoolSpec:
+        """Return the spec of ``host``'s buffer: its own, or with the rules of the pools that share it."""
+        return self.buffer_specs.get(host) or self.spec(host)
+
+    def stage(
+        self, name: str, declared: Mapping[str, Any], host_in_use: Callable[[str], bool], replay: bool = False
+    ) -> _Declaration:
+        """Build this view's spec for a declaration, validated as YAML is; change nothing."""
+        return _build_declaration(
+            name, declared, settings=self.settings, specs=self.specs, hosts=self.hosts,
+            shared_hosts=self.buffer_specs, host_in_use=host_in_use, spec_of=self.spec, replay=replay,
+        )  # fmt: skip
+
+    def apply(self, change: _Declaration) -> None:
+        """Install a staged declaration; swapping whole dicts keeps lock-free readers consistent."""
+        if change.specs is None:
+            return
+        self.specs = change.specs
+        if change.linked is not None:
+            self.buffer_specs = {**self.buffer_specs, change.host: change.linked}
+
+
 _PoolKey = tuple[str, torch.device, str]
 #: Describes a device for its facts and profile; ``None`` for a device that is not a GPU.
 DeviceDescriber = Callable[[torch.device], DeviceDescription | None]
@@ -179,60 +234,64 @@ class PoolRegistry:
         describe_device: DeviceDescriber | None = None,
     ) -> None:
         given = settings if settings is not None else load_settings()
-        base = choose_profile(given.profile, None)
-        self.settings, provenance = profile_settings(given, base.profile)
-        self._given = given
-        self._describe: DeviceDescriber = describe_device or describe_any_device
-        self._profile_source = provenance.source_of(("profile",))
-        self._views: dict[str, PoolRegistry] = {base.profile: self}
-        self._devices: dict[torch.device, tuple[PoolRegistry, ProfileChoice, Mapping[str, int]]] = {}
         if mem_pool is not None:
             from wspool.memory import mem_pool_allocator
 
             allocator = mem_pool_allocator(mem_pool, allocator)
         self._allocator = allocator
+        self._describe: DeviceDescriber = describe_device or describe_any_device
         self._lock = threading.RLock()
         self.freeze_state = FreezeState()
-        self._specs: dict[str, PoolSpec] = {}
         self._declared: dict[str, dict[str, Any]] = {}
         self._pools: dict[_PoolKey, WorkspacePool] = {}
         self._fast: dict[tuple[str, DeviceLike, str], WorkspacePool] = {}
+        self._views: dict[str, _ProfileView] = {}
+        self._devices: dict[torch.device, tuple[_ProfileView, ProfileChoice, Mapping[str, int]]] = {}
         #: Per-registry state of the ops built on it (e.g. the plans ``mla_decode`` reuses),
         #: keyed by the op; it lives and dies with the registry and :meth:`reset` clears it.
         self.op_state: dict[str, Any] = {}
-        self._build_specs()
+        # Every profile is layered now over the sources read for ``given``, so the registry holds
+        # to the configuration it was built with whatever the file or the environment says
+        # later; a profile that does not validate fails when a device first uses it.
+        self._profile_setting = given.profile
+        self._profile_settings: dict[str, WspoolSettings | ConfigError] = {}
+        self._profile_source = "default"
+        for profile in PROFILE_NAMES:
+            try:
+                self._profile_settings[profile], provenance = profile_settings(given, profile)
+            except ConfigError as exc:
+                self._profile_settings[profile] = exc
+            else:
+                self._profile_source = provenance.source_of(("profile",))
+        self._base = self._view(choose_profile(given.profile, None).profile)
+        self.settings = self._base.settings
 
-    def _build_specs(self) -> None:
-        for name, pool in self.settings.pools.items():
-            self._specs[name] = PoolSpec(name, pool.rules, pool.growth, pool.max_bytes, facts=pool.facts)
-        check_shared_pools(self.settings)
-        # A pool configured with shared_with draws from its host's buffer, whose spec
-        # carries the rules of both (self._specs keeps each pool's own).
-        self._hosts = {name: p.shared_with for name, p in self.settings.pools.items() if p.shared_with}
-        self._buffer_specs: dict[str, PoolSpec] = {}
-        for host in sorted(set(self._hosts.values())):
-            self._link(host)
+    def _view(self, profile: str) -> _ProfileView:
+        """Return the view of ``profile`` (made on first use, with every earlier declaration replayed).
 
-    def _view(self, profile: str) -> PoolRegistry:
-        """The registry's view for one profile: its own specs, this registry's pools, lock and freeze."""
+        Raises:
+            ConfigError: The profile's settings do not validate with the configuration's.
+        """
         found = self._views.get(profile)
         if found is not None:
             return found
-        settings, _ = profile_settings(self._given, profile)  # outside the lock: it reads files and the environment
-        view = PoolRegistry.__new__(PoolRegistry)
-        view.__dict__.update(self.__dict__)  # share pools, caches, lock, freeze state and op state
-        view.settings, view._specs = settings, {}
-        view._build_specs()
+        settings = self._profile_settings[profile]
+        if isinstance(settings, ConfigError):
+            raise settings
+        view = _ProfileView(settings)
         with self._lock:
             for name, declared in self._declared.items():
-                view._apply_declaration(view._stage_declaration(name, declared, replay=True))
+                view.apply(view.stage(name, declared, self._host_in_use, replay=True))
             return self._views.setdefault(profile, view)
 
-    def _device_entry(self, device: torch.device) -> tuple[PoolRegistry, ProfileChoice, Mapping[str, int]]:
+    def _host_in_use(self, host: str) -> bool:
+        return any(key[0] == host for key in self._pools)
+
+    def _device_entry(self, device: torch.device) -> tuple[_ProfileView, ProfileChoice, Mapping[str, int]]:
         entry = self._devices.get(device)
         if entry is None:
             description = self._describe(device)
-            choice = choose_profile(self._given.profile, description, source=self._profile_source)
+            choice = choose_profile(self._profile_setting, description, source=self._profile_source)
             facts = {} if description is None else dict(description.facts())
             entry = self._devices.setdefault(device, (self._view(choice.profile), choice, facts))
         return entry
@@ -358,10 +417,7 @@ class PoolRegistry:
         """
         if device is not None:
             return self._device_entry(resolve_device(device))[0].spec(pool)
-        spec = self._specs.get(pool)
-        if spec is None:
-            raise unknown_pool(pool, self._specs)
-        return spec
+        return self._base.spec(pool)
 
     def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool:
         """Return (creating, without allocating) the pool for ``name`` on ``device`` and ``lane``.
@@ -373,7 +429,7 @@ class PoolRegistry:
             lane = current_lane()
         resolved = resolve_device(device)
         view, _, facts = self._device_entry(resolved)
-        host = view._hosts.get(name, name)
+        host = view.hosts.get(name, name)
         key = (host, resolved, lane)
         found = self._pools.get(key)
         if found is None:
@@ -381,7 +437,7 @@ class PoolRegistry:
                 found = self._pools.get(key)
                 if found is None:
                     found = WorkspacePool(
-                        view._buffer_specs.get(host) or view.spec(host),
+                        view.buffer_spec(host),
                         resolved,
                         lane,
                         freeze=self.freeze_state,
@@ -415,42 +471,22 @@ class PoolRegistry:
         """
         declared: dict[str, Any] = {"rules": dict(rules), "growth": growth, "max_bytes": max_bytes}
         with self._lock:
-            views = [self, *(v for v in {id(v): v for v in self._views.values()}.values() if v is not self)]
+            views = [self._base, *(v for v in self._views.values() if v is not self._base)]
             # Every profile view's change is built and validated before any is applied:
             # a declaration that fails anywhere changes nothing.
-            staged = [view._stage_declaration(name, declared) for view in views]
+            staged = [view.stage(name, declared, self._host_in_use) for view in views]
             for view, change in zip(views, staged, strict=True):
-                view._apply_declaration(change)
+                view.apply(change)
             self._declared[name] = declared
             return staged[0].spec
 
-    def _stage_declaration(self, name: str, declared: Mapping[str, Any], replay: bool = False) -> _Declaration:
-        """Build this view's spec for a declaration, validated as YAML is; change nothing (lock held)."""
-        return _build_declaration(
-            name, declared, settings=self.settings, specs=self._specs, hosts=self._hosts,
-            shared_hosts=self._buffer_specs, host_in_use=lambda host: any(key[0] == host for key in self._pools),
-            spec_of=self.spec, replay=replay,
-        )  # fmt: skip
-
-    def _apply_declaration(self, change: _Declaration) -> None:
-        """Install a staged declaration (lock held); swapping whole dicts keeps lock-free readers consistent."""
-        if change.specs is None:
-            return
-        self._specs = change.specs
-        if change.linked is not None:
-            self._buffer_specs[change.host] = change.linked
-
-    def _link(self, host: str) -> None:
-        """Build the spec of ``host``'s buffer from the current specs."""
-        self._buffer_specs[host] = _linked_spec(host, self._specs, self._hosts, self.spec)
-
     def pool_names(self) -> list[str]:
         """Return the names of every configured or declared pool, sorted."""
-        return sorted(self._specs)
+        return sorted(self._base.specs)
 
     def buffer_pool(self, name: str) -> str:
         """Return the pool whose buffer ``name`` draws from: its ``shared_with`` host, else itself."""
-        return self._hosts.get(name, name)
+        return self._base.hosts.get(name, name)
 
     def pools(self) -> Iterator[WorkspacePool]:
         """Iterate over every pool instance created so far."""

@@ -262,3 +262,23 @@ def test_after_reset_a_bad_environment_makes_get_registry_raise(monkeypatch: pyt
             wspool.get_registry()
     monkeypatch.delenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE")
     assert wspool.get_registry() is not good
+
+
+def test_registry_holds_to_the_settings_it_was_built_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device whose profile is first used after the file was edited, then deleted, and the environment changed
+    still gets the configuration the registry was built from."""
+    from tests.helpers.devices_fake import H200, meta_allocator
+
+    config = tmp_path / "wspool.yaml"
+    config.write_text("pools:\n  p:\n    rules:\n      default: 1MiB\n")
+    settings = wspool.load_settings(config)
+    reg = wspool.PoolRegistry(
+        settings, allocator=meta_allocator, describe_device=lambda d: H200 if d.type == "meta" else None
+    )
+    config.write_text("pools:\n  p:\n    rules:\n      default: 2MiB\n")
+    assert reg.resolve("p", device="cpu") == 1 << 20  # the base profile's view
+    config.unlink()
+    monkeypatch.setenv("WSPOOL_POOLS__P__RULES__DEFAULT", "3MiB")
+    assert reg.profile_of("meta").profile == "hopper"  # a view made only now
+    assert reg.resolve("p", device="meta") == 1 << 20
+    assert reg.workspace("p", "meta").numel() == 1 << 20
