@@ -469,6 +469,12 @@ class PoolRegistry:
         Raises:
             ConfigError: A declared rule is invalid.
         """
+        if not isinstance(rules, Mapping) or not rules:
+            raise ConfigError(
+                f"declare_pool({name!r}, rules): rules must be a non-empty mapping of rule name to a size or an "
+                f"expression, e.g. {{'default': '64MiB'}}; got {rules!r:.80}",
+                path=("pools", name, "rules"),
+            )
         declared: dict[str, Any] = {"rules": dict(rules), "growth": growth, "max_bytes": max_bytes}
         with self._lock:
             views = [self._base, *(v for v in self._views.values() if v is not self._base)]

@@ -282,3 +282,13 @@ def test_registry_holds_to_the_settings_it_was_built_with(tmp_path: Path, monkey
     assert reg.profile_of("meta").profile == "hopper"  # a view made only now
     assert reg.resolve("p", device="meta") == 1 << 20
     assert reg.workspace("p", "meta").numel() == 1 << 20
+
+
+@pytest.mark.parametrize("rules", ["64MiB", 64 << 20, ["64MiB"], {}])
+def test_declare_pool_with_rules_that_are_not_a_mapping_says_what_they_must_be(rules: object) -> None:
+    """declare_pool's rules must be a mapping of rule names to sizes; anything else is a ConfigError that says so."""
+    reg = wspool.PoolRegistry(wspool.load_settings())
+    with pytest.raises(ConfigError, match=r"rules must be a non-empty mapping of rule name to a size or an expression"):
+        reg.declare_pool("p", rules)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown pool 'p'"):
+        reg.spec("p")
