@@ -56,3 +56,16 @@ def test_gives_up_after_the_last_recovery() -> None:
     with pytest.raises(WorkspaceOverflowError, match=r"test op still overflowed pool 'p' on cpu after 3 growth.*"
                        r"WSPOOL_POOLS__P__RULES__DEFAULT"):  # fmt: skip
         _grow(pool, exc, attempt=MAX_RECOVERIES)
+
+
+@pytest.mark.parametrize("digits", [17, 400, 5000])
+def test_an_absurd_refusal_is_raised_as_it_is(digits: int) -> None:
+    """A refusal naming more bytes than any device holds is re-raised unchanged; the pool does not grow."""
+    pool = _pool()
+    absurd = RuntimeError(
+        f"Buffer overflow when allocating memory for tmp_v with size {'9' * digits} and alignment 16, "
+        f"but only 4194304 bytes available in AlignedAllocator. Increase the workspace buffer size."
+    )
+    with pytest.raises(RuntimeError) as info:
+        _grow(pool, absurd)
+    assert info.value is absurd and pool.capacity_bytes == 4 * MiB
