@@ -19,7 +19,7 @@ import torch
 
 from wspool.errors import WorkspaceOverflowError
 from wspool.pool import WorkspacePool
-from wspool.units import MAX_SIZE_BYTES, format_size
+from wspool.units import MAX_SIZE_BYTES, MiB, format_size, round_up
 
 __all__ = ["MAX_RECOVERIES", "REFUSAL_FORMS", "RefusalForm", "WorkspaceRefusal", "grow_after_overflow", "parse_refusal"]
 
@@ -209,7 +209,6 @@ logger = logging.getLogger("wspool")
 
 #: Growths tried for one call before an overflow is reported (each grows past the last need).
 MAX_RECOVERIES = 3
-_MiB = 1 << 20
 
 
 def grow_after_overflow(
@@ -265,8 +264,12 @@ def grow_after_overflow(
             f"{overflow.name} needs {overflow.size_bytes} bytes with {available} of "
             f"{capacity} available; raise {setting}"
         ) from exc
-    # Headroom for the carves after the one that failed, so one retry normally suffices.
-    target = -(-(needed + max(needed // 8, _MiB)) // _MiB) * _MiB
+    # Headroom for the carves after the one that failed, so one retry normally suffices;
+    # never past max_bytes when the need itself fits under it.
+    target = round_up(needed + max(needed // 8, MiB), MiB)
+    limit = pool.spec.max_bytes
+    if limit is not None and needed <= limit < target:
+        target = limit
     if attempt == 0:
         _warn_growth(op, pool, rule, setting, overflow, available=available, capacity=capacity,
                      target=target, needed=needed)  # fmt: skip
