@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from wspool.units import MiB, round_up
+
 __all__ = [
     "FA_MLA_WORKSPACE_RULE",
     "LEGACY_COUNTER_PREFIX_BYTES",
@@ -32,10 +34,6 @@ __all__ = [
 FA_MLA_WORKSPACE_RULE = "64 * sm_count * (4 * kv_lora_rank + 8)"
 
 
-def _align(offset: int, alignment: int) -> int:
-    return -(-offset // alignment) * alignment
-
-
 def fa_mla_float_workspace_bytes(*, sm_count: int, num_heads: int, q_len: int, kv_lora_rank: int = 512) -> int:
     """Return the bytes FlashInfer's fa2/fa3 MLA ``plan()`` carves from a 16-byte aligned workspace.
 
@@ -49,10 +47,8 @@ def fa_mla_float_workspace_bytes(*, sm_count: int, num_heads: int, q_len: int, k
     rows = (sm_count // cluster_size) * 64 * cluster_size
     partial_o = 2 * rows * 2 * kv_lora_rank
     partial_lse = 2 * rows * 4
-    return _align(partial_o, 16) + partial_lse
+    return round_up(partial_o, 16) + partial_lse
 
-
-MiB = 1 << 20
 
 #: The softmax slab as a wspool rule over the call's facts.
 SOFTMAX_SLAB_RULE = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB"
@@ -63,7 +59,7 @@ LEGACY_COUNTER_PREFIX_BYTES = 8 * MiB
 
 def softmax_slab_bytes(num_heads: int, batch_size: int, q_len: int) -> int:
     """Bytes of the softmax slab a trtllm-gen MLA decode with LSE carves first."""
-    return 8 * num_heads * batch_size * (-(-q_len // 256) * 256) + MiB
+    return 8 * num_heads * batch_size * round_up(q_len, 256) + MiB
 
 
 class AlignedCarver:
@@ -83,7 +79,7 @@ class AlignedCarver:
         Raises:
             RuntimeError: With FlashInfer's exact message when it does not fit.
         """
-        start = -(-self.offset // alignment) * alignment
+        start = round_up(self.offset, alignment)
         available = self.capacity_bytes - self.offset
         if start + size_bytes > self.capacity_bytes:
             raise RuntimeError(
