@@ -101,7 +101,7 @@ def graph_buffers(
         )
 
 
-logger = logging.getLogger("wspool")
+logger = logging.getLogger(__name__)
 
 COUNTER_POOL = "flashinfer_mla_counters"
 #: trtllm-gen's multi-CTA semaphores: FlashInfer's own formula, as a rule.

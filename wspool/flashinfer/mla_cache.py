@@ -21,7 +21,7 @@ from wspool.streams import current_lane
 __all__ = ["MLAPlanCache", "mla_decode"]
 
 
-logger = logging.getLogger("wspool")
+logger = logging.getLogger(__name__)
 
 #: The registry's ``op_state`` key of the plan cache.
 PLAN_CACHE_KEY = "mla_decode"

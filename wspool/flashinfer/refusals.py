@@ -205,7 +205,7 @@ def _read_refusal(form: str, match: re.Match[str]) -> WorkspaceRefusal | None:
     )
 
 
-logger = logging.getLogger("wspool")
+logger = logging.getLogger(__name__)
 
 #: Growths tried for one call before an overflow is reported (each grows past the last need).
 MAX_RECOVERIES = 3
