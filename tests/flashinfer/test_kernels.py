@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -190,3 +192,18 @@ def test_paged_float_carves_are_flashinfers() -> None:
     text = scheduler.read_text()
     for name in FLOAT_CARVES:
         assert f'"{name}"' in text
+
+
+def test_an_ownership_record_lives_as_long_as_its_wrapper() -> None:
+    """Every plan gets the one record of a wrapper; the side table never keeps the wrapper alive."""
+
+    class Wrapper:
+        pass
+
+    wrapper = Wrapper()
+    record = kernels.ownership(wrapper)
+    assert kernels.ownership(wrapper) is record and record.owner is None
+    alive = weakref.ref(wrapper)
+    del wrapper
+    gc.collect()
+    assert alive() is None

@@ -221,6 +221,20 @@ def test_plan_taken_over_by_another_plan_replans(hopper: None) -> None:
     assert len(WrapperDouble.instances) == 1
 
 
+def test_no_attribute_is_set_on_flashinfers_wrappers(hopper: None) -> None:
+    """Which plan owns a shared wrapper is recorded beside it: FlashInfer's object gains no wspool attribute."""
+    a = make_inputs(2, 4, [50, 60], seed=1)
+    b = make_inputs(2, 4, [7, 90], seed=2)
+    kwargs = {"num_heads": 4, "sm_scale": a.sm_scale, "page_size": 64}
+    plan_a = mla_decode_plan(a.block_tables, a.seq_lens, a.max_seq_len, **kwargs)  # type: ignore[arg-type]
+    plan_b = mla_decode_plan(b.block_tables, b.seq_lens, b.max_seq_len, **kwargs)  # type: ignore[arg-type]
+    plan_a.run(a.query, a.kv_cache)
+    plan_b.run(b.query, b.kv_cache)
+    (wrapper,) = WrapperDouble.instances
+    assert [name for name in vars(wrapper) if "wspool" in name] == []
+    assert fi_kernels.ownership(wrapper).owner is not None  # plan_b's, recorded in wspool's side table
+
+
 def test_undersized_rule_recovers_once_with_a_warning(hopper: None, caplog: pytest.LogCaptureFixture) -> None:
     """An 8MiB rule overflows FlashInfer's plan; the pool grows once, with one warning naming the key."""
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
@@ -352,7 +366,7 @@ def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
     inputs.query = inputs.query[:2].clone()
     torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
     second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
-    assert second is not first and second.batch_size == 2
+    assert second is not first and second.step.batch_size == 2
 
 
 def test_reset_forgets_the_plans(hopper: None) -> None:
@@ -382,7 +396,7 @@ def test_mla_decode_takes_packed_queries(path: str, request: pytest.FixtureReque
     torch.testing.assert_close(got_lse, want_lse.view(6, 4))
     plans = wspool.get_registry().op_state["mla_decode"]
     (plan,) = plans.values()
-    assert plan.q_len == 2
+    assert plan.step.q_len == 2
     four_d_out, _ = _decode(inputs, return_lse=True)  # type: ignore[misc]
     torch.testing.assert_close(four_d_out, want_out)
     assert list(plans.values()) == [plan]  # the same plan serves both forms

@@ -207,6 +207,18 @@ def test_plan_taken_over_by_another_plan_replans(gpu: None) -> None:
     assert len(DecodeWrapperDouble.instances) == 1 and (plan_a.plan_calls, plan_b.plan_calls) == (2, 2)
 
 
+def test_no_attribute_is_set_on_flashinfers_wrappers(gpu: None) -> None:
+    """Which plan owns a cached wrapper is recorded beside it: FlashInfer's object gains no wspool attribute."""
+    a = make_paged_inputs(LENGTHS, seed=1)
+    b = make_paged_inputs([90, 3, 17, 2], seed=2)
+    plan_a, plan_b = _decode_plan(a), _decode_plan(b)
+    torch.testing.assert_close(plan_a.run(a.query, a.kv_cache), _reference(a)[0])
+    (wrapper,) = DecodeWrapperDouble.instances
+    assert [name for name in vars(wrapper) if "wspool" in name] == []
+    assert fi_kernels.ownership(wrapper).owner is not None  # plan_a's, in wspool's side table
+    assert plan_b.plan_calls == 1 and plan_a.plan_calls == 2  # plan_b took the wrapper; plan_a took it back
+
+
 def test_no_cached_wrapper_outlives_its_buffer(gpu: None) -> None:
     """When the pool grows, its cached wrappers go with the old buffer; the plan replans on the new one."""
     inputs = make_paged_inputs(LENGTHS)

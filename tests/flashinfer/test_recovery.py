@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import wspool
@@ -56,3 +58,28 @@ def test_gives_up_after_the_last_recovery() -> None:
     with pytest.raises(WorkspaceOverflowError, match=r"test op still overflowed pool 'p' on cpu after 3 growth.*"
                        r"WSPOOL_POOLS__P__RULES__DEFAULT"):  # fmt: skip
         _grow(pool, exc, attempt=MAX_RECOVERIES)
+
+
+def test_headroom_stops_at_max_bytes(caplog: pytest.LogCaptureFixture) -> None:
+    """A 60MiB need on a pool capped at 64MiB is served at the cap: the headroom never asks past max_bytes."""
+    registry = wspool.PoolRegistry.from_config(pools={"p": {"rules": {"default": "4MiB"}, "max_bytes": "64MiB"}})
+    pool = registry.pool("p", "cpu")
+    pool.workspace("default", {})
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        grown = _grow(pool, RuntimeError(overflow_message("tmp_v", 60 * MiB, 4 * MiB)))
+    assert grown is pool.buffer and pool.capacity_bytes == 64 * MiB
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "tmp_v needed 62914560 bytes, 4194304 available of 4MiB; growing to 64MiB and retrying" in warning
+
+
+@pytest.mark.parametrize("digits", [17, 400, 5000])
+def test_an_absurd_refusal_is_raised_as_it_is(digits: int) -> None:
+    """A refusal naming more bytes than any device holds is re-raised unchanged; the pool does not grow."""
+    pool = _pool()
+    absurd = RuntimeError(
+        f"Buffer overflow when allocating memory for tmp_v with size {'9' * digits} and alignment 16, "
+        f"but only 4194304 bytes available in AlignedAllocator. Increase the workspace buffer size."
+    )
+    with pytest.raises(RuntimeError) as info:
+        _grow(pool, absurd)
+    assert info.value is absurd and pool.capacity_bytes == 4 * MiB

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from wspool.flashinfer.refusals import REFUSAL_FORMS, parse_refusal
+from wspool.units import MAX_SIZE_BYTES
 
 MiB = 1 << 20
 
@@ -129,3 +130,32 @@ def test_the_table_matches_the_installed_flashinfer(form: object) -> None:
     source = Path(flashinfer.__file__).parent / relative
     text = source.read_text() if source.is_file() else ""
     assert (fragment in text) is (version in form.versions), (version, relative)  # type: ignore[attr-defined]
+
+
+def _carve_text(size: str, available: str) -> str:
+    """FlashInfer's allocator text with the numbers given as digits (too long for an int's str() past 4300)."""
+    return (
+        f"Buffer overflow when allocating memory for tmp_v with size {size} and alignment 16, but only "
+        f"{available} bytes available in AlignedAllocator. Increase the workspace buffer size."
+    )
+
+
+@pytest.mark.parametrize("digits", [17, 400, 5000, 1_000_000])
+def test_a_size_beyond_any_device_is_not_a_refusal(digits: int) -> None:
+    """A text naming more bytes than MAX_SIZE_BYTES (17 digits up to a 1 MB number) is no refusal wspool reads."""
+    absurd = "9" * digits
+    assert parse_refusal(_carve_text(absurd, "4096")) is None
+    assert parse_refusal(_carve_text("4096", absurd)) is None
+    assert parse_refusal(f"fa3 MLA needs {absurd} float workspace bytes for partial outputs and LSE.") is None
+    assert parse_refusal(f"workspace_buffer too small: 4096 bytes, need {absurd} bytes") is None
+
+
+def test_the_largest_size_any_device_holds_is_still_read() -> None:
+    """MAX_SIZE_BYTES itself parses; a backend list naming an absurd need for any backend is not read at all."""
+    refusal = parse_refusal(_carve_text(str(MAX_SIZE_BYTES), "0"))
+    assert refusal is not None and refusal.size_bytes == MAX_SIZE_BYTES
+    listed = (
+        f"fa2 MLA needs {'9' * 400} float workspace bytes for partial outputs; "
+        "fa3 MLA needs 17369088 float workspace bytes for partial outputs and LSE."
+    )
+    assert parse_refusal(listed, "fa3") is None and parse_refusal(listed, "fa2") is None

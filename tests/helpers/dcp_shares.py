@@ -18,6 +18,7 @@ import torch
 from tests.helpers.mla_inputs import MLAInputs
 from wspool.flashinfer import mla_decode
 from wspool.lse_merge import merge_lse_partials
+from wspool.units import ceil_div
 
 __all__ = ["RAGGED_LENGTHS", "decode_by_shares", "split_into_shares"]
 
@@ -41,7 +42,7 @@ def split_into_shares(inputs: MLAInputs, cp_world: int) -> list[MLAInputs]:
     for rank in range(cp_world):
         rows, share_lengths = [], []
         for b, length in enumerate(lengths):
-            pages = -(-length // page_size)
+            pages = ceil_div(length, page_size)
             start, end = rank * pages // cp_world, (rank + 1) * pages // cp_world
             rows.append(tables[b, start:end])
             share_lengths.append(max(0, min(end * page_size, length) - start * page_size))

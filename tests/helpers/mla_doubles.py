@@ -16,8 +16,7 @@ import torch
 
 from wspool.flashinfer.layouts import carve_trtllm_mla_workspace
 from wspool.flashinfer.reference import mla_decode_reference
-
-MiB = 1 << 20
+from wspool.units import MiB
 
 
 def bind_to_flashinfer(name: str, *args: Any, **kwargs: Any) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from wspool.units import ceil_div
+
 
 @dataclass
 class MLAInputs:
@@ -33,7 +35,7 @@ def make_inputs(
     """Build inputs whose pages are scattered over the cache, as in a real engine."""
     assert len(lengths) == batch
     generator = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // page_size) for n in lengths]
+    pages_per_seq = [ceil_div(n, page_size) for n in lengths]
     width = max(pages_per_seq)
     total = sum(pages_per_seq) + 7  # spare pages that no request owns
     order = torch.randperm(total, generator=generator)

@@ -18,8 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from wspool.flashinfer.reference import paged_attention_reference
-
-MiB = 1 << 20
+from wspool.units import MiB
 
 
 def bind_to_flashinfer(name: str, *args: Any, **kwargs: Any) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from wspool.units import ceil_div
+
 
 @dataclass
 class PagedInputs:
@@ -37,7 +39,7 @@ def make_paged_inputs(
     """Build inputs whose pages are scattered over the cache, as in a real engine (``q_lens``: rows per request)."""
     q_lens = q_lens if q_lens is not None else [1] * len(lengths)
     generator = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // page_size) for n in lengths]
+    pages_per_seq = [ceil_div(n, page_size) for n in lengths]
     total = sum(pages_per_seq) + 5  # spare pages that no request owns
     order = torch.randperm(total, generator=generator)
     tables = torch.zeros(len(lengths), max(pages_per_seq), dtype=torch.int32)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from wspool.devices import device_facts
-from wspool.flashinfer.layouts import fa_mla_float_workspace_bytes, softmax_slab_bytes
+from wspool.flashinfer.layouts import check_int_tensor, fa_mla_float_workspace_bytes, softmax_slab_bytes
 
 __all__ = [
     "BACKENDS",
@@ -33,7 +33,7 @@ __all__ = [
     "blackwell_backend",
     "call_facts",
     "check_dcp",
-    "check_int_tensor",
+    "check_int_tensor",  # importable here too; it lives with the page-table checks in layouts
     "check_kernel_keywords",
     "cute_dsl_workspace_bytes",
     "device_arch",
@@ -274,19 +274,6 @@ def select_path(
     if backend == "auto":
         return "fa3" if arch == (9, 0) else "fa2"
     return backend
-
-
-def check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.device) -> None:
-    """Check that ``tensor`` is a ``dim``-D integer tensor on ``device`` (the page table's device).
-
-    Raises:
-        ValueError: It is not, naming ``name``.
-    """
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in (torch.int32, torch.int64):
-        shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ValueError(f"{name} must be a {dim}-D int32 tensor, got {shown}")
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device}, but block_tables is on {device}")
 
 
 def call_facts(

@@ -1,15 +1,18 @@
-"""Every FlashInfer call wspool makes, built in one place, and the MLA wrappers built on a pool's buffer.
+"""Every FlashInfer call wspool makes, built in one place, the MLA wrappers built on a pool's buffer, and their owners.
 
 Each ``*_kwargs`` function returns the exact keyword arguments wspool passes,
 so the CPU tests bind them to the installed FlashInfer's signatures.
 FlashInfer is imported lazily, with an install hint when it is missing.
 Wrappers are built with normal (never inference) tensors and cached in the
-pool's ``buffer_cache``, so none outlives the buffer it was built on.
+pool's ``buffer_cache``, so none outlives the buffer it was built on; which
+plan last planned a shared wrapper is recorded beside it (:func:`ownership`),
+never on FlashInfer's object.
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -20,9 +23,12 @@ from wspool.pool import WorkspacePool
 
 __all__ = [
     "TRTLLM_DECODE_KEYWORDS",
+    "WrapperOwnership",
+    "graph_buffers",
     "load_flashinfer_attention",
     "load_flashinfer_mla",
     "make_wrapper",
+    "ownership",
     "paged_decode_init_kwargs",
     "paged_decode_plan_kwargs",
     "paged_decode_run_kwargs",
@@ -307,6 +313,22 @@ def paged_prefill_run_kwargs(
     }
 
 
+def graph_buffers(
+    batch_size: int, max_pages: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CUDA-graph wrapper's fixed index buffers: ``(qo_indptr, kv_indptr, kv_indices, kv_len)``.
+
+    Normal tensors (never inference tensors): FlashInfer copies into them at every plan, in any mode.
+    """
+    with torch.inference_mode(False):
+        return (
+            torch.empty(batch_size + 1, dtype=torch.int32, device=device),
+            torch.empty(batch_size + 1, dtype=torch.int32, device=device),
+            torch.empty(max_pages, dtype=torch.int32, device=device),
+            torch.empty(batch_size, dtype=torch.int32, device=device),
+        )
+
+
 def make_wrapper(
     workspace: torch.Tensor,
     backend: str,
@@ -317,9 +339,7 @@ def make_wrapper(
     # The wrapper's own buffers must be normal tensors: it is shared across steps, and its plan()
     # writes them in place whether or not the caller is under torch.inference_mode.
     with torch.inference_mode(False):
-        wrapper = wrapper_cls(**wrapper_init_kwargs(workspace=workspace, backend=backend, graph_buffers=graph_buffers))
-    wrapper._wspool_owner = None
-    return wrapper
+        return wrapper_cls(**wrapper_init_kwargs(workspace=workspace, backend=backend, graph_buffers=graph_buffers))
 
 
 def shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, lse: bool) -> Any:
@@ -336,3 +356,34 @@ def shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, l
         if pool.buffer is workspace:  # not replaced meanwhile by another thread
             pool.buffer_cache[key] = wrapper
     return wrapper
+
+
+class WrapperOwnership:
+    """Which plan last planned one FlashInfer wrapper: wspool's record, kept beside the wrapper, never on it.
+
+    Attributes:
+        owner: The token of the plan whose metadata the wrapper holds; ``None``
+            before its first plan and while a plan is planning it (a failed
+            ``plan()`` leaves it to nobody).
+    """
+
+    __slots__ = ("owner",)
+
+    def __init__(self) -> None:
+        self.owner: object | None = None
+
+
+# Weakly keyed: a record lives exactly as long as its wrapper (FlashInfer's wrappers are plain objects).
+_ownership: weakref.WeakKeyDictionary[Any, WrapperOwnership] = weakref.WeakKeyDictionary()
+
+
+def ownership(wrapper: Any) -> WrapperOwnership:
+    """Return ``wrapper``'s ownership record, made on first use; every plan sharing the wrapper gets the same one.
+
+    A plan looks its wrapper's record up when it plans and keeps it, so the
+    per-layer call compares one attribute and never touches this table.
+    """
+    record = _ownership.get(wrapper)
+    if record is None:
+        record = _ownership.setdefault(wrapper, WrapperOwnership())  # one record even when threads race here
+    return record

@@ -1,9 +1,10 @@
-"""How FlashInfer's MLA kernels carve their workspace, and page tables in FlashInfer's CSR form.
+"""How FlashInfer's MLA kernels carve their workspace, and page tables: their checks and FlashInfer's CSR form.
 
 The fa2/fa3 planned wrapper (Hopper, Ampere) and the trtllm-gen launcher
 (Blackwell) carve the float workspace as read from FlashInfer's sources; the
 sizes here are what the default profiles' rules compute (docs/kernels.md).
-The CSR conversion runs on the tensors' device without a host sync. Pure
+The page-table checks are the ones every plan makes before anything grows; the
+CSR conversion runs on the tensors' device without a host sync. Pure
 functions; thread-safe.
 """
 
@@ -13,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from wspool.units import MiB, round_up
+
 __all__ = [
     "FA_MLA_WORKSPACE_RULE",
     "LEGACY_COUNTER_PREFIX_BYTES",
@@ -20,20 +23,21 @@ __all__ = [
     "AlignedCarver",
     "CSRConstants",
     "CSRPageTable",
+    "StepConstants",
     "carve_trtllm_mla_workspace",
+    "check_int_tensor",
+    "check_page_table",
     "csr_parts",
     "fa_mla_float_workspace_bytes",
     "page_table_to_csr",
     "softmax_slab_bytes",
+    "step_constants",
+    "wrapper_metadata",
 ]
 
 
 #: The float workspace of FlashInfer's fa2/fa3 MLA plan, as a wspool rule over the call's facts.
 FA_MLA_WORKSPACE_RULE = "64 * sm_count * (4 * kv_lora_rank + 8)"
-
-
-def _align(offset: int, alignment: int) -> int:
-    return -(-offset // alignment) * alignment
 
 
 def fa_mla_float_workspace_bytes(*, sm_count: int, num_heads: int, q_len: int, kv_lora_rank: int = 512) -> int:
@@ -49,10 +53,8 @@ def fa_mla_float_workspace_bytes(*, sm_count: int, num_heads: int, q_len: int, k
     rows = (sm_count // cluster_size) * 64 * cluster_size
     partial_o = 2 * rows * 2 * kv_lora_rank
     partial_lse = 2 * rows * 4
-    return _align(partial_o, 16) + partial_lse
+    return round_up(partial_o, 16) + partial_lse
 
-
-MiB = 1 << 20
 
 #: The softmax slab as a wspool rule over the call's facts.
 SOFTMAX_SLAB_RULE = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB"
@@ -63,7 +65,7 @@ LEGACY_COUNTER_PREFIX_BYTES = 8 * MiB
 
 def softmax_slab_bytes(num_heads: int, batch_size: int, q_len: int) -> int:
     """Bytes of the softmax slab a trtllm-gen MLA decode with LSE carves first."""
-    return 8 * num_heads * batch_size * (-(-q_len // 256) * 256) + MiB
+    return 8 * num_heads * batch_size * round_up(q_len, 256) + MiB
 
 
 class AlignedCarver:
@@ -83,7 +85,7 @@ class AlignedCarver:
         Raises:
             RuntimeError: With FlashInfer's exact message when it does not fit.
         """
-        start = -(-self.offset // alignment) * alignment
+        start = round_up(self.offset, alignment)
         available = self.capacity_bytes - self.offset
         if start + size_bytes > self.capacity_bytes:
             raise RuntimeError(
@@ -129,6 +131,43 @@ def carve_trtllm_mla_workspace(
         )
     offsets["trtllm_gen_scratch"] = carver.carve("trtllm_gen_scratch", scratch_bytes)
     return offsets
+
+
+def check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.device) -> None:
+    """Check that ``tensor`` is a ``dim``-D integer tensor on ``device`` (the page table's device).
+
+    Raises:
+        ValueError: It is not, naming ``name``.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in (torch.int32, torch.int64):
+        shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be a {dim}-D int32 tensor, got {shown}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, but block_tables is on {device}")
+
+
+def check_page_table(block_tables: torch.Tensor, seq_lens: torch.Tensor, **sizes: object) -> tuple[torch.device, int]:
+    """Check a plan's page table, its lengths and its sizes; return the plan's device and batch size.
+
+    Args:
+        block_tables: ``[batch, max_pages]`` integer page ids; their device is the plan's.
+        seq_lens: ``[batch]`` integer lengths on the same device.
+        **sizes: Each must be a positive integer (``num_heads=...``, ``page_size=...``), checked in order.
+
+    Raises:
+        ValueError: A bad argument, named.
+    """
+    # A non-tensor page table fails its check before the device is ever compared.
+    device = block_tables.device if isinstance(block_tables, torch.Tensor) else torch.device("cpu")
+    check_int_tensor("block_tables", block_tables, 2, device)
+    check_int_tensor("seq_lens", seq_lens, 1, device)
+    batch_size: int = seq_lens.shape[0]
+    if block_tables.shape[0] != batch_size:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch_size} entries")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return device, batch_size
 
 
 class CSRPageTable(NamedTuple):
@@ -192,3 +231,42 @@ def csr_parts(
     indptr = torch.cat((constants.zero, torch.cumsum(pages, 0, dtype=torch.int32)))
     live = torch.lt(constants.page_positions, pages.unsqueeze(1))
     return indptr, torch.masked_select(block_tables, live).to(torch.int32), lengths, pages
+
+
+#: The page-table constants and the ``[batch + 1]`` query offsets of one plan.
+StepConstants = tuple[CSRConstants, torch.Tensor]
+
+
+def step_constants(block_tables: torch.Tensor, batch_size: int, q_len: int, device: torch.device) -> StepConstants:
+    """Make what the conversion needs that the plan's shapes fix: made once, never written.
+
+    FlashInfer may keep a reference to the query offsets until the step's last run.
+    """
+    with torch.inference_mode(False):
+        offsets = torch.arange(0, (batch_size + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    return CSRConstants.for_table(block_tables), offsets
+
+
+def wrapper_metadata(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    constants: StepConstants,
+    graph_capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Convert the page table to FlashInfer's ``(qo_indptr, kv_indptr, kv_indices, lengths)``, on the device.
+
+    Args:
+        graph_capacity: The page capacity of a CUDA-graph plan's fixed buffers; ``None`` for eager plans.
+
+    Raises:
+        ValueError: The live pages exceed ``graph_capacity``.
+    """
+    kv_indptr, kv_indices, lengths, _ = csr_parts(block_tables, seq_lens, page_size, constants[0])
+    if graph_capacity is not None and kv_indices.numel() > graph_capacity:
+        # Graph mode: FlashInfer copies the metadata into the fixed buffers at plan time.
+        raise ValueError(
+            f"the page table holds {kv_indices.numel()} live pages, more than the {graph_capacity} "
+            f"this CUDA-graph plan was made for; make a new plan"
+        )
+    return constants[1], kv_indptr, kv_indices, lengths

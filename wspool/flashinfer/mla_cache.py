@@ -1,9 +1,10 @@
 """``mla_decode``: MLA decode for one layer, reusing the previous call's plan while the metadata is unchanged.
 
 Plans live in an :class:`MLAPlanCache` in the registry's ``op_state`` (so
-:meth:`~wspool.PoolRegistry.reset` forgets them with the buffers), one per
-device, lane and call shape. Thread semantics: the cache is thread-safe; a
-plan is used by one lane at a time.
+:meth:`~wspool.PoolRegistry.reset` forgets them with the buffers), the last one
+per pool, lane, backend and LSE mode. Device: the metadata's. Threads: the cache
+is thread-safe; a plan serves one lane at a time. Capture: these plans are eager;
+capture a plan made with ``mla_decode_plan(..., use_cuda_graph=True)``.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer.mla import MLA_POOL, MLADecodePlan
+from wspool.flashinfer.mla import MLA_POOL, MLADecodePlan, mla_decode_plan
 from wspool.registry import PoolRegistry, get_registry
 from wspool.streams import current_lane
 
 __all__ = ["MLAPlanCache", "mla_decode"]
 
 
-logger = logging.getLogger("wspool")
+logger = logging.getLogger(__name__)
 
 #: The registry's ``op_state`` key of the plan cache.
 PLAN_CACHE_KEY = "mla_decode"
@@ -38,9 +39,51 @@ class MLAPlanCache(dict[tuple[Any, ...], MLADecodePlan]):
             found = registry.op_state.setdefault(PLAN_CACHE_KEY, cls())
         return found
 
+    def reusable(
+        self,
+        key: tuple[Any, ...],
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        sm_scale: float,
+        facts: Mapping[str, int] | None,
+    ) -> tuple[MLADecodePlan, bool] | None:
+        """Return the plan under ``key`` and whether the query is 4-D, if that plan serves this call.
 
-# The last plan per (registry, pool, device, lane, backend, LSE mode), reused while
-# the caller passes the same, unmodified page table and lengths (one plan per step).
+        It serves the call for the very ``block_tables`` and ``seq_lens`` it was
+        made for, the caller's facts, and a call signature it was made for (4-D or
+        packed). Metadata edited in place since (torch bumps a tensor's version on
+        every in-place write: the next step) is planned again here; metadata
+        resized in place needs a new plan (``None``).
+        """
+        plan = self.get(key)
+        if plan is None:
+            return None
+        step = plan.step
+        if (
+            step.block_tables is not block_tables
+            or step.seq_lens is not seq_lens
+            or (facts is not None and any(plan.facts.get(k) != v for k, v in facts.items()))
+        ):
+            return None
+        signature = (query.shape, query.dtype, kv_cache.dtype, max_seq_len, sm_scale)
+        four_d = signature == plan.call_signature
+        if not four_d and signature != plan.packed_signature:
+            return None
+        # Each operation here runs once per layer call: the counters are read once.
+        versions = plan.metadata_versions  # None for inference tensors, which count no writes
+        now = None if versions is None else (block_tables._version, seq_lens._version)
+        if now is None or now != versions:
+            if plan.metadata_resized():
+                return None
+            if now is None:
+                _warn_unversioned_metadata()
+            plan.replan_for(now)
+        return plan, four_d
+
+
 def mla_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -58,7 +101,15 @@ def mla_decode(
     lane: str | None = None,
     facts: Mapping[str, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode for one layer, with the workspace from ``pool``.
+    """Run MLA decode for one layer, with the workspace from ``pool``.
+
+    The plan of the previous call is reused while ``block_tables`` and
+    ``seq_lens`` are the same tensors with unchanged version counters (torch
+    bumps them on every in-place write), and the shapes and options match. A
+    kernel that writes them without torch knowing must be followed by a new
+    plan: use :func:`mla_decode_plan` for explicit control. Inference tensors
+    (made under ``torch.inference_mode``) keep no version counters: with them,
+    every call plans again (correct, but slow; a warning says so once).
 
     Args:
         query: ``[batch, q_len, heads, 576]`` (latent 512 + rope 64), or the packed
@@ -76,53 +127,21 @@ def mla_decode(
         registry: The registry; default :func:`wspool.get_registry`.
         pool: The pool to draw from (rule ``lse`` with LSE, else ``default``).
         backend: See :func:`mla_decode_plan`.
-        lane: The pool lane.
+        lane: The pool lane; default the lane in effect.
         facts: Extra facts for the rules.
 
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse``, in the query's form.
-
-    The plan of the previous call is reused while ``block_tables`` and
-    ``seq_lens`` are the same tensors with unchanged version counters (torch
-    bumps them on every in-place write), and the shapes and options match. A
-    kernel that writes them without torch knowing must be followed by a new
-    plan: use :func:`mla_decode_plan` for explicit control. Inference tensors
-    (made under ``torch.inference_mode``) keep no version counters: with them,
-    every call plans again (correct, but slow; a warning says so once).
     """
     registry = registry if registry is not None else get_registry()
-    # The last plan per (pool, lane, backend, LSE mode): one plan per step.
     plans = MLAPlanCache.of(registry)
-    if lane is None:
-        lane = current_lane()  # the lane in effect keys the plan: a plan holds its lane's buffer
+    lane = lane if lane is not None else current_lane()  # a plan holds its lane's buffer
     key = (pool, lane, backend, return_lse)
-    plan: MLADecodePlan | None = plans.get(key)
-    # Reuse: the same metadata tensors and a call signature the plan serves.
-    if (
-        plan is not None
-        and plan.block_tables is block_tables
-        and plan.seq_lens is seq_lens
-        and (facts is None or all(plan.facts.get(k) == v for k, v in facts.items()))
-    ):
-        signature = (query.shape, query.dtype, kv_cache.dtype, max_seq_len, sm_scale)
-        four_d = signature == plan.call_signature
-        if four_d or signature == plan.packed_signature:
-            # torch bumps a tensor's version on every in-place write: a new step's metadata.
-            # (Each operation here runs once per layer call: the counters are read once.)
-            versions = plan.metadata_versions  # None for inference tensors, which count no writes
-            now = None if versions is None else (block_tables._version, seq_lens._version)
-            if now is None or now != versions:
-                if plan.metadata_resized():
-                    plan = None  # resized in place: a new plan
-                else:
-                    if now is None:
-                        _warn_unversioned_metadata()
-                    plan.replan_for(now)  # the same tensors, edited in place (the next step): plan again
-            if plan is not None:
-                if four_d:
-                    return plan.run_matched(query, kv_cache, out, lse)
-                return plan.run(query, kv_cache, out=out, lse=lse)
-    plan = plans[key] = MLADecodePlan(
+    reused = plans.reusable(key, query, kv_cache, block_tables, seq_lens, max_seq_len, sm_scale, facts)
+    if reused is not None:
+        plan, four_d = reused
+        return plan.run_matched(query, kv_cache, out, lse) if four_d else plan.run(query, kv_cache, out=out, lse=lse)
+    plan = plans[key] = mla_decode_plan(
         block_tables, seq_lens, max_seq_len, num_heads=_query_heads(query), sm_scale=sm_scale,
         page_size=kv_cache.shape[1], q_len=_query_len(query, seq_lens), q_dtype=query.dtype, kv_dtype=kv_cache.dtype,
         return_lse=return_lse, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,

@@ -1,69 +1,46 @@
 """FlashInfer paged attention (GQA decode and prefill) with its float workspace from a wspool pool.
 
-An engine plans once per step and runs once per layer: :func:`paged_decode_plan`
-and :func:`paged_prefill_plan` make a :class:`PagedAttentionPlan` (FlashInfer's
-``plan()`` copies the page table to the host and schedules the split-KV work);
-:meth:`PagedAttentionPlan.run` is the per-layer call.
-
-Pool: rules ``decode`` and ``prefill`` of pool ``flashinfer``. By default
-``pools.flashinfer.shared_with`` is ``flashinfer_mla``: paged attention and MLA
-decode hold one buffer of the larger need, which is safe because an engine runs
-its attention backends one after another on one stream. Backends that run
-concurrently take their own buffer (``shared_with`` empty) or a lane each.
-
-Sizing: an eager plan carves the float workspace only for split-KV partial
-outputs (``head_dim + 1`` floats per row): at most 256 rows per SM for the
-prefill and tensor-core decode kernels, 512 for the CUDA-core decode kernel,
-plus one per query head (Hopper's fa3 prefill carves none). Rules may read
-``batch_size``, ``num_tokens``, ``num_qo_heads``, ``num_kv_heads``,
-``head_dim``, ``page_size``, ``dtype_bytes``, ``sm_count`` and the caller's
-``facts``. A plan that still overflows grows the pool and plans again.
-
-Kernel paths: on CUDA, FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
-(tensor cores by default for GQA groups above 4) and
-``BatchPrefillWithPagedKVCacheWrapper``, backend as FlashInfer picks for
-``"auto"``. On the CPU, or with ``backend="reference"``:
-:func:`~wspool.flashinfer.reference.paged_attention_reference`, which
-requests the workspace like the kernels. The KV cache is NHD
-(``[pages, 2, page_size, kv_heads, head_dim]``). The LSE is the natural log on
-every path (prefill asks for ``lse_base="ln"``; decode's base-2 LSE is
-multiplied by ln 2 in place).
-
-Wrappers live in the pool's ``buffer_cache`` (one per kind, backend and
-tensor-core mode), which the pool empties when it replaces its buffer, so no
-wrapper outlives the buffer it was built on; a plan holds none and plans again
-when its wrapper is gone or another plan has planned it since.
-
-Device semantics: everything runs on the device of ``block_tables``. Thread and
-stream semantics: a plan and its lane's buffer serve one stream at a time.
-Capture semantics: planning never runs during capture; these wrappers are eager
-(an engine that captures builds graph-mode wrappers on
-``reg.workspace("flashinfer", rule=...)``, then freezes the registry).
+:func:`paged_decode_plan` and :func:`paged_prefill_plan` plan once per step (FlashInfer's ``plan()``
+copies the page table to the host); :meth:`PagedAttentionPlan.run` is the per-layer call. Device:
+the page table's. Threads and streams: a plan and its lane's buffer serve one stream at a time.
+Capture: these wrappers are eager and planning never runs during capture (an engine that captures
+builds graph-mode wrappers on ``reg.workspace("flashinfer", rule=...)``). Pools, paths and the
+shared buffer: docs/kernels.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from wspool.errors import describe_setting
 from wspool.flashinfer import backends, kernels
-from wspool.flashinfer.layouts import page_table_to_csr
+from wspool.flashinfer.layouts import check_int_tensor, check_page_table, page_table_to_csr
 from wspool.flashinfer.reference import paged_attention_reference
 from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
 from wspool.memory import track_kernel_buffers
 from wspool.registry import PoolRegistry, get_registry
+from wspool.units import ceil_div
 
 __all__ = ["BACKENDS", "FLOAT_CARVES", "PAGED_POOL", "PagedAttentionPlan", "paged_decode_plan", "paged_prefill_plan"]
 
 PAGED_POOL = "flashinfer"
 BACKENDS = ("auto", "reference", "fa2", "fa3")
+# What the pool's rules bound: an eager plan carves the float workspace only for split-KV
+# partial outputs (head_dim + 1 floats per row), at most 256 rows per SM for the prefill and
+# tensor-core decode kernels, 512 for the CUDA-core decode kernel, plus one per query head
+# (Hopper's fa3 prefill carves none). A plan that still overflows grows the pool and plans again.
 #: The carves these plans make in the float workspace; others are FlashInfer's own int workspace.
 FLOAT_CARVES = frozenset({"batch_decode_tmp_v", "batch_decode_tmp_s", "batch_prefill_tmp_v", "batch_prefill_tmp_s"})
 _LN2 = math.log(2.0)
+
+
+def _no_wrapper() -> None:
+    """Stand for the wrapper a plan has not planned yet."""
 
 
 def _has_kernels(device: torch.device) -> bool:
@@ -78,12 +55,60 @@ def _paged_csr(
     return csr.indptr, csr.indices, csr.lengths - (csr.pages - 1) * page_size
 
 
+def _select_path(backend: str, device: torch.device) -> str:
+    """Return ``"reference"`` or the FlashInfer backend asked for, checked against ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown paged attention backend {backend!r} (choose one of {', '.join(BACKENDS)})")
+    on_cpu = not _has_kernels(device)
+    if backend == "reference" or (on_cpu and backend == "auto"):
+        return "reference"
+    if on_cpu:
+        raise ValueError(
+            f"paged attention backend {backend!r} needs a CUDA device, got {device}; use backend='reference'"
+        )
+    return backend
+
+
+def _check_cached_lengths(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
+    """Check that every request has a cached token (the new one) and that its pages fit the table."""
+    if not seq_lens.shape[0]:
+        return
+    if int(seq_lens.min()) < 1:
+        raise ValueError("seq_lens must be at least 1 for every request (the new tokens are in the cache)")
+    widest = ceil_div(int(seq_lens.max()), page_size)
+    if widest > block_tables.shape[1]:
+        raise ValueError(
+            f"seq_lens needs {widest} pages for its longest request, but block_tables has "
+            f"{block_tables.shape[1]} columns"
+        )
+
+
+def _query_rows(qo_indptr: torch.Tensor | None, seq_lens: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Return checked ``[batch + 1]`` query-row offsets: one row per request when ``qo_indptr`` is ``None``."""
+    batch, device = seq_lens.shape[0], seq_lens.device
+    if qo_indptr is None:
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    check_int_tensor("qo_indptr", qo_indptr, 1, device)
+    if qo_indptr.numel() != batch + 1:
+        raise ValueError(f"qo_indptr must have batch + 1 = {batch + 1} entries, got {qo_indptr.numel()}")
+    rows = qo_indptr[1:] - qo_indptr[:-1]
+    if batch and (int(rows.min()) < 0 or (causal and bool((rows > seq_lens).any()))):
+        raise ValueError(
+            "qo_indptr must not decrease, and with causal no request may have more query "
+            "rows than its seq_lens (the new tokens are the last cached ones)"
+        )
+    return qo_indptr
+
+
 class PagedAttentionPlan:
     """Paged attention planned for one page table (and query layout): one step of an engine.
 
     Build with :func:`paged_decode_plan` or :func:`paged_prefill_plan`. Mutating
     ``block_tables``, ``seq_lens`` or ``qo_indptr`` after planning must be
-    followed by :meth:`replan`.
+    followed by :meth:`replan`. Wrappers live in the pool's ``buffer_cache`` (one
+    per kind, backend and tensor-core mode), which the pool empties when it
+    replaces its buffer; a plan holds none and plans again when its wrapper is
+    gone or another plan has planned it since.
 
     Attributes:
         kind: ``"decode"`` or ``"prefill"``; also the pool rule that sizes the workspace.
@@ -115,73 +140,55 @@ class PagedAttentionPlan:
         lane: str | None,
         facts: Mapping[str, int] | None,
     ) -> None:
-        device = block_tables.device if isinstance(block_tables, torch.Tensor) else torch.device("cpu")
-        backends.check_int_tensor("block_tables", block_tables, 2, device)
-        backends.check_int_tensor("seq_lens", seq_lens, 1, device)
-        batch = seq_lens.shape[0]
-        if block_tables.shape[0] != batch:
-            raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch} entries")
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("page_size", page_size)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        """Check the arguments, size the pool for the step and plan it; the public functions document them."""
+        self.device, batch = check_page_table(
+            block_tables, seq_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            page_size=page_size,
+        )  # fmt: skip
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown paged attention backend {backend!r} (choose one of {', '.join(BACKENDS)})")
-        on_cpu = not _has_kernels(device)
-        self.path = "reference" if backend == "reference" or (on_cpu and backend == "auto") else backend
-        if self.path != "reference" and on_cpu:
-            raise ValueError(f"paged attention backend {backend!r} needs a CUDA device, got {device}; "
-                             f"use backend='reference'")  # fmt: skip
-        if batch and int(seq_lens.min()) < 1:
-            raise ValueError("seq_lens must be at least 1 for every request (the new tokens are in the cache)")
-        widest = int((seq_lens.max() + page_size - 1) // page_size) if batch else 0
-        if widest > block_tables.shape[1]:
-            raise ValueError(f"seq_lens needs {widest} pages for its longest request, but block_tables has "
-                             f"{block_tables.shape[1]} columns")  # fmt: skip
-        if qo_indptr is None:
-            qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        backends.check_int_tensor("qo_indptr", qo_indptr, 1, device)
-        if qo_indptr.numel() != batch + 1:
-            raise ValueError(f"qo_indptr must have batch + 1 = {batch + 1} entries, got {qo_indptr.numel()}")
-        rows = qo_indptr[1:] - qo_indptr[:-1]
-        if batch and (int(rows.min()) < 0 or (causal and bool((rows > seq_lens).any()))):
-            raise ValueError("qo_indptr must not decrease, and with causal no request may have more query "
-                             "rows than its seq_lens (the new tokens are the last cached ones)")  # fmt: skip
-        self.kind = kind
-        self.device = device
-        self.block_tables, self.seq_lens, self.qo_indptr = block_tables, seq_lens, qo_indptr
+        self.path = _select_path(backend, self.device)
+        _check_cached_lengths(block_tables, seq_lens, page_size)
+        self.qo_indptr = _query_rows(qo_indptr, seq_lens, causal)
+        self.kind, self.block_tables, self.seq_lens, self.causal = kind, block_tables, seq_lens, causal
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
-        self.causal = causal
         self.sm_scale = float(sm_scale) if sm_scale is not None else head_dim**-0.5
-        self.q_dtype = q_dtype
-        self.kv_dtype = kv_dtype or q_dtype
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype or q_dtype
         group = num_qo_heads // num_kv_heads
         self.use_tensor_cores = group > 4 if use_tensor_cores is None else bool(use_tensor_cores)
-        tokens = int(qo_indptr[-1]) if batch else 0
+        tokens = int(self.qo_indptr[-1]) if batch else 0
         self._query_shape = (tokens, num_qo_heads, head_dim)
         self._kv_shape = (2, page_size, num_kv_heads, head_dim)
-        self.facts: dict[str, int] = {
-            "batch_size": batch,
-            "num_tokens": tokens,
-            "num_qo_heads": num_qo_heads,
-            "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "page_size": page_size,
-            "dtype_bytes": torch.empty((), dtype=q_dtype).element_size(),
-            "sm_count": backends.sm_count(device),
-            **(facts or {}),
-        }
-        self._registry = registry if registry is not None else get_registry()
-        self._pool = self._registry.pool(pool, device, lane=lane)
-        self._setting = describe_setting(("pools", pool, "rules", kind))
-        self._key = (f"paged_{kind}", self.path, self.use_tensor_cores if kind == "decode" else None)
-        self._token = object()  # identifies this plan as a shared wrapper's current owner
-        self.plan_calls = 0
+        self.facts = self._call_facts(batch, tokens, facts)
+        self._attach_pool(registry if registry is not None else get_registry(), pool, lane)
         self._pool.ensure(kind, self.facts)  # grow now, outside the per-layer path
         self.replan()
+
+    def _call_facts(self, batch: int, tokens: int, facts: Mapping[str, int] | None) -> dict[str, int]:
+        """Return the facts the rule reads: the step's shape, the device's SM count, then the caller's."""
+        return {
+            "batch_size": batch,
+            "num_tokens": tokens,
+            "num_qo_heads": self.num_qo_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "page_size": self.page_size,
+            "dtype_bytes": self.q_dtype.itemsize,
+            "sm_count": backends.sm_count(self.device),
+            **(facts or {}),
+        }
+
+    def _attach_pool(self, registry: PoolRegistry, pool: str, lane: str | None) -> None:
+        """Take the plan's pool, and the cache key and ownership record of the wrapper it plans."""
+        self._registry = registry
+        self._pool = registry.pool(pool, self.device, lane=lane)
+        self._setting = describe_setting(("pools", pool, "rules", self.kind))
+        self._key = (f"paged_{self.kind}", self.path, self.use_tensor_cores if self.kind == "decode" else None)
+        self._token = object()  # this plan, as a shared wrapper's owner
+        self._ownership = kernels.WrapperOwnership()  # the record of the wrapper this plan planned last
+        self._planned_wrapper: Callable[[], Any] = _no_wrapper  # then a weak reference: the plan holds none
+        self.plan_calls = 0
 
     def replan(self) -> None:
         """Plan again for the current contents of the page table, lengths and ``qo_indptr`` (same shapes)."""
@@ -234,9 +241,9 @@ class PagedAttentionPlan:
             if not return_lse:
                 return ref_out
             return ref_out, (ref_lse if lse is None else lse.copy_(ref_lse))
-        wrapper = self._pool.buffer_cache.get(self._key)
-        if wrapper is None or wrapper._wspool_owner is not self._token:
-            wrapper = self._plan_wrapper()
+        wrapper: Any = self._pool.buffer_cache.get(self._key)
+        if wrapper is None or wrapper is not self._planned_wrapper() or self._ownership.owner is not self._token:
+            wrapper = self._plan_wrapper()  # the pool replaced its buffer, or another plan took the wrapper
         run_kwargs: dict[str, Any] = {
             "query": query,
             "kv_cache": kv_cache,
@@ -254,6 +261,7 @@ class PagedAttentionPlan:
     # -- planning (wrapper path) ----------------------------------------------
 
     def _plan_wrapper(self) -> Any:
+        """Plan the pool's cached wrapper (made if missing) for the current page table; return it."""
         kv_indptr, kv_indices, last_page_len = self._csr
         common: dict[str, Any] = {
             "kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": last_page_len,
@@ -274,7 +282,8 @@ class PagedAttentionPlan:
                 track_kernel_buffers(self._registry, self._pool, wrapper)
                 if self._pool.buffer is workspace:  # not replaced meanwhile by another thread
                     cache[self._key] = wrapper
-            wrapper._wspool_owner = None  # no plan may run it while it is being planned
+            record = kernels.ownership(wrapper)
+            record.owner = None  # no plan may run it while it is being planned
             try:
                 self.plan_calls += 1
                 wrapper.plan(**plan_kwargs)
@@ -284,11 +293,13 @@ class PagedAttentionPlan:
                     rule=self.kind, setting=self._setting, float_carves=FLOAT_CARVES,
                 )  # fmt: skip
                 continue
-            wrapper._wspool_owner = self._token
+            record.owner = self._token
+            self._ownership, self._planned_wrapper = record, weakref.ref(wrapper)
             return wrapper
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _make_wrapper(self, workspace: torch.Tensor) -> Any:
+        """Build this plan's kind of FlashInfer wrapper on ``workspace``."""
         flashinfer = kernels.load_flashinfer_attention()
         if self.kind == "decode":
             wrapper_cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
@@ -300,9 +311,7 @@ class PagedAttentionPlan:
             init_kwargs = kernels.paged_prefill_init_kwargs(workspace=workspace, backend=self.path)
         # Normal tensors for the wrapper's own buffers, as for the MLA wrapper (see kernels.make_wrapper).
         with torch.inference_mode(False):
-            wrapper = wrapper_cls(**init_kwargs)
-        wrapper._wspool_owner = None
-        return wrapper
+            return wrapper_cls(**init_kwargs)
 
 
 def paged_decode_plan(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from wspool.units import ceil_div
+
 __all__ = ["mla_decode_reference", "mla_decode_reference_into", "paged_attention_reference"]
 
 
@@ -43,7 +45,7 @@ def mla_decode_reference(
     lengths = seq_lens.tolist()
     tables = block_tables.to(torch.long)
     for b, length in enumerate(lengths):
-        pages = -(-length // page_size)
+        pages = ceil_div(length, page_size)
         # The row width is explicit: a request with no cached tokens (an empty context-parallel share) has 0 rows.
         rows = kv_cache[tables[b, :pages]].reshape(pages * page_size, kv_cache.shape[-1])[:length].float()
         q = query[b].float()  # [q_len, heads, dim]
@@ -123,7 +125,7 @@ def paged_attention_reference(
         rows = last - first
         if rows == 0:
             continue
-        pages = -(-length // page_size)
+        pages = ceil_div(length, page_size)
         kv = kv_cache[tables[b, :pages]].transpose(0, 1).reshape(2, pages * page_size, kv_heads, head_dim)
         keys = kv[0, :length].float().repeat_interleave(group, dim=1)  # [length, qo_heads, head_dim]
         values = kv[1, :length].float().repeat_interleave(group, dim=1)

@@ -3,8 +3,9 @@
 :data:`REFUSAL_FORMS` lists the forms per version; :func:`parse_refusal`
 reads any of them. Recovery grows the pool past what the failed carve needed
 and retries, at most a few times, within ``max_bytes``; a refusal it does not
-recognise is re-raised unchanged. Thread semantics: those of the pool.
-Capture: recovery grows, so it is refused while frozen or capturing.
+recognise, or one naming more bytes than any device holds, is re-raised
+unchanged. Thread semantics: those of the pool. Capture: recovery grows, so
+it is refused while frozen or capturing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from wspool.errors import WorkspaceOverflowError
 from wspool.pool import WorkspacePool
-from wspool.units import format_size
+from wspool.units import MAX_SIZE_BYTES, MiB, format_size, round_up
 
 __all__ = ["MAX_RECOVERIES", "REFUSAL_FORMS", "RefusalForm", "WorkspaceRefusal", "grow_after_overflow", "parse_refusal"]
 
@@ -153,6 +154,10 @@ class WorkspaceRefusal:
 def parse_refusal(error: BaseException | str, path: str | None = None) -> WorkspaceRefusal | None:
     """Return the workspace refusal ``error`` describes, or ``None`` if it is another error.
 
+    A text that names a number above :data:`~wspool.units.MAX_SIZE_BYTES`
+    (more bytes than any device holds, whatever its length) is not read as a
+    refusal: its numbers are never converted, and recovery re-raises it unchanged.
+
     Args:
         error: What FlashInfer raised, or its text.
         path: The backend wspool asked for (``"fa3"``). A text that lists several
@@ -164,25 +169,46 @@ def parse_refusal(error: BaseException | str, path: str | None = None) -> Worksp
         matches = list(form.pattern.finditer(text))
         if not matches:
             continue
-        chosen = [m for m in matches if path is not None and m["name"] == path] or matches
-        match = max(chosen, key=lambda m: int(m.groupdict().get("size") or 0))
-        groups = match.groupdict()
-        available = groups.get("available")
-        return WorkspaceRefusal(
-            form=form.name,
-            name=match["name"],
-            size_bytes=int(groups.get("size") or 0),
-            alignment=int(groups.get("alignment") or 0),
-            available_bytes=None if available is None else int(available),
-        )
+        refusals = []
+        for match in matches:
+            refusal = _read_refusal(form.name, match)
+            if refusal is None:
+                return None  # an absurd number: nothing in this text is a size to grow to
+            refusals.append(refusal)
+        chosen = [r for r in refusals if path is not None and r.name == path] or refusals
+        return max(chosen, key=lambda r: r.size_bytes)
     return None
 
 
-logger = logging.getLogger("wspool")
+#: The most digits a byte count a refusal names can have (MAX_SIZE_BYTES's); longer ones are never converted.
+_MAX_DIGITS = len(str(MAX_SIZE_BYTES))
+
+
+def _read_refusal(form: str, match: re.Match[str]) -> WorkspaceRefusal | None:
+    """Return the refusal one match names, or ``None`` when a number in it is beyond any device's memory."""
+    numbers: dict[str, int | None] = {}
+    for group in ("size", "alignment", "available"):
+        digits = match.groupdict().get(group)
+        if digits is None:
+            numbers[group] = None
+            continue
+        value = int(digits) if len(digits) <= _MAX_DIGITS else MAX_SIZE_BYTES + 1
+        if value > MAX_SIZE_BYTES:
+            return None
+        numbers[group] = value
+    return WorkspaceRefusal(
+        form=form,
+        name=match["name"],
+        size_bytes=numbers["size"] or 0,
+        alignment=numbers["alignment"] or 0,
+        available_bytes=numbers["available"],
+    )
+
+
+logger = logging.getLogger(__name__)
 
 #: Growths tried for one call before an overflow is reported (each grows past the last need).
 MAX_RECOVERIES = 3
-_MiB = 1 << 20
 
 
 def grow_after_overflow(
@@ -238,8 +264,12 @@ def grow_after_overflow(
             f"{overflow.name} needs {overflow.size_bytes} bytes with {available} of "
             f"{capacity} available; raise {setting}"
         ) from exc
-    # Headroom for the carves after the one that failed, so one retry normally suffices.
-    target = -(-(needed + max(needed // 8, _MiB)) // _MiB) * _MiB
+    # Headroom for the carves after the one that failed, so one retry normally suffices;
+    # never past max_bytes when the need itself fits under it.
+    target = round_up(needed + max(needed // 8, MiB), MiB)
+    limit = pool.spec.max_bytes
+    if limit is not None and needed <= limit < target:
+        target = limit
     if attempt == 0:
         _warn_growth(op, pool, rule, setting, overflow, available=available, capacity=capacity,
                      target=target, needed=needed)  # fmt: skip
