@@ -244,7 +244,9 @@ class PoolRegistry:
         self.freeze_state = FreezeState()
         self._declared: dict[str, dict[str, Any]] = {}
         self._pools: dict[_PoolKey, WorkspacePool] = {}
-        self._fast: dict[tuple[str, DeviceLike, str], WorkspacePool] = {}
+        # (pool, device as given, lane, rule) -> the pool instance that serves it: filled on a
+        # call's first miss, once the rule is known to be the named pool's own.
+        self._fast: dict[tuple[str, DeviceLike, str, str], WorkspacePool] = {}
         self._views: dict[str, _ProfileView] = {}
         self._devices: dict[torch.device, tuple[_ProfileView, ProfileChoice, Mapping[str, int]]] = {}
         #: Per-registry state of the ops built on it (e.g. the plans ``mla_decode`` reuses),
@@ -385,14 +387,32 @@ class PoolRegistry:
             lane = current_lane()
         if device is None or device == "cuda":
             device = resolve_device(device)
-        found = self._fast.get((pool, device, lane))
+        found = self._fast.get((pool, device, lane, rule))
         if found is None:
             if is_dynamic(device):  # torch.device("cuda"): look up by the current index instead
                 device = resolve_device(device)
-                found = self._fast.get((pool, device, lane))
+                found = self._fast.get((pool, device, lane, rule))
             if found is None:
-                found = self.pool(pool, device, lane=lane)
+                found = self._serving(pool, device, lane, rule)
         return found.workspace(rule, facts)
+
+    def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> WorkspacePool:
+        """Return the pool instance that serves ``pool``'s ``rule`` (a call's first miss), remembering it.
+
+        A pool serves the rules it has: for pools that share one buffer, the host's
+        instance serves each pool's own rules only, as :meth:`resolve` says.
+        """
+        found = self.pool(pool, device, lane=lane)
+        self._own_rule(pool, rule, device)
+        if not is_dynamic(device):
+            self._fast[(pool, device, lane, rule)] = found
+        return found
+
+    def _own_rule(self, pool: str, rule: str, device: DeviceLike) -> None:
+        """Raise the error naming the setting unless ``rule`` is ``pool``'s own under ``device``'s profile."""
+        spec = self.spec(pool, resolve_device(device))
+        if rule not in spec.rules:
+            raise unknown_rule(pool, rule, spec.rules)
 
     def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int:
         """Return the bytes a call on ``device`` would get from ``rule``; allocates nothing.
@@ -446,8 +466,6 @@ class PoolRegistry:
                         device_facts=facts,
                     )
                     self._pools[key] = found
-        if not is_dynamic(device):
-            self._fast[(name, device, lane)] = found
         return found
 
     def declare_pool(
@@ -554,6 +572,7 @@ class PoolRegistry:
             raise ValueError("reserve() takes exactly one of nbytes= or rule=")
         target = self.pool(pool, device, lane=lane)
         if rule is not None:
+            self._own_rule(pool, rule, device)
             return target.workspace(rule, facts)
         from wspool.units import parse_size
 
@@ -583,11 +602,14 @@ class PoolRegistry:
             The pool's capacity afterwards, in bytes.
         """
         target = self.pool(pool, device, lane=lane)
+        self._own_rule(pool, rule, device)
         largest = max((target.resolve(rule, facts) for facts in facts_list), default=0)
         if agree_group is not None:
             from wspool.distributed import agree
 
-            agree(self._source(), agree_group, device=target.device, reserve={(pool, target.lane): largest})
+            # Agreement is per buffer: a shared_with pool's buffer is its host's.
+            buffer = (target.spec.name, target.lane)
+            agree(self._source(), agree_group, device=target.device, reserve={buffer: largest})
         if largest:
             target.request(largest, f"warmup of rule {rule}")
         return target.capacity_bytes

@@ -7,19 +7,15 @@ from pathlib import Path
 import pytest
 
 import wspool
-from wspool.errors import ConfigError
+from tests.helpers.registry import make_registry
+from wspool.errors import ConfigError, RuleError
 from wspool.settings.schema import load_settings
-
-MiB = 1 << 20
-
-
-def _registry(pools: dict[str, object]) -> wspool.PoolRegistry:
-    return wspool.PoolRegistry.from_config(pools=pools)
+from wspool.units import MiB
 
 
 def test_guest_rules_are_served_by_the_host_buffer() -> None:
     """A pool with shared_with draws from its host's buffer, which grows to the largest of both pools' rules."""
-    reg = _registry({"a": {"rules": {"x": "64MiB"}}, "b": {"shared_with": "a", "rules": {"y": "96MiB"}}})
+    reg = make_registry({"a": {"rules": {"x": "64MiB"}}, "b": {"shared_with": "a", "rules": {"y": "96MiB"}}})
     assert reg.pool("b", "cpu") is reg.pool("a", "cpu") and reg.buffer_pool("b") == "a"
     small = reg.workspace("a", "cpu", rule="x")
     big = reg.workspace("b", "cpu", rule="y")
@@ -32,7 +28,7 @@ def test_guest_rules_are_served_by_the_host_buffer() -> None:
 
 def test_host_limit_applies_and_errors_name_the_guest_key() -> None:
     """The host's max_bytes caps the shared buffer; a refused growth names the key of the guest's rule."""
-    reg = _registry(
+    reg = make_registry(
         {"a": {"rules": {"x": "1MiB"}, "max_bytes": "8MiB"}, "b": {"shared_with": "a", "rules": {"y": "n * 1MiB"}}}
     )
     with pytest.raises(
@@ -51,7 +47,7 @@ def test_host_limit_applies_and_errors_name_the_guest_key() -> None:
 
 def test_lanes_and_devices_stay_apart() -> None:
     """Sharing is per device and lane: another lane of the guest is another lane of the host."""
-    reg = _registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a", "rules": {"y": "2MiB"}}})
+    reg = make_registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a", "rules": {"y": "2MiB"}}})
     with wspool.lane("ubatch1"):
         reg.workspace("b", "cpu", rule="y")
     reg.workspace("a", "cpu", rule="x")
@@ -62,7 +58,7 @@ def test_lanes_and_devices_stay_apart() -> None:
 
 def test_declared_guest_rules_join_the_host() -> None:
     """A backend declaring its shared pool's default rules makes them part of the host buffer's rules."""
-    reg = _registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a"}})
+    reg = make_registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a"}})
     reg.declare_pool("b", {"y": "3MiB"})
     assert reg.workspace("b", "cpu", rule="y").numel() == 3 * MiB
     assert reg.pool("a", "cpu").spec.rule_pools == {"x": "a", "y": "b"}
@@ -95,3 +91,33 @@ def test_default_configuration_shares_and_can_be_undone(monkeypatch: pytest.Monk
     path = tmp_path / "c.yaml"
     path.write_text("pools:\n  flashinfer:\n    shared_with: null\n")
     assert wspool.PoolRegistry.from_config(path).buffer_pool("flashinfer") == "flashinfer"
+
+
+def test_a_pool_serves_only_its_own_rules_as_resolve_says() -> None:
+    """Pools sharing one buffer each serve their own rules: workspace, reserve and warmup refuse the other pool's
+    rules with the error resolve gives, naming the setting."""
+    reg = make_registry({"a": {"rules": {"x": "64MiB"}}, "b": {"shared_with": "a", "rules": {"y": "96MiB"}}})
+    for pool, foreign in (("b", "x"), ("a", "y")):
+        with pytest.raises(RuleError, match=rf"pool '{pool}' has no rule '{foreign}'.*pools\.{pool}\.rules\.{foreign}"):
+            reg.resolve(pool, foreign, device="cpu")
+        with pytest.raises(RuleError, match=rf"pool '{pool}' has no rule '{foreign}'"):
+            reg.workspace(pool, "cpu", rule=foreign)
+        with pytest.raises(RuleError, match=rf"pool '{pool}' has no rule '{foreign}'"):
+            reg.reserve(pool, "cpu", rule=foreign)
+        with pytest.raises(RuleError, match=rf"pool '{pool}' has no rule '{foreign}'"):
+            reg.warmup(pool, [{}], "cpu", rule=foreign)
+    assert reg.stats("a", "cpu").request_count == 0 and reg.stats("a", "cpu").capacity_bytes == 0
+    assert reg.workspace("b", "cpu", rule="y").numel() == 96 * MiB
+
+
+def test_warmup_agrees_on_a_shared_buffer_in_a_one_rank_group(tmp_path: Path) -> None:
+    """warmup(..., agree_group=...) on a shared_with pool agrees under its buffer's name and grows it, on one rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        reg = make_registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a", "rules": {"y": "3MiB"}}})
+        assert reg.warmup("b", [{}], "cpu", rule="y", agree_group=dist.group.WORLD) == 3 * MiB
+        assert reg.stats("a", "cpu").capacity_bytes == 3 * MiB
+    finally:
+        dist.destroy_process_group()
