@@ -325,3 +325,20 @@ def test_a_huge_invalid_file_gives_a_bounded_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\(2000 errors\): .* and 1995 more$") as info:
         load_settings(path)
     assert len(str(info.value)) < 2000
+
+
+@pytest.mark.parametrize(
+    ("pool", "match"),
+    [
+        ({"max_bytes": 10**5000}, r"pools\.p\.max_bytes = 1e\+5000 \(from code\): size 1e\+5000 exceeds the limit"),
+        ({"rules": {"default": 10**5000}}, r"pools\.p\.rules\.default = 1e\+5000 \(from code\): size 1e\+5000 exceeds"),
+        ({"facts": {"x": 10**5000}}, r"pools\.p\.facts\.x = 1e\+5000 \(from code\): a fact must be at most 2\*\*64"),
+        ({"facts": {"x": 2**64 + 1}}, r"pools\.p\.facts\.x = 18446744073709551617 .*at most 2\*\*64"),
+        ({"facts": {"x": "9" * 5000}}, r"pools\.p\.facts\.x = '9999.*at most 2\*\*64"),
+    ],
+    ids=["max_bytes", "rule", "fact", "fact-2**64+1", "fact-string"],
+)
+def test_a_huge_number_in_the_configuration_is_a_config_error(pool: dict[str, object], match: str) -> None:
+    """Sizes, rules and facts of thousands of digits are ConfigErrors quoting their magnitude, not ValueErrors."""
+    with pytest.raises(ConfigError, match=match):
+        load_settings(pools={"p": pool})

@@ -30,7 +30,7 @@ from pydantic_settings import (
 )
 
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
-from wspool.rules import FUNCTIONS, LiteralRule, compile_rule
+from wspool.rules import FUNCTIONS, MAX_MAGNITUDE, LiteralRule, compile_rule
 from wspool.settings.profiles import AUTO, PROFILE_NAMES, load_profile
 from wspool.settings.sources import (
     CONFIG_ENV_VAR,
@@ -149,11 +149,15 @@ def _fact_name(value: object) -> str:
 
 
 def _fact_value(value: object) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    number = value
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        # 2**64 has 20 digits; a longer string need not be converted (and int() refuses 4,300 digits).
+        number = int(value.strip()) if len(value.strip()) <= 20 else MAX_MAGNITUDE + 1
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
         raise ValueError(f"a fact must be a non-negative integer, got {type(value).__name__} {quote(value)}")
-    return value
+    if number > MAX_MAGNITUDE:
+        raise ValueError(f"a fact must be at most 2**64 (a rule refuses larger facts), got {quote(value)}")
+    return number
 
 
 RuleSource = Annotated[str, BeforeValidator(_rule_value)]

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, setting_names
+from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, readable_int, setting_names
 from wspool.units import format_size
 
 __all__ = [
@@ -85,7 +85,15 @@ class Provenance:
 #: Validation errors quoted in one ConfigError; the rest are counted.
 MAX_REPORTED_ERRORS = 5
 
-_quote = reprlib.Repr()
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's shortened repr, with integers of any size (``repr`` refuses more than 4,300 digits)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return readable_int(x)
+
+
+_quote = _ShortRepr()
 _quote.maxlevel = 3
 _quote.maxstring = 80
 _quote.maxother = 80
