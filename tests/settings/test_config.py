@@ -342,3 +342,49 @@ def test_a_huge_number_in_the_configuration_is_a_config_error(pool: dict[str, ob
     """Sizes, rules and facts of thousands of digits are ConfigErrors quoting their magnitude, not ValueErrors."""
     with pytest.raises(ConfigError, match=match):
         load_settings(pools={"p": pool})
+
+
+def test_a_merge_key_with_an_explicit_override_loads_and_the_explicit_key_wins(tmp_path: Path) -> None:
+    """`<<: *base` followed by a key the base also has is valid YAML: it loads, and the explicit value wins."""
+    path = _write(
+        tmp_path,
+        "pools:\n"
+        "  a: &base\n    rules: {default: 1KiB, lse: 2KiB}\n    growth: exact\n"
+        "  b:\n    <<: *base\n    growth: 4KiB\n    rules: {default: 3KiB}\n",
+    )
+    pools = load_settings(path).pools
+    assert pools["b"].growth == "4KiB" and pools["b"].rules == {"default": "3KiB"}
+    assert pools["a"].growth == "exact" and pools["a"].rules == {"default": "1KiB", "lse": "2KiB"}
+
+
+def test_an_explicit_key_wins_over_several_merges(tmp_path: Path) -> None:
+    """With two mappings merged in, an explicit key wins over both and the other merged keys come through."""
+    path = _write(
+        tmp_path,
+        "pools:\n  x: &x {growth: 1KiB, max_bytes: 1MiB}\n  y: &y {max_bytes: 3MiB, description: from y}\n"
+        "  z:\n    <<: [*x, *y]\n    max_bytes: 2MiB\n",
+    )
+    z = load_settings(path).pools["z"]
+    assert (z.growth, z.max_bytes, z.description) == ("1KiB", 2 * 2**20, "from y")
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            "pools:\n  a: &base {rules: {default: 1KiB}}\n  b:\n    <<: *base\n    growth: exact\n    growth: 4KiB\n",
+            r"c\.yaml:6:5: duplicate key 'growth' \(first given on line 5\)",
+        ),
+        (
+            "pools:\n  b:\n    <<: {growth: exact, growth: 4KiB}\n    rules: {default: 1KiB}\n",
+            r"c\.yaml:3:25: duplicate key 'growth' \(first given on line 3\)",
+        ),
+    ],
+    ids=["explicit-twice-after-a-merge", "twice-inside-a-merged-mapping"],
+)
+def test_a_key_given_twice_is_still_refused_next_to_a_merge(tmp_path: Path, text: str, match: str) -> None:
+    """A key written twice in one mapping, or in a mapping merged in, stays a duplicate-key error."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_settings(path)

@@ -149,7 +149,7 @@ def test_plot_from_json(tmp_path: Path) -> None:
         (["bench", "--plot-from", "/nonexistent.json", "--plot", "x.png"], "cannot read /nonexistent.json"),
         (["bench", "--repeats", "3", "--sections", "hot_path", "--plot", "x.png"], "no memory sweep to plot"),
         (["bench", "--rules", "/nonexistent.yaml", "--repeats", "3"], "does not exist"),
-        (["bench", "--shapes", "/nonexistent.yaml", "--repeats", "3"], "cannot read shapes file"),
+        (["bench", "--shapes", "/nonexistent.yaml", "--repeats", "3"], "shapes file /nonexistent.yaml does not exist"),
     ],
 )
 def test_bad_bench_input_exits_2_with_one_line(

@@ -19,10 +19,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from wspool.devices import DeviceDescription
 from wspool.errors import ConfigError
+from wspool.settings.sources import parse_yaml
 
 __all__ = [
     "AUTO",
@@ -121,7 +120,7 @@ def load_profile(name: str) -> Profile:
     """
     if name not in PROFILE_NAMES:
         raise KeyError(f"no profile {name!r} (profiles: {', '.join(PROFILE_NAMES)})")
-    data = yaml.safe_load(shipped_text("profiles", name))
+    data = parse_yaml(shipped_text("profiles", name), f"profile {name}")
     capabilities = tuple(
         (int(major), int(minor)) for major, minor in (str(cc).split(".") for cc in data["compute_capabilities"])
     )

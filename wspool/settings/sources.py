@@ -38,8 +38,10 @@ __all__ = [
     "engine_knob_layers",
     "engine_knob_settings",
     "env_error",
+    "parse_yaml",
     "quote",
     "read_yaml",
+    "read_yaml_file",
 ]
 
 
@@ -203,46 +205,68 @@ def config_file_from(config_file: str | os.PathLike[str] | None) -> tuple[Path |
     return None, ""
 
 
-def read_yaml(path: Path, how: str, keys: Iterable[str]) -> dict[str, Any]:
-    """Read ``path`` with the strict safe loader and check its bounds.
+def read_yaml_file(
+    path: Path, *, what: str = "config file", how: str = "", error: type[ConfigError] = ConfigError
+) -> Any:
+    """Read any YAML file wspool takes with the strict safe loader, within the size and nesting bounds.
 
-    ``keys`` are the top-level settings, named in the error for a key that is not a string.
+    Args:
+        path: The file.
+        what: What the file is, named in errors (``"config file"``, ``"shapes file"``).
+        how: How it was named (``"given explicitly"``), named in errors; empty: not named.
+        error: The :class:`~wspool.errors.ConfigError` subclass to raise.
+
+    Returns:
+        The document: ``None`` for an empty file, else a mapping, list or scalar.
 
     Raises:
-        ConfigError: The file is missing, unreadable, malformed or over a bound.
+        ConfigError: The file is missing, unreadable, malformed or over a bound (as ``error``).
     """
+    named = f" ({how})" if how else ""
+    config = what == "config file"
     try:
         is_file = path.is_file()
     except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
         why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
-        raise ConfigError(f"cannot read config file {quote(str(path))} ({how}): {why}") from None
+        raise error(f"cannot read {what} {quote(str(path))}{named}: {why}") from None
     if not is_file:
-        raise ConfigError(f"config file {path} ({how}) does not exist or is not a file")
+        raise error(f"{what} {path}{named} does not exist or is not a file")
     try:
         with path.open(encoding="utf-8") as handle:
             text = handle.read(MAX_CONFIG_FILE_BYTES + 1)
         if len(text) > MAX_CONFIG_FILE_BYTES:
-            raise ConfigError(
-                f"config file {path} ({how}) is larger than {format_size(MAX_CONFIG_FILE_BYTES)}; "
-                f"a wspool configuration is a few hundred bytes"
-            )
+            typical = "; a wspool configuration is a few hundred bytes" if config else ""
+            raise error(f"{what} {path}{named} is larger than {format_size(MAX_CONFIG_FILE_BYTES)}{typical}")
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"invalid YAML in config file {where}: {problem}") from None
+        raise error(f"invalid YAML in {what} {where}: {problem}") from None
     except RecursionError:
-        raise ConfigError(f"invalid YAML in config file {path}: it nests too deeply") from None
+        raise error(f"invalid YAML in {what} {path}: it nests too deeply") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path} ({how}): {exc}") from None
+        raise error(f"cannot read {what} {path}{named}: {exc}") from None
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
         # PyYAML's constructors raise these for tagged or date-like scalars they cannot build
         # (!!timestamp x, !!bool maybe, 2021-13-45, !!int abc, an integer of 5,000 digits).
         detail = quote(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        raise ConfigError(f"invalid YAML value in config file {path}: {detail}") from None
+        raise error(f"invalid YAML value in {what} {path}: {detail}") from None
+    _check_size_and_depth(data, f"{what} {path}", config, error)
+    return data
+
+
+def read_yaml(path: Path, how: str, keys: Iterable[str]) -> dict[str, Any]:
+    """Read a configuration file: :func:`read_yaml_file`, and a mapping with string keys at the top.
+
+    ``keys`` are the top-level settings, named in the error for a key that is not a string.
+
+    Raises:
+        ConfigError: The file is missing, unreadable, malformed or over a bound.
+    """
+    data = read_yaml_file(path, how=how)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -252,15 +276,28 @@ def read_yaml(path: Path, how: str, keys: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"config file {path}: top-level key {quote(key)} is not a string (the keys are {', '.join(keys)})"
             )
-    _check_size_and_depth(data, path)
     return data
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Parse YAML text that wspool ships (its profiles) with the strict loader.
+
+    Raises:
+        ConfigError: The text is not valid YAML, naming ``where``.
+    """
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML in {where}: {' '.join(str(exc).split())}") from None
 
 
 class _StrictLoader(yaml.SafeLoader):
     """The safe loader, refusing a key given twice in one mapping (the last one would win silently).
 
-    A scalar PyYAML cannot build (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``,
-    ``!!int abc``, an integer of 5,000 digits) becomes a YAML error at its line.
+    A key that a merge (``<<: *base``) brings in may be given again explicitly: the
+    explicit one wins, as YAML specifies. A scalar PyYAML cannot build
+    (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``, ``!!int abc``, an integer of
+    5,000 digits) becomes a YAML error at its line.
     """
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
@@ -274,10 +311,22 @@ class _StrictLoader(yaml.SafeLoader):
             ) from None  # fmt: skip
 
 
-def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_repeated_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: bool, checked: set[int]) -> None:
+    """Refuse a key written twice in ``node`` or in a mapping it merges in (``checked``: nodes already seen)."""
+    if id(node) in checked:
+        return
+    checked.add(id(node))
     seen: dict[object, yaml.Node] = {}
-    for key_node, _ in node.value:
+    for key_node, value_node in node.value:
+        if key_node.tag == _MERGE_TAG:
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in sources:
+                if isinstance(source, yaml.MappingNode):
+                    _refuse_repeated_keys(loader, source, deep, checked)
+            continue
         key = loader.construct_object(key_node, deep=deep)
         try:
             first = seen.get(key)
@@ -289,13 +338,19 @@ def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
                 key_node.start_mark,
             )  # fmt: skip
         seen[key] = key_node
+
+
+def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    # Checked before the merge keys are flattened: flattening puts the merged keys first and the
+    # explicit ones after them, so construct_mapping lets an explicit key override a merged one.
+    _refuse_repeated_keys(loader, node, deep, set())
     return loader.construct_mapping(node, deep=deep)
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_strict_mapping)
 
 
-def _check_size_and_depth(data: object, path: Path) -> None:
+def _check_size_and_depth(data: object, where: str, config: bool, error: type[ConfigError]) -> None:
     """Refuse a document too large or too deep once aliases are expanded (iteratively: no recursion)."""
     stack: list[tuple[object, int]] = [(data, 0)]
     count = 0
@@ -303,12 +358,11 @@ def _check_size_and_depth(data: object, path: Path) -> None:
         node, depth = stack.pop()
         count += 1
         if count > MAX_CONFIG_VALUES:
-            raise ConfigError(
-                f"config file {path} holds more than {MAX_CONFIG_VALUES} values once its YAML aliases "
-                f"are expanded; a wspool configuration holds a few dozen"
-            )
+            typical = "; a wspool configuration holds a few dozen" if config else ""
+            expanded = f"values once its YAML aliases are expanded{typical}"
+            raise error(f"{where} holds more than {MAX_CONFIG_VALUES} {expanded}")
         if depth > MAX_CONFIG_DEPTH:
-            raise ConfigError(f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels")
+            raise error(f"{where} nests deeper than {MAX_CONFIG_DEPTH} levels")
         if isinstance(node, dict):
             stack.extend((child, depth + 1) for child in node.values())
         elif isinstance(node, (list, tuple, set)):
