@@ -388,3 +388,28 @@ def test_a_key_given_twice_is_still_refused_next_to_a_merge(tmp_path: Path, text
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_settings(path)
+
+
+def test_loading_a_file_or_a_profile_builds_the_settings_class_itself(tmp_path: Path) -> None:
+    """A load with a YAML file and a profile layered in gives a WspoolSettings, not a class made for that load."""
+    from wspool.settings.schema import WspoolSettings, profile_settings
+
+    path = _write(tmp_path, "pools:\n  flashinfer_mla:\n    rules:\n      lse: 300MiB\n")
+    settings = load_settings(path)
+    layered, provenance = profile_settings(settings, "hopper")
+    assert type(settings) is WspoolSettings and type(layered) is WspoolSettings
+    assert layered.pools["flashinfer_mla"].rules["lse"] == "300MiB"  # the file over the profile
+    assert provenance.source_of(("pools", "flashinfer_mla", "rules", "default")) == "profile hopper"
+    assert load_settings().pools["flashinfer_mla"].rules["lse"] == "256MiB"  # nothing of the last load remains
+
+
+def test_settings_built_directly_read_the_environment_and_engine_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WspoolSettings() keeps its sources: code over WSPOOL_* over the engine knobs over the built-in defaults."""
+    from wspool.settings.schema import WspoolSettings
+
+    monkeypatch.setenv(LSE_ENV, "512MiB")
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", "1000")
+    settings = WspoolSettings(pools={"flashinfer": {"rules": {"decode": "2KiB"}}})
+    assert settings.pools["flashinfer_mla"].rules == {"default": "128MiB", "lse": "512MiB"}
+    assert settings.pools["flashinfer"].rules["decode"] == "2KiB"
+    assert settings.pools["flashinfer"].rules["prefill"] == "1000"

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import keyword
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -26,7 +26,6 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
-    YamlConfigSettingsSource,
 )
 
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
@@ -39,9 +38,9 @@ from wspool.settings.sources import (
     MAX_CONFIG_VALUES,
     MAX_REPORTED_ERRORS,
     Provenance,
+    SettingsLayer,
     config_error,
     config_file_from,
-    deep_copy,
     engine_knob_layers,
     engine_knob_settings,
     env_error,
@@ -55,6 +54,7 @@ __all__ = [
     "CONFIG_ENV_VAR",
     "EXTRA_ENV_VARS",
     "GROWTH_POLICIES",
+    "LAYERS_KEYWORD",
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
@@ -177,14 +177,17 @@ def _profile_value(value: object) -> str:
 ProfileSetting = Annotated[str, BeforeValidator(_profile_value)]
 
 
-def check_env_names(setting_names: Iterable[str], extra_env_vars: Iterable[str]) -> None:
+def check_env_names(setting_names: Iterable[str] | None = None, extra_env_vars: Iterable[str] | None = None) -> None:
     """Refuse a ``WSPOOL_*`` variable that names no setting (pydantic-settings would ignore it).
 
     Args:
-        setting_names: The top-level settings.
-        extra_env_vars: ``WSPOOL_*`` variables that are not settings but are read elsewhere.
+        setting_names: The top-level settings; default :class:`WspoolSettings`' fields.
+        extra_env_vars: ``WSPOOL_*`` variables that are not settings but are read elsewhere;
+            default :data:`EXTRA_ENV_VARS`.
     """
-    extra = tuple(extra_env_vars)
+    if setting_names is None:
+        setting_names = WspoolSettings.model_fields
+    extra = tuple(EXTRA_ENV_VARS if extra_env_vars is None else extra_env_vars)
     fields = {name.upper() for name in setting_names}
     unknown = []
     for name in sorted(os.environ):
@@ -266,6 +269,10 @@ def check_shared_pools(settings: WspoolSettings, provenance: Provenance | None =
             path=path,
         )
 
+
+#: The init keyword through which :func:`load_settings` hands :class:`WspoolSettings` the layers
+#: below the code overrides, read once: the environment, the YAML file, the engine knobs, a profile.
+LAYERS_KEYWORD = "_wspool_layers"
 
 #: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
 #: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
@@ -368,8 +375,6 @@ class WspoolSettings(BaseSettings):
     debug_streams: bool = False
     profile: ProfileSetting = AUTO
 
-    # The profile layer of this class's sources (see profile_settings), just above the built-in defaults.
-    _profile_layer: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
     # How load_settings built these settings, so profile_settings can layer a profile under the same inputs.
     _load_inputs: tuple[Path | None, dict[str, Any]] | None = PrivateAttr(default=None)
 
@@ -382,18 +387,25 @@ class WspoolSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        yaml_file = settings_cls.model_config.get("yaml_file")
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if yaml_file is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
-        knobs = engine_knob_settings()
-        if knobs:
-            sources.append(InitSettingsSource(settings_cls, init_kwargs=knobs))
-        layer = getattr(settings_cls, "_profile_layer", None)
-        if layer is not None:
-            sources.append(InitSettingsSource(settings_cls, init_kwargs=deep_copy(layer[1])))
-        sources.append(InitSettingsSource(settings_cls, init_kwargs=deep_copy(BUILTIN_DEFAULTS)))
-        return tuple(sources)
+        """Return the sources, highest precedence first: code, the layers below it, the built-in defaults.
+
+        :func:`load_settings` reads each layer once (the environment, the YAML file,
+        the engine knobs, a profile) for its provenance too, and passes them in the
+        init keyword :data:`LAYERS_KEYWORD`. Settings built directly
+        (``WspoolSettings()``) read the environment and the engine knobs here.
+        """
+        code = dict(init_settings.init_kwargs) if isinstance(init_settings, InitSettingsSource) else {}
+        layers: Sequence[Mapping[str, Any]] | None = code.pop(LAYERS_KEYWORD, None)
+        below_code = (
+            [SettingsLayer(settings_cls, data) for data in layers]
+            if layers is not None
+            else [env_settings, SettingsLayer(settings_cls, engine_knob_settings())]
+        )
+        return (
+            InitSettingsSource(settings_cls, init_kwargs=code),
+            *below_code,
+            SettingsLayer(settings_cls, BUILTIN_DEFAULTS),
+        )
 
 
 def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> WspoolSettings:
@@ -442,27 +454,20 @@ def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSett
 def _load(
     config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
 ) -> tuple[WspoolSettings, Provenance]:
+    check_env_names()
     path, how = config_file_from(config_file)
     yaml_data = read_yaml(path, how, WspoolSettings.model_fields) if path is not None else {}
-    settings_cls: type[WspoolSettings] = WspoolSettings
-    profile_layer = None if profile is None else (f"profile {profile}", load_profile(profile).settings)
-    if path is not None or profile_layer is not None:
-        settings_cls = type(
-            "WspoolSettings",
-            (WspoolSettings,),
-            {"model_config": {**WspoolSettings.model_config, "yaml_file": path}, "_profile_layer": profile_layer},
-        )
-    check_env_names(WspoolSettings.model_fields, EXTRA_ENV_VARS)
     try:
-        env_data = EnvSettingsSource(settings_cls)()
+        env_data = EnvSettingsSource(WspoolSettings)()
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
-    layers = [("code", overrides), ("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
-    if profile_layer is not None:
-        layers.append((profile_layer[0], dict(profile_layer[1])))
-    provenance = Provenance([*layers, ("default", BUILTIN_DEFAULTS)], path)
+    layers: list[tuple[str, Mapping[str, Any]]] = [("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
+    if profile is not None:
+        layers.append((f"profile {profile}", load_profile(profile).settings))
+    provenance = Provenance([("code", overrides), *layers, ("default", BUILTIN_DEFAULTS)], path)
     try:
-        settings = settings_cls(**overrides)
+        given: dict[str, Any] = {**overrides, LAYERS_KEYWORD: [data for _, data in layers]}
+        settings = WspoolSettings(**given)
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
     except ValidationError as exc:

@@ -14,12 +14,14 @@ import json
 import os
 import re
 import reprlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, readable_int, setting_names
 from wspool.units import format_size
@@ -32,6 +34,7 @@ __all__ = [
     "MAX_CONFIG_VALUES",
     "MAX_REPORTED_ERRORS",
     "Provenance",
+    "SettingsLayer",
     "config_error",
     "config_file_from",
     "deep_copy",
@@ -52,6 +55,27 @@ def deep_copy(data: Any) -> Any:
     return data
 
 
+class SettingsLayer(PydanticBaseSettingsSource):
+    """A pydantic-settings source holding one layer of settings already read.
+
+    The environment, a YAML file, an engine knob, a profile or the built-in
+    defaults: :func:`wspool.settings.schema.load_settings` reads each once and
+    lists them in ``WspoolSettings.settings_customise_sources``' order.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self.data = data
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        """Return one field's value (pydantic-settings calls :meth:`__call__` instead)."""
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        """Return the layer, copied: the merge of the sources must not share dicts between them."""
+        return dict(deep_copy(self.data))
+
+
 class Provenance:
     """Where each value of a loaded configuration came from.
 
@@ -59,7 +83,7 @@ class Provenance:
         config_file: The YAML file that was read, if any.
     """
 
-    def __init__(self, layers: list[tuple[str, dict[str, Any]]], config_file: Path | None) -> None:
+    def __init__(self, layers: Sequence[tuple[str, Mapping[str, Any]]], config_file: Path | None) -> None:
         self._layers = layers
         self.config_file = config_file
 
