@@ -218,3 +218,29 @@ def test_no_logger_line_before_the_error(tmp_path: Path) -> None:
         "above max_bytes = 2097152 bytes (2MiB); raise pools.flashinfer_mla.max_bytes / "
         "WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES"
     ]
+
+
+@pytest.mark.parametrize("name", ["nbytes", "class", "max", "round_up", "pool"])
+def test_a_fact_named_like_a_reserved_name_is_refused_by_the_one_list(
+    capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """--fact refuses exactly the names the settings refuse for default facts: one list for both."""
+    from wspool.settings.schema import RESERVED_FACT_NAMES
+
+    assert name in RESERVED_FACT_NAMES
+    status, _, err = _in_process(capsys, "resolve", "flashinfer_mla", "--fact", f"{name}=5")
+    assert status == 2
+    assert err.splitlines() == [
+        f"wspool resolve: error: argument --fact: a fact cannot be named {name!r}: it is reserved (a parameter "
+        "of PoolRegistry.workspace(), a Python keyword or a rule function), so no call can pass such a fact "
+        "(see wspool resolve --help)"
+    ]
+
+
+def test_the_old_name_of_the_reserved_facts_still_works_with_a_warning() -> None:
+    """wspool.cli.RESERVED_FACTS is a deprecated alias of wspool.settings.schema.RESERVED_FACT_NAMES."""
+    import wspool.cli
+    from wspool.settings.schema import RESERVED_FACT_NAMES
+
+    with pytest.warns(DeprecationWarning, match="RESERVED_FACTS is deprecated; use .*RESERVED_FACT_NAMES"):
+        assert wspool.cli.RESERVED_FACTS is RESERVED_FACT_NAMES

@@ -13,16 +13,17 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from wspool.cli.commands import cmd_resolve, cmd_show, cmd_stats
 from wspool.errors import WspoolError, printable
 from wspool.registry import PoolRegistry
+from wspool.settings.schema import RESERVED_FACT_NAMES
 from wspool.units import format_size
 
 __all__ = [
-    "RESERVED_FACTS",
     "Parser",
     "UsageError",
     "add_config_option",
@@ -45,8 +46,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-#: Names a fact cannot take: they are parameters of PoolRegistry.workspace/resolve/reserve.
-RESERVED_FACTS = frozenset({"self", "pool", "rule", "lane", "device", "nbytes"})
+def __getattr__(name: str) -> object:
+    """Serve the deprecated ``RESERVED_FACTS`` (the settings' :data:`RESERVED_FACT_NAMES` now)."""
+    if name == "RESERVED_FACTS":
+        warnings.warn(
+            "wspool.cli.RESERVED_FACTS is deprecated; use wspool.settings.schema.RESERVED_FACT_NAMES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return RESERVED_FACT_NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fact_arg(text: str) -> tuple[str, int]:
@@ -54,10 +63,10 @@ def fact_arg(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier() or not name.isascii():
         raise argparse.ArgumentTypeError(f"expected NAME=INTEGER, got {text!r}")
-    if name in RESERVED_FACTS:
+    if name in RESERVED_FACT_NAMES:
         raise argparse.ArgumentTypeError(
-            f"a fact cannot be named {name!r}: {', '.join(sorted(RESERVED_FACTS))} are parameters of "
-            f"PoolRegistry.workspace(), so no call can pass such a fact"
+            f"a fact cannot be named {name!r}: it is reserved (a parameter of PoolRegistry.workspace(), a Python "
+            f"keyword or a rule function), so no call can pass such a fact"
         )
     try:
         if not value.isascii():

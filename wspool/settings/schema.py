@@ -130,9 +130,10 @@ def _pool_name_value(value: object) -> str | None:
     return value.strip()
 
 
-#: Names a default fact may not have: the parameters of the per-call methods (facts are
-#: passed as keyword arguments next to them), Python's keywords and the rule functions.
-RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "self", *keyword.kwlist, *FUNCTIONS})
+#: Names no fact may have: the parameters of the per-call methods (``PoolRegistry.workspace``,
+#: ``resolve``, ``reserve``: facts are passed as keyword arguments next to them), Python's
+#: keywords and the rule functions. Default facts and ``--fact`` on the command line check it.
+RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "nbytes", "self", *keyword.kwlist, *FUNCTIONS})
 
 
 def _fact_name(value: object) -> str:
