@@ -413,3 +413,43 @@ def test_settings_built_directly_read_the_environment_and_engine_knobs(monkeypat
     assert settings.pools["flashinfer_mla"].rules == {"default": "128MiB", "lse": "512MiB"}
     assert settings.pools["flashinfer"].rules["decode"] == "2KiB"
     assert settings.pools["flashinfer"].rules["prefill"] == "1000"
+
+
+@pytest.mark.parametrize(
+    ("env", "key", "fix"),
+    [
+        ({"wspool_config": "c.yaml"}, "config", "set WSPOOL_CONFIG, not wspool_config"),
+        ({"wspool_vllm": "0"}, "vllm", "set WSPOOL_VLLM, not wspool_vllm"),
+        ({"Wspool_Vllm_Device": "cpu"}, "vllm_device", "set WSPOOL_VLLM_DEVICE, not Wspool_Vllm_Device"),
+        ({"wspool_profile": "hopper"}, "profile", "set WSPOOL_PROFILE, not wspool_profile"),
+        (
+            {"WSPOOL_POOLS__P__MAX_BYTES": "2MiB", "wspool_pools__p__max_bytes": "1MiB"},
+            "pools.p.max_bytes",
+            "set WSPOOL_POOLS__P__MAX_BYTES, not wspool_pools__p__max_bytes",
+        ),
+        (
+            {"WSPOOL_POOLS__MyPool__RULES__DEFAULT": "1KiB"},
+            "pools.mypool.rules.default",
+            "set WSPOOL_POOLS__MYPOOL__RULES__DEFAULT, not WSPOOL_POOLS__MyPool__RULES__DEFAULT",
+        ),
+    ],
+    ids=["config", "vllm", "vllm-device", "profile", "two-cases", "mixed-case-pool"],
+)
+def test_a_wspool_variable_not_in_upper_case_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], key: str, fix: str
+) -> None:
+    """wspool_config=FILE or wspool_vllm=0 would be ignored, and one setting in two cases decided by order: refused."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"not in upper case: .*; {fix}$") as info:
+        load_settings()
+    assert info.value.key == key
+
+
+def test_the_case_check_is_the_one_a_component_calls_before_reading_its_own_variable() -> None:
+    """check_env_names() takes an environment: the vLLM plugin's variables are checked like the settings'."""
+    from wspool.settings.schema import check_env_names
+
+    check_env_names(environ={"WSPOOL_VLLM": "0", "WSPOOL_VLLM_DEVICE": "cpu", "HOME": "/"})
+    with pytest.raises(ConfigError, match=r"set WSPOOL_VLLM, not wspool_vllm"):
+        check_env_names(environ={"wspool_vllm": "0"})

@@ -178,33 +178,59 @@ def _profile_value(value: object) -> str:
 ProfileSetting = Annotated[str, BeforeValidator(_profile_value)]
 
 
-def check_env_names(setting_names: Iterable[str] | None = None, extra_env_vars: Iterable[str] | None = None) -> None:
-    """Refuse a ``WSPOOL_*`` variable that names no setting (pydantic-settings would ignore it).
+def check_env_names(
+    setting_names: Iterable[str] | None = None,
+    extra_env_vars: Iterable[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a ``WSPOOL_*`` variable that is not in upper case, or that names no setting.
+
+    wspool reads its variables by their exact, upper-case names, so ``wspool_config``
+    would be ignored, and one setting given in two cases would be decided by the
+    environment's order: such a variable is refused by name. A ``WSPOOL_*`` variable
+    that names no setting would be ignored too (pydantic-settings skips it): refused.
+    Components that read a ``WSPOOL_*`` variable of their own (the vLLM plugin's
+    ``WSPOOL_VLLM``) call this before reading it.
 
     Args:
         setting_names: The top-level settings; default :class:`WspoolSettings`' fields.
         extra_env_vars: ``WSPOOL_*`` variables that are not settings but are read elsewhere;
             default :data:`EXTRA_ENV_VARS`.
+        environ: The environment; default ``os.environ``.
+
+    Raises:
+        ConfigError: Naming the variable and the name to use instead.
     """
-    if setting_names is None:
-        setting_names = WspoolSettings.model_fields
+    environ = os.environ if environ is None else environ
+    fields = {name.upper() for name in (WspoolSettings.model_fields if setting_names is None else setting_names)}
     extra = tuple(EXTRA_ENV_VARS if extra_env_vars is None else extra_env_vars)
-    fields = {name.upper() for name in setting_names}
-    unknown = []
-    for name in sorted(os.environ):
+    unknown, miscased = [], []
+    for name in sorted(environ):
         upper = name.upper()
-        if not upper.startswith(ENV_PREFIX) or upper in extra:
+        if not upper.startswith(ENV_PREFIX):
             continue
         head, nested, _ = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
-        if head not in fields or (nested and head != "POOLS"):
+        known = upper in extra or (head in fields and (not nested or head == "POOLS"))
+        if not known:
             unknown.append(name)
+        elif name != upper:
+            miscased.append(name)
+    if miscased:
+        fixes = "; ".join(f"set {printable(n.upper())}, not {printable(n)}" for n in miscased[:MAX_REPORTED_ERRORS])
+        more = f" and {len(miscased) - MAX_REPORTED_ERRORS} more" if len(miscased) > MAX_REPORTED_ERRORS else ""
+        raise ConfigError(
+            f"environment variable(s) {', '.join(printable(n) for n in miscased[:MAX_REPORTED_ERRORS])}{more} "
+            f"not in upper case: wspool's {ENV_PREFIX}* variables are upper case, and one in another case "
+            f"would be ignored or clash with its upper-case twin; {fixes}",
+            path=tuple(miscased[0].upper()[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)),
+        )
     if unknown:
-        known = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
+        known_names = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
         shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
         more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
         raise ConfigError(
             f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
-            f"(check the spelling; the variables are {known}, and pools are set through "
+            f"(check the spelling; the variables are {known_names}, and pools are set through "
             f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)",
             path=(unknown[0][len(ENV_PREFIX) :].lower(),),
         )
@@ -213,8 +239,9 @@ def check_env_names(setting_names: Iterable[str] | None = None, extra_env_vars: 
 def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:
     """Refuse empty pool or rule names, and pool names that differ only in case.
 
-    Environment variables are matched case-insensitively, so ``WSPOOL_POOLS__MYPOOL__...``
-    names ``mypool``: a YAML pool ``MyPool`` next to it would otherwise be a second pool.
+    Environment variables are upper case and name pools in lower case, so
+    ``WSPOOL_POOLS__MYPOOL__...`` names ``mypool``: a YAML pool ``MyPool`` next to it
+    would otherwise be a second pool.
     """
     where = source_of or (lambda path: "code")
     by_folded: dict[str, str] = {}
@@ -358,7 +385,7 @@ class WspoolSettings(BaseSettings):
 
     Attributes:
         pools: Pool name -> its settings. Pool names are lower case (environment
-            variable names are matched case-insensitively).
+            variables are upper case and name pools in lower case).
         debug_streams: Warn when one pool's buffer is handed to two CUDA streams
             without ordering between them (costs a stream query per call).
         profile: ``auto`` (pick per device from its compute capability) or the
