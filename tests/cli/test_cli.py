@@ -244,3 +244,13 @@ def test_the_old_name_of_the_reserved_facts_still_works_with_a_warning() -> None
 
     with pytest.warns(DeprecationWarning, match="RESERVED_FACTS is deprecated; use .*RESERVED_FACT_NAMES"):
         assert wspool.cli.RESERVED_FACTS is RESERVED_FACT_NAMES
+
+
+def test_config_takes_a_shipped_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """wspool resolve --config kimi_dcp reads the shipped file, as an installed package has no configs/ folder."""
+    facts = ("--fact", "num_heads=8", "--fact", "cp_world=8", "--fact", "batch_size=1024", "--fact", "q_len=1")
+    assert main(["resolve", "flashinfer_mla", "lse", "--config", "kimi_dcp", "--bytes", *facts]) == 0
+    assert capsys.readouterr().out.strip() == str(135266304 + 32 * 2**20)
+    status, _, err = _in_process(capsys, "show", "--config", "nope")
+    assert status == 2
+    assert "no shipped configuration has that name (shipped: blackwell, default, hopper, kimi_dcp, vllm)" in err

@@ -453,3 +453,41 @@ def test_the_case_check_is_the_one_a_component_calls_before_reading_its_own_vari
     check_env_names(environ={"WSPOOL_VLLM": "0", "WSPOOL_VLLM_DEVICE": "cpu", "HOME": "/"})
     with pytest.raises(ConfigError, match=r"set WSPOOL_VLLM, not wspool_vllm"):
         check_env_names(environ={"wspool_vllm": "0"})
+
+
+@pytest.mark.parametrize("name", ["vllm", "hopper", "blackwell", "kimi_dcp", "default"])
+def test_a_shipped_configuration_is_reached_by_its_name(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--config / WSPOOL_CONFIG take a shipped configuration's name: the package's file, as after pip install."""
+    from wspool.settings.profiles import shipped_config
+
+    settings, provenance = load_settings_with_provenance(name)
+    assert provenance.config_file == shipped_config(name)
+    assert settings == load_settings(shipped_config(name))
+    monkeypatch.setenv("WSPOOL_CONFIG", name)
+    assert load_settings() == settings
+
+
+def test_every_shipped_name_is_reachable() -> None:
+    """Each shipped configuration, whatever its name, loads by that name."""
+    from wspool.settings.profiles import shipped_config_names
+
+    for name in shipped_config_names():
+        load_settings(name)
+
+
+def test_a_file_that_exists_wins_over_a_shipped_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file named like a shipped configuration, in the working directory, is read instead of the shipped one."""
+    (tmp_path / "hopper").write_text("pools:\n  flashinfer_mla:\n    rules:\n      lse: 300MiB\n")
+    monkeypatch.chdir(tmp_path)
+    assert _lse(load_settings("hopper")) == "300MiB"
+
+
+def test_an_unknown_name_lists_the_shipped_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that is neither a file nor shipped is an error naming how it was given and every shipped name."""
+    shipped = r"\(shipped: blackwell, default, hopper, kimi_dcp, vllm\)"
+    with pytest.raises(ConfigError, match=r"^config file hoper \(given explicitly\) does not exist or is not a file, "
+                       rf"and no shipped configuration has that name {shipped}$"):  # fmt: skip
+        load_settings("hoper")
+    monkeypatch.setenv("WSPOOL_CONFIG", "vlm")
+    with pytest.raises(ConfigError, match=rf"config file vlm \(named by WSPOOL_CONFIG\) does not exist.*{shipped}"):
+        load_settings()

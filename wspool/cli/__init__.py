@@ -20,6 +20,7 @@ from typing import NoReturn
 from wspool.cli.commands import cmd_resolve, cmd_show, cmd_stats
 from wspool.errors import WspoolError, printable
 from wspool.registry import PoolRegistry
+from wspool.settings.profiles import shipped_config_names
 from wspool.settings.schema import RESERVED_FACT_NAMES
 from wspool.units import format_size
 
@@ -97,8 +98,13 @@ def device_arg(text: str, *, allow_meta: bool = False) -> str:
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE``."""
-    parser.add_argument("--config", metavar="FILE", help="YAML configuration file (default: $WSPOOL_CONFIG)")
+    """Add ``--config FILE|NAME``."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE|NAME",
+        help="YAML configuration file, or a shipped configuration's name: "
+        f"{', '.join(shipped_config_names())} (default: $WSPOOL_CONFIG)",
+    )
 
 
 def shape_arg(text: str) -> object:

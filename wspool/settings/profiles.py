@@ -11,6 +11,7 @@ Tables: docs/profiles.md.
 from __future__ import annotations
 
 import atexit
+import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 
 from wspool.devices import DeviceDescription
 from wspool.errors import ConfigError
-from wspool.settings.sources import parse_yaml
+from wspool.settings.sources import config_file_from, parse_yaml
 
 __all__ = [
     "AUTO",
@@ -30,6 +31,7 @@ __all__ = [
     "Profile",
     "ProfileChoice",
     "choose_profile",
+    "find_config_file",
     "load_profile",
     "shipped_config",
     "shipped_config_names",
@@ -68,6 +70,35 @@ def shipped_config(name: str) -> Path:
         entry = resources.files(_PACKAGE).joinpath("data", "configs", f"{name}.yaml")
         found = _paths[name] = Path(_files.enter_context(resources.as_file(entry)))
     return found
+
+
+def find_config_file(config_file: str | os.PathLike[str] | None) -> tuple[Path | None, str]:
+    """Return the YAML file to read and how it was named: given in code, else by ``WSPOOL_CONFIG``.
+
+    A path that exists is that file; otherwise a shipped configuration's name
+    (``"hopper"``, see :func:`shipped_config_names`) is that shipped file, so the
+    shipped files are reachable after ``pip install``.
+
+    Raises:
+        ConfigError: Neither a file nor a shipped configuration's name (listing those names).
+    """
+    path, how = config_file_from(config_file)
+    if path is None:
+        return None, ""
+    try:
+        exists = path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL: read_yaml names the problem
+        return path, how
+    if exists:
+        return path, how
+    known = shipped_config_names()
+    name = os.fspath(config_file) if config_file is not None else str(path)
+    if name in known:
+        return shipped_config(name), f"{how}: the shipped configuration {name}"
+    raise ConfigError(
+        f"config file {path} ({how}) does not exist or is not a file, and no shipped configuration has "
+        f"that name (shipped: {', '.join(known)})"
+    )
 
 
 #: The profile setting that picks per device.

@@ -30,7 +30,7 @@ from pydantic_settings import (
 
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
 from wspool.rules import FUNCTIONS, MAX_MAGNITUDE, LiteralRule, compile_rule
-from wspool.settings.profiles import AUTO, PROFILE_NAMES, load_profile
+from wspool.settings.profiles import AUTO, PROFILE_NAMES, find_config_file, load_profile
 from wspool.settings.sources import (
     CONFIG_ENV_VAR,
     MAX_CONFIG_DEPTH,
@@ -40,7 +40,6 @@ from wspool.settings.sources import (
     Provenance,
     SettingsLayer,
     config_error,
-    config_file_from,
     engine_knob_layers,
     engine_knob_settings,
     env_error,
@@ -440,14 +439,15 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
     """Load and validate the configuration.
 
     Args:
-        config_file: A YAML file; when ``None``, the file named by
-            ``WSPOOL_CONFIG``, if set. A named file that does not exist is an error.
+        config_file: A YAML file, or a shipped configuration's name (``"hopper"``; a
+            file of that name wins); when ``None``, the one ``WSPOOL_CONFIG`` names,
+            if set. One that is neither a file nor a shipped name is an error.
         **overrides: Values given in code, highest precedence, e.g.
             ``pools={"flashinfer_mla": {"rules": {"lse": "512MiB"}}}``.
 
     Returns:
-        The validated settings. Its provenance is available as
-        ``settings_provenance(settings)``.
+        The validated settings; :func:`load_settings_with_provenance` also says
+        where each value came from.
 
     Raises:
         ConfigError: The file is missing or not valid YAML, or a value is invalid.
@@ -483,7 +483,7 @@ def _load(
     config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
 ) -> tuple[WspoolSettings, Provenance]:
     check_env_names()
-    path, how = config_file_from(config_file)
+    path, how = find_config_file(config_file)
     yaml_data = read_yaml(path, how, WspoolSettings.model_fields) if path is not None else {}
     try:
         env_data = EnvSettingsSource(WspoolSettings)()
