@@ -254,3 +254,41 @@ def test_config_takes_a_shipped_name(capsys: pytest.CaptureFixture[str]) -> None
     status, _, err = _in_process(capsys, "show", "--config", "nope")
     assert status == 2
     assert "no shipped configuration has that name (shipped: blackwell, default, hopper, kimi_dcp, vllm)" in err
+
+
+def test_show_refuses_a_rule_of_an_own_pool_that_no_call_can_resolve(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE=lots: show exits 2 with one line naming the setting."""
+    monkeypatch.setenv(LSE_ENV, "lots")
+    status, out, err = _in_process(capsys, "show")
+    assert status == 2 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(
+        f"wspool show: error: invalid wspool configuration: pools.flashinfer_mla.rules.lse = 'lots' "
+        f"(from environment variable {LSE_ENV}) reads lots, which is neither a size nor a fact"
+    )
+    assert f"set pools.flashinfer_mla.rules.lse / {LSE_ENV}" in line
+
+
+def test_show_warns_of_a_fact_only_a_backend_can_pass(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A pool declared in code may pass its own facts: show still flags the name, on stderr, and exits 0."""
+    path = tmp_path / "c.yaml"
+    path.write_text("pools:\n  attn:\n    rules: {default: x * 1KiB, split: num_heads * 4, d: y * sm_count}\n"
+                    "    facts: {y: 2}\n")  # fmt: skip
+    status, out, err = _in_process(capsys, "show", "--config", str(path))
+    assert status == 0 and "pools.attn.rules.default" in out
+    (line,) = err.splitlines()
+    assert line.startswith(
+        f"wspool show: warning: pools.attn.rules.default = 'x * 1KiB' (from YAML file {path}) reads x, "
+        "which is neither a size nor a fact that pool 'attn' is given"
+    )
+    assert line.endswith(
+        "it resolves only for calls that pass x (a backend that declares pool 'attn' in code may); give a default "
+        "in pools.attn.facts.x / WSPOOL_POOLS__ATTN__FACTS__X, or fix pools.attn.rules.default / "
+        "WSPOOL_POOLS__ATTN__RULES__DEFAULT"
+    )
+    assert main(["show", "--config", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["warnings"] == [line.removeprefix("wspool show: warning: ")]
+    assert captured.err == ""

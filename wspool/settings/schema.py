@@ -28,6 +28,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from wspool.devices import DEVICE_FACTS
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
 from wspool.rules import FUNCTIONS, MAX_MAGNITUDE, LiteralRule, compile_rule
 from wspool.settings.profiles import AUTO, PROFILE_NAMES, find_config_file, load_profile
@@ -58,8 +59,10 @@ __all__ = [
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
     "MAX_REPORTED_ERRORS",
+    "OWN_POOLS",
     "RESERVED_FACT_NAMES",
     "SEED_MLA_WORKSPACE_BYTES",
+    "SHAPE_FACTS",
     "FactName",
     "FactValue",
     "GrowthPolicy",
@@ -72,11 +75,14 @@ __all__ = [
     "WspoolSettings",
     "check_env_names",
     "check_pool_names",
+    "check_rule_facts",
     "check_shared_pools",
+    "describe_unknown_facts",
     "iter_settings",
     "load_settings",
     "load_settings_with_provenance",
     "profile_settings",
+    "unknown_rule_facts",
     "validate_pool",
 ]
 
@@ -133,6 +139,80 @@ def _pool_name_value(value: object) -> str | None:
 #: ``resolve``, ``reserve``: facts are passed as keyword arguments next to them), Python's
 #: keywords and the rule functions. Default facts and ``--fact`` on the command line check it.
 RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "nbytes", "self", *keyword.kwlist, *FUNCTIONS})
+
+
+#: The facts wspool's own ops and integrations pass to their pools' rules: MLA decode
+#: (``wspool.flashinfer.backends.call_facts``, the trtllm-gen counters), paged attention
+#: (``wspool.flashinfer.paged``), and the vLLM plugin (``wspool.integrations.vllm_facts``, its
+#: counters' ``min_bytes``). The one list of them: tests keep it in step with those modules.
+SHAPE_FACTS = frozenset(
+    {
+        "batch_size", "q_len", "num_heads", "max_seq_len", "page_size", "dtype_bytes", "cp_world",
+        "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+        "num_tokens", "num_qo_heads", "num_kv_heads", "head_dim",
+        "kv_dtype_size", "q_heads", "min_bytes",
+    }
+)  # fmt: skip
+#: The pools of wspool's own ops and integrations. Their callers pass :data:`SHAPE_FACTS` and
+#: nothing else, so a rule of theirs that reads another name (not a device fact or one of the
+#: pool's default facts either) can never resolve: it is refused when the configuration loads.
+OWN_POOLS = frozenset(
+    {"flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters"}
+)
+
+
+def unknown_rule_facts(settings: WspoolSettings) -> list[tuple[tuple[str, ...], str, list[str]]]:
+    """Return the rules that read a name no known source supplies.
+
+    Known: :data:`SHAPE_FACTS`, the device facts (``sm_count``, ...) and the pool's own
+    default facts. A pool a backend declares in code (``declare_pool``) may pass others.
+
+    Returns:
+        ``(the rule's key path, its source, the unknown names)`` per such rule, sorted by key.
+    """
+    found: list[tuple[tuple[str, ...], str, list[str]]] = []
+    for pool_name in sorted(settings.pools):
+        pool = settings.pools[pool_name]
+        known = SHAPE_FACTS | set(DEVICE_FACTS) | set(pool.facts)
+        for rule_name in sorted(pool.rules):
+            source = pool.rules[rule_name]
+            unknown = [name for name in compile_rule(source).names if name not in known]
+            if unknown:
+                found.append((("pools", pool_name, "rules", rule_name), source, unknown))
+    return found
+
+
+def describe_unknown_facts(path: tuple[str, ...], source: str, names: list[str], where: str = "") -> str:
+    """Say what a rule that reads unknown ``names`` reads (see :func:`unknown_rule_facts`), and what is known.
+
+    Args:
+        path: The rule's key path.
+        source: The rule as written.
+        names: The names no known source supplies.
+        where: Where the rule came from, e.g. ``" (from YAML file c.yaml)"``.
+    """
+    return (
+        f"{setting_names(path)[0]} = {quote(source)}{where} reads {', '.join(names)}, which is neither a size "
+        f"nor a fact that pool {path[1]!r} is given (wspool's ops pass {', '.join(sorted(SHAPE_FACTS))}; the "
+        f"device gives {', '.join(DEVICE_FACTS)}; the pool's default facts are set in pools.{path[1]}.facts)"
+    )
+
+
+def check_rule_facts(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
+    """Refuse a rule of one of :data:`OWN_POOLS` that reads a name no call, device or default supplies.
+
+    Raises:
+        ConfigError: Naming the rule's key and variable, its source and the facts that are known.
+    """
+    for path, source, names in unknown_rule_facts(settings):
+        if path[1] in OWN_POOLS:
+            where = f" (from {provenance.source_of(path)})" if provenance is not None else ""
+            raise ConfigError(
+                f"invalid wspool configuration: {describe_unknown_facts(path, source, names, where)}; set "
+                f"{describe_setting(path)} (a size takes a unit, e.g. 256MiB), or, if a call passes {names[0]}, "
+                f"give it a default in {describe_setting(('pools', path[1], 'facts', names[0]))}",
+                path=path,
+            )
 
 
 def _fact_name(value: object) -> str:
@@ -502,6 +582,7 @@ def _load(
         raise config_error(exc, provenance) from None
     _check_names(settings, provenance)
     check_shared_pools(settings, provenance)
+    check_rule_facts(settings, provenance)
     settings._load_inputs = (path, overrides)
     return settings, provenance
 
