@@ -292,3 +292,39 @@ def test_show_warns_of_a_fact_only_a_backend_can_pass(capsys: pytest.CaptureFixt
     captured = capsys.readouterr()
     assert json.loads(captured.out)["warnings"] == [line.removeprefix("wspool show: warning: ")]
     assert captured.err == ""
+
+
+@pytest.mark.parametrize("command", [("resolve", "flashinfer_mla"), ("calibrate",), ("demo",), ("bench",)])
+def test_every_command_checks_device_against_the_devices_present(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...]
+) -> None:
+    """--device cuda:7 on a (simulated) one-GPU machine: exit 2 with one line, not an answer for another device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    status, out, err = _in_process(capsys, *command, "--device", "cuda:7")
+    assert status == 2 and out == ""
+    assert err.splitlines() == [f"wspool {command[0]}: error: --device 'cuda:7': this machine has 1 CUDA device(s)"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("resolve", "p", "--device", "cuda"), "--device 'cuda': no CUDA device is available on this machine"),
+        (("calibrate", "--device", "cuda:0"), "--device 'cuda:0': no CUDA device is available on this machine"),
+        (("resolve", "p", "--device", "meta"), "--device 'meta': this command runs on cpu or a CUDA device"),
+        (("resolve", "p", "--device", "gpu"), "--device 'gpu' is not a device (e.g. cpu, cuda, cuda:1)"),
+    ],
+)
+def test_resolve_and_calibrate_check_device_as_demo_does(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
+) -> None:
+    """resolve --device cuda without CUDA is one error line and exit 2, not a traceback and exit 1."""
+    import torch
+
+    if torch.cuda.is_available() and "cuda" in args[-1]:
+        pytest.skip("this machine has CUDA")
+    status, _, err = _in_process(capsys, *args)
+    assert status == 2
+    assert err.splitlines() == [f"wspool {args[0]}: error: {message}"]

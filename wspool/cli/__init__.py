@@ -136,8 +136,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if (args.runs is not None and args.runs < 1) or args.repeats < 1:
         raise UsageError(f"--runs and --repeats must be at least 1, got {args.runs} and {args.repeats}")
-    if args.device is not None:
-        device_arg(args.device, allow_meta=True)
     if args.plot_from:
         if not args.plot:
             raise UsageError("--plot-from needs --plot FILE.png")
@@ -209,8 +207,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from wspool.tools.demo import run_demo
 
-    if args.device is not None:
-        device_arg(args.device)
     registry = PoolRegistry.from_config(args.config)
     return 0 if run_demo(registry, args.device) else 1
 
@@ -315,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sys.stdout is None:  # started with file descriptor 1 closed
         return _error(args.command, "cannot write the output: standard output is closed")
     try:
+        if getattr(args, "device", None) is not None:  # every command that takes --device: demo, resolve, ...
+            device_arg(args.device, allow_meta=args.command == "bench")
         with _quiet_logger():
             status = handler(args)
             sys.stdout.flush()  # a closed pipe or a full disk surfaces here, not at exit
