@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import wspool
 from wspool.cli import main
+from wspool.settings.profiles import shipped_config_names
 
 LSE_ENV = "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"
 
@@ -328,3 +330,30 @@ def test_resolve_and_calibrate_check_device_as_demo_does(
     status, _, err = _in_process(capsys, *args)
     assert status == 2
     assert err.splitlines() == [f"wspool {args[0]}: error: {message}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", shipped_config_names())
+def test_demo_passes_with_every_shipped_configuration_on_the_cpu(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """wspool demo --config NAME --device cpu exits 0 for every shipped configuration, the replay included."""
+    status, out, err = _in_process(capsys, "demo", "--config", name, "--device", "cpu")
+    assert (status, err) == (0, ""), out
+    assert out.splitlines()[-1] == "demo: all checks passed"
+    assert "  vLLM's fixed size = 128MiB: Buffer overflow" in out
+
+
+def test_the_demo_replay_names_a_configuration_not_meant_for_blackwell(capsys: pytest.CaptureFixture[str]) -> None:
+    """With configs/hopper.yaml the replay resolves the rule with a B200's facts, names its source, and checks
+    the blackwell profile's own rule instead."""
+    from wspool.registry import PoolRegistry
+    from wspool.tools.demo import run_demo
+
+    lines: list[str] = []
+    assert run_demo(PoolRegistry.from_config("hopper"), "cpu", batch=2, heads=4, max_len=128, layers=1,
+                    echo=lines.append)  # fmt: skip
+    replay = lines[-5:]
+    assert replay[1].startswith("  rule pools.flashinfer_mla.rules.lse on a modelled NVIDIA B200 (from YAML file ")
+    assert f"= {wspool.format_size(64 * 148 * (4 * 512 + 8))}: Buffer overflow" in replay[1]
+    assert replay[2].startswith("  this configuration does not size MLA decode for Blackwell")
+    assert replay[3] == "  the blackwell profile's rule = 193MiB: fits"
+    assert replay[4] == "demo: all checks passed"
