@@ -13,7 +13,9 @@ that wspool's MLA decode returns on every path (FlashInfer's own
 
 A share whose LSE is ``-inf`` (no keys for that row) weighs nothing, whatever
 its output holds (kernels may leave such rows unwritten); a row that every
-share left empty merges to output 0 and LSE ``-inf``, the identity.
+share left empty merges to output 0 and LSE ``-inf``, the identity. A NaN or
+``+inf`` LSE in any share makes its row NaN, output and LSE: a broken share
+shows in the result instead of zeroing the row.
 
 Device semantics: runs on the partials' device, in fp32, and allocates its
 temporaries and results from PyTorch's allocator, not from a pool. Thread
@@ -42,7 +44,8 @@ def merge_lse_partials(
             all of one shape, dtype and device; or the same stacked as one
             ``[shares, *rows, dim]`` tensor (what an all-gather gives).
         lses: The shares' natural-log LSEs, each ``[*rows]`` (or stacked
-            ``[shares, *rows]``): finite, or ``-inf`` for a row the share has no keys for.
+            ``[shares, *rows]``): finite, or ``-inf`` for a row the share has no keys for
+            (NaN or ``+inf`` make the row's output and LSE NaN).
 
     Returns:
         ``(out, lse)``: ``out [*rows, dim]`` in the partials' dtype and
@@ -66,6 +69,8 @@ def merge_lse_partials(
         if not tensor.is_floating_point():
             raise ValueError(f"merge_lse_partials: {name} must be floating point, got {tensor.dtype}")
     lse_stack = lse_stack.float()
+    # A NaN or +inf LSE is no log-sum-exp: its row has no merge, and must not read as one (a row of zeros).
+    invalid = (torch.isnan(lse_stack) | torch.isposinf(lse_stack)).any(dim=0)
     lse_max = lse_stack.amax(dim=0)
     # A row that every share left empty has lse_max = -inf: shift it by 0, since -inf - -inf is NaN.
     shift = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
@@ -75,8 +80,10 @@ def merge_lse_partials(
     scale = torch.where(total > 0, weights / total, torch.zeros_like(weights)).unsqueeze(-1)
     # An empty share's output may hold anything (NaN included): select, do not multiply by 0.
     partials = torch.where(scale > 0, out_stack.float(), torch.zeros((), device=out_stack.device))
-    out = (partials * scale).sum(dim=0).to(out_stack.dtype)
-    return out, lse
+    out = (partials * scale).sum(dim=0)
+    nan = torch.full((), float("nan"), device=out.device)
+    out = torch.where(invalid.unsqueeze(-1), nan, out).to(out_stack.dtype)
+    return out, torch.where(invalid, nan, lse)
 
 
 def _stacked(tensors: Sequence[torch.Tensor] | torch.Tensor, name: str) -> torch.Tensor:
