@@ -14,15 +14,27 @@ from decimal import Decimal, InvalidOperation
 
 from wspool.errors import MAX_EXACT_DIGITS, SizeError, describe_setting, readable_int
 
-__all__ = ["MAX_SIZE_BYTES", "UNIT_BYTES", "GiB", "KiB", "MiB", "ceil_div", "format_size", "parse_size", "round_up"]
+__all__ = [
+    "MAX_SIZE_BYTES",
+    "UNIT_BYTES",
+    "GiB",
+    "KiB",
+    "MiB",
+    "TiB",
+    "ceil_div",
+    "format_size",
+    "parse_size",
+    "round_up",
+]
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
+TiB = 1 << 40
 
 #: Sizes above this are rejected: no device has a petabyte of memory, and the
 #: bound keeps rule arithmetic on small integers.
-MAX_SIZE_BYTES = 1 << 50
+MAX_SIZE_BYTES = 1024 * TiB
 
 UNIT_BYTES: dict[str, int] = {
     "": 1,
@@ -34,12 +46,12 @@ UNIT_BYTES: dict[str, int] = {
     "kib": KiB,
     "mib": MiB,
     "gib": GiB,
-    "tib": 1 << 40,
+    "tib": TiB,
 }
 
 # ASCII only: \d and str.isdigit would take fullwidth and Arabic-Indic digits.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
-_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+_BINARY_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
 
 
 def ceil_div(value: int, divisor: int) -> int:

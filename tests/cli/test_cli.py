@@ -120,11 +120,11 @@ def test_bad_input_exits_2_with_one_line(args: list[str], env: dict[str, str], m
 
 
 def test_bench_prints_hot_path_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench prints the seed's and wspool's per-call costs from one run."""
+    """bench prints vLLM's and wspool's per-call costs from one run."""
     assert main(["bench", "--repeats", "3"]) == 0
     out = capsys.readouterr().out
-    assert "seed _get_workspace_buffer(True)" in out
-    assert "x the seed" in out
+    assert "vLLM's _get_workspace_buffer(True)" in out
+    assert "x vLLM's)" in out
 
 
 # -- every bad invocation: exit 2, one line on stderr, no traceback ---------------------------

@@ -24,8 +24,8 @@ def _lse(settings: object) -> str:
     return settings.pools["flashinfer_mla"].rules["lse"]  # type: ignore[attr-defined]
 
 
-def test_builtin_defaults_are_the_seed_sizes() -> None:
-    """With no file and no environment, the seed's 128MiB/256MiB rules apply."""
+def test_builtin_defaults_are_vllms_fixed_sizes() -> None:
+    """With no file and no environment, vLLM's fixed 128MiB/256MiB rules apply."""
     settings = load_settings()
     assert settings.pools["flashinfer_mla"].rules == {"default": "128MiB", "lse": "256MiB"}
 

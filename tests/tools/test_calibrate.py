@@ -97,8 +97,8 @@ def test_hopper_config_is_the_exact_h200_need() -> None:
     assert WrapperDouble.partial_bytes < H200_NEED
 
 
-def test_blackwell_config_holds_the_seed_slab_plus_margin() -> None:
-    """configs/blackwell.yaml gives the seed's 129MiB slab plus 64MiB, and 64MiB without the LSE."""
+def test_blackwell_config_holds_the_overflowing_slab_plus_margin() -> None:
+    """configs/blackwell.yaml gives the 129MiB slab that overflows vLLM's 128MiB plus 64MiB; 64MiB without the LSE."""
     reg = wspool.PoolRegistry.from_config(REPO_ROOT / "configs" / "blackwell.yaml")
     facts = MLAShape(512, 128, 4096).facts(148)
     assert reg.resolve("flashinfer_mla", "lse", **facts) == 135266304 + 64 * MiB

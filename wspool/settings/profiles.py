@@ -105,7 +105,7 @@ def find_config_file(config_file: str | os.PathLike[str] | None) -> tuple[Path |
 AUTO = "auto"
 #: The shipped profiles.
 PROFILE_NAMES = ("blackwell", "fixed", "hopper")
-#: What auto picks for a device no profile names: the seed's constants.
+#: What auto picks for a device no profile names: vLLM's fixed sizes.
 FALLBACK_PROFILE = "fixed"
 
 
@@ -175,10 +175,10 @@ def choose_profile(setting: str, description: DeviceDescription | None, *, sourc
     if setting != AUTO:
         return ProfileChoice(setting, f"profile = {setting} (from {source})")
     if description is None:
-        return ProfileChoice(FALLBACK_PROFILE, "auto: no GPU description (not a CUDA device); the seed's constants")
+        return ProfileChoice(FALLBACK_PROFILE, "auto: no GPU description (not a CUDA device); vLLM's fixed sizes")
     cc = description.compute_capability
     shown = f"compute capability {cc[0]}.{cc[1]} ({description.name})"
     for name in PROFILE_NAMES:
         if cc in load_profile(name).compute_capabilities:
             return ProfileChoice(name, f"auto: {shown} is {name}'s")
-    return ProfileChoice(FALLBACK_PROFILE, f"auto: no profile was measured for {shown}; the seed's constants")
+    return ProfileChoice(FALLBACK_PROFILE, f"auto: no profile was measured for {shown}; vLLM's fixed sizes")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import keyword
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -47,7 +48,7 @@ from wspool.settings.sources import (
     quote,
     read_yaml,
 )
-from wspool.units import format_size, parse_size
+from wspool.units import MiB, format_size, parse_size
 
 __all__ = [
     "BUILTIN_DEFAULTS",
@@ -61,8 +62,8 @@ __all__ = [
     "MAX_REPORTED_ERRORS",
     "OWN_POOLS",
     "RESERVED_FACT_NAMES",
-    "SEED_MLA_WORKSPACE_BYTES",
     "SHAPE_FACTS",
+    "VLLM_FIXED_MLA_WORKSPACE_BYTES",
     "FactName",
     "FactValue",
     "GrowthPolicy",
@@ -386,18 +387,19 @@ LAYERS_KEYWORD = "_wspool_layers"
 #: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``.
 EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_VLLM", "WSPOOL_VLLM_DEVICE")
 
-#: The seed's sizes: 128 MiB for plain MLA decode, 256 MiB when the LSE is returned.
-#: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
-#: two one after another on one stream. Its rules bound the split-KV partial outputs that
-#: FlashInfer's eager plans carve (``wspool.flashinfer.paged`` derives them).
+#: vLLM's fixed sizes (its FlashInfer MLA backend after PR #47074): 128 MiB for plain MLA
+#: decode, 256 MiB when the LSE is returned. FlashInfer paged attention (pool ``flashinfer``)
+#: shares that buffer: engines run the two one after another on one stream. Its rules bound
+#: the split-KV partial outputs that FlashInfer's eager plans carve (``wspool.flashinfer.paged``
+#: derives them).
 #: The ``flashinfer_mla`` pool's default facts are DeepSeek's and Kimi's MLA geometry, for
 #: call sites that pass none (a caller's facts win). ``configs/default.yaml`` carries the
 #: same values (a test keeps them equal).
-SEED_MLA_WORKSPACE_BYTES: Mapping[str, int] = MappingProxyType({"default": 128 << 20, "lse": 256 << 20})
+VLLM_FIXED_MLA_WORKSPACE_BYTES: Mapping[str, int] = MappingProxyType({"default": 128 * MiB, "lse": 256 * MiB})
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "pools": {
         "flashinfer_mla": {
-            "rules": {rule: f"{nbytes >> 20}MiB" for rule, nbytes in SEED_MLA_WORKSPACE_BYTES.items()},
+            "rules": {rule: format_size(nbytes) for rule, nbytes in VLLM_FIXED_MLA_WORKSPACE_BYTES.items()},
             "facts": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "q_len": 1, "cp_world": 1},
         },
         "flashinfer": {
@@ -409,6 +411,18 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
         },
     },
 }
+
+
+def __getattr__(name: str) -> Any:
+    """Serve ``SEED_MLA_WORKSPACE_BYTES``, the deprecated name of :data:`VLLM_FIXED_MLA_WORKSPACE_BYTES`."""
+    if name == "SEED_MLA_WORKSPACE_BYTES":
+        warnings.warn(
+            "wspool.settings.schema.SEED_MLA_WORKSPACE_BYTES is deprecated; use VLLM_FIXED_MLA_WORKSPACE_BYTES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return VLLM_FIXED_MLA_WORKSPACE_BYTES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class PoolConfig(BaseModel):

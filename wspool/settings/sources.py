@@ -24,7 +24,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, readable_int, setting_names
-from wspool.units import format_size
+from wspool.units import KiB, format_size
 
 __all__ = [
     "CONFIG_ENV_VAR",
@@ -212,7 +212,7 @@ def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provena
 CONFIG_ENV_VAR = "WSPOOL_CONFIG"
 #: The largest YAML file read; a real configuration is a few hundred bytes. The bound keeps
 #: parsing with pure-Python PyYAML well under a second.
-MAX_CONFIG_FILE_BYTES = 64 << 10
+MAX_CONFIG_FILE_BYTES = 64 * KiB
 #: The most values (mappings, lists and scalars) a file may hold once its aliases are expanded.
 MAX_CONFIG_VALUES = 10_000
 #: The deepest nesting a file may have; the schema itself is four levels deep.

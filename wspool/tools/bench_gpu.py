@@ -14,7 +14,7 @@ Three measurements, each on the current CUDA device with random data:
   ``run()`` per layer, packed queries) against ``run()`` on a directly
   pre-planned wrapper, and the step replayed from a CUDA graph;
 - :func:`measure_memory`: per shape, the true minimum float workspace, the
-  measured rule's size and the seed's constant.
+  measured rule's size and vLLM's fixed size.
 
 Times are medians of host clocks around synchronised calls, after warm-up,
 with the two variants run in pairs (alternating which goes first) and the
@@ -37,7 +37,7 @@ import torch
 from wspool.flashinfer import MLADecodePlan, backends, mla_decode, mla_decode_plan
 from wspool.flashinfer.backends import select_path
 from wspool.registry import PoolRegistry
-from wspool.tools.calibrate import SEED_CONSTANTS
+from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 from wspool.tools.direct import PAGE_SIZE, SM_SCALE, DecodeInputs, DirectMLA
 from wspool.tools.mla_probe import MLAWorkspaceProbe
 from wspool.tools.sweep import MLAShape
@@ -139,8 +139,8 @@ class MemoryRow:
 
     @property
     def constant_bytes(self) -> int:
-        """The seed's fixed size for this call (128 MiB, or 256 MiB with the LSE)."""
-        return SEED_CONSTANTS[self.shape.rule]
+        """vLLM's fixed size for this call (128 MiB, or 256 MiB with the LSE)."""
+        return VLLM_FIXED_MLA_WORKSPACE_BYTES[self.shape.rule]
 
     def as_dict(self) -> dict[str, Any]:
         """Return the row as plain data."""
@@ -391,7 +391,7 @@ def _graph_step_us(
 
 
 def measure_memory(registry: PoolRegistry, shapes: Sequence[MLAShape], probe: MLAWorkspaceProbe) -> list[MemoryRow]:
-    """Per shape: the true minimum (searched), the rule's size (run and checked), the seed's constant."""
+    """Per shape: the true minimum (searched), the rule's size (run and checked), vLLM's fixed size."""
     rows = []
     for shape in shapes:
         minimum = probe.search(shape).min_bytes

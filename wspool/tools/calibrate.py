@@ -25,7 +25,7 @@ import yaml
 from wspool.errors import WspoolError
 from wspool.flashinfer.layouts import FA_MLA_WORKSPACE_RULE
 from wspool.rules import compile_rule
-from wspool.settings.schema import SEED_MLA_WORKSPACE_BYTES
+from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 from wspool.tools.search import CalibrationError, SearchResult
 from wspool.tools.sweep import MLAShape
 from wspool.units import format_size
@@ -41,8 +41,6 @@ __all__ = [
     "run_calibration",
 ]
 
-#: The seed's fixed sizes, shown next to the measured ones.
-SEED_CONSTANTS = SEED_MLA_WORKSPACE_BYTES
 NEEDS_GPU = (
     "needs a CUDA GPU to measure on (torch.cuda.is_available() is False here); run it on the GPU the "
     "rules are for, or load a shipped rules file such as configs/hopper.yaml"
@@ -86,8 +84,8 @@ class Measurement:
 
     @property
     def constant_bytes(self) -> int:
-        """What the seed's fixed constant reserves for this call."""
-        return SEED_CONSTANTS[self.shape.rule]
+        """What vLLM's fixed size reserves for this call (shown next to the measured one)."""
+        return VLLM_FIXED_MLA_WORKSPACE_BYTES[self.shape.rule]
 
     @property
     def ok(self) -> bool:
