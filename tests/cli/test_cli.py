@@ -357,3 +357,21 @@ def test_the_demo_replay_names_a_configuration_not_meant_for_blackwell(capsys: p
     assert replay[2].startswith("  this configuration does not size MLA decode for Blackwell")
     assert replay[3] == "  the blackwell profile's rule = 193MiB: fits"
     assert replay[4] == "demo: all checks passed"
+
+
+def test_the_cli_keeps_a_wspool_modules_log_records_off_stderr() -> None:
+    """A warning logged on a wspool module's own logger (a child of 'wspool') during a command is not printed."""
+    code = (
+        "import logging, sys\n"
+        "import wspool.cli as cli\n"
+        "show = cli.cmd_show\n"
+        "def noisy(args):\n"
+        "    logging.getLogger('wspool.settings.schema').warning('a warning nobody configured a handler for')\n"
+        "    return show(args)\n"
+        "cli.cmd_show = noisy\n"
+        "sys.exit(cli.main(['show']))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("config file: ")

@@ -25,6 +25,7 @@ from wspool.settings.schema import RESERVED_FACT_NAMES
 from wspool.units import format_size
 
 __all__ = [
+    "PACKAGE_LOGGER",
     "Parser",
     "UsageError",
     "add_config_option",
@@ -280,10 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The package's logger, ``wspool``, not this module's: every wspool module logs to a child of it
+#: (``logging.getLogger(__name__)``), so the one handler the CLI adds here covers them all.
+PACKAGE_LOGGER = __name__.split(".")[0]
+
+
 @contextlib.contextmanager
 def _quiet_logger() -> Iterator[None]:
     """Keep wspool's log records off stderr (Python's last-resort handler) unless the caller set up logging."""
-    logger = logging.getLogger("wspool")
+    logger = logging.getLogger(PACKAGE_LOGGER)
     if logger.hasHandlers():
         yield
         return
