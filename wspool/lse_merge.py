@@ -1,27 +1,12 @@
 """Merge partial attention outputs over disjoint KV shares by their natural-log LSEs.
 
-With decode context parallelism (DCP) each rank holds a share of every
-request's KV cache, runs attention for all query heads over its share with the
-LSE (``mla_decode(..., return_lse=True)``), and the ranks combine their partial
-outputs. :func:`merge_lse_partials` is that combination, in the natural log
-that wspool's MLA decode returns on every path (FlashInfer's own
-``merge_state``/``merge_states`` take base-2 LSEs):
-
-    lse_max = max_i lse_i
-    out = sum_i exp(lse_i - lse_max) * out_i / sum_i exp(lse_i - lse_max)
-    lse = lse_max + log(sum_i exp(lse_i - lse_max))
-
-A share whose LSE is ``-inf`` (no keys for that row) weighs nothing, whatever
-its output holds (kernels may leave such rows unwritten); a row that every
-share left empty merges to output 0 and LSE ``-inf``, the identity. A NaN or
-``+inf`` LSE in any share makes its row NaN, output and LSE: a broken share
-shows in the result instead of zeroing the row.
-
-Device semantics: runs on the partials' device, in fp32, and allocates its
-temporaries and results from PyTorch's allocator, not from a pool. Thread
-semantics: stateless. Capture semantics: torch operations only, with no host
-synchronisation and no shape that depends on values, so it can be captured in
-a CUDA graph.
+Under decode context parallelism each rank attends over its share of the KV
+cache and returns its output and LSE; :func:`merge_lse_partials` combines them
+(softmax over the shares' LSEs, in the natural log wspool's MLA decode returns).
+A share whose LSE is ``-inf`` weighs nothing, a row every share left empty
+merges to 0 and ``-inf``, and a NaN or ``+inf`` LSE makes its row NaN. Runs on
+the partials' device in fp32 with PyTorch's allocator, stateless, with no host
+synchronisation, so it can be captured in a CUDA graph. Use with DCP: docs/multi-gpu.md.
 """
 
 from __future__ import annotations
@@ -37,6 +22,9 @@ def merge_lse_partials(
     outs: Sequence[torch.Tensor] | torch.Tensor, lses: Sequence[torch.Tensor] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the partial outputs of attention over disjoint KV shares into the whole's.
+
+    With ``m = max_i lse_i``: ``out = sum_i exp(lse_i - m) * out_i / sum_i exp(lse_i - m)``
+    and ``lse = m + log(sum_i exp(lse_i - m))``.
 
     Args:
         outs: One output per share, each ``[*rows, dim]`` (e.g. ``[batch, q_len,

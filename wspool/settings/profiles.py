@@ -2,10 +2,10 @@
 
 A profile is a named set of pool settings for a kind of device (``hopper``,
 ``blackwell``, ``fixed``), layered just above the built-in defaults;
-``profile: auto`` picks one per device from its compute capability. The
-profiles and the shipped configurations (``vllm``, ``hopper``, ...) are
-package data read with ``importlib.resources``. Pure functions; thread-safe.
-Tables: docs/profiles.md.
+``profile: auto`` picks one per device from its compute capability. Profiles
+and shipped configurations (``vllm``, ``hopper``, ...) are package data, so a
+configuration's name works wherever a file does (``--config hopper``). Pure
+functions; thread-safe. Tables: docs/profiles.md.
 """
 
 from __future__ import annotations

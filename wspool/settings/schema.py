@@ -1,11 +1,12 @@
 """The configuration schema and its loading: pools, rules, facts, profile, with every value checked.
 
 :func:`load_settings` merges code overrides > ``WSPOOL_*`` variables > the
-YAML file > engine knobs > the device profile > built-in defaults, key by key,
-and validates the result: a bad value raises one
-:class:`~wspool.errors.ConfigError` naming the YAML key, the variable, the
-value and its source, and nothing is allocated. Loading reads files and the
-environment once; the returned settings are immutable and thread-safe.
+YAML file > engine knobs > the device profile > built-in defaults, key by key
+(pydantic-settings sources, each read once per load), and validates the
+result: a bad value, or a rule of wspool's own pools that reads a fact nothing
+supplies, raises one :class:`~wspool.errors.ConfigError` naming the YAML key,
+the variable, the value and its source; nothing is allocated. The settings are
+immutable and thread-safe; nothing here touches CUDA. Keys: docs/profiles.md.
 """
 
 from __future__ import annotations

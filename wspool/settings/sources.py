@@ -1,11 +1,11 @@
 """Where settings come from: the strict YAML reader, the engines' own workspace variables, and provenance.
 
-Every value keeps where it came from (:class:`Provenance`), so an error names
-the source, the YAML key and the ``WSPOOL_*`` variable. The YAML reader
-refuses duplicate keys, tags and aliases that could hide a value; the engine
-knobs (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``...) sit just above the
-profile. Pure functions over text and mappings; thread-safe. Precedence and
-every key: README's Configuration section and docs/profiles.md.
+Every YAML file wspool reads goes through :func:`read_yaml_file`, which refuses
+duplicate keys, unsafe tags and documents over its bounds; every value keeps
+where it came from (:class:`Provenance`), so an error names the source, the
+YAML key and the ``WSPOOL_*`` variable. The engine knobs
+(``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``...) sit just above the profile.
+Pure functions over files, text and mappings; thread-safe. Precedence: README.
 """
 
 from __future__ import annotations

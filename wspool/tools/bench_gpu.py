@@ -1,26 +1,12 @@
 """GPU benchmarks of MLA decode through wspool against the same FlashInfer calls made directly.
 
-Three measurements, each on the current CUDA device with random data:
-
-- :func:`measure_mla_decode`: one ``mla_decode`` call per step (the op plans
-  and runs, as a backend does per step) against the same CSR conversion,
-  ``plan()`` and ``run()`` made directly on a preallocated buffer of the
-  same size, for each query form: the packed ``[tokens, heads, 576]`` one
-  FlashInfer's wrapper takes, and the 4-D ``[batch, q_len, heads, 576]`` one,
-  which the op and a direct backend alike reshape to FlashInfer's form and
-  back (the rows also give what those reshapes cost the direct calls);
-- :func:`measure_decode_step`: one decode step of 61 layer calls through an
-  :class:`~wspool.flashinfer.MLADecodePlan` (one plan per step, then
-  ``run()`` per layer, packed queries) against ``run()`` on a directly
-  pre-planned wrapper, and the step replayed from a CUDA graph;
-- :func:`measure_memory`: per shape, the true minimum float workspace, the
-  measured rule's size and vLLM's fixed size.
-
-Times are medians of host clocks around synchronised calls, after warm-up,
-with the two variants run in pairs (alternating which goes first) and the
-garbage collector paused; the added time is the median of the per-pair
-differences, which drift between pairs does not move. The planned wrapper
-path only (Hopper, Ampere); Blackwell's trtllm-gen path is not compared here.
+:func:`measure_mla_decode` times one step's ``mla_decode`` (plan and run) per
+query form, :func:`measure_decode_step` a step of 61 layer calls through one
+plan (and replayed from a CUDA graph), :func:`measure_memory` the true minimum
+workspace per shape against the measured rule and vLLM's fixed size. Each runs
+on the current CUDA device, single-threaded, with the two variants timed in
+alternating pairs; the planned wrapper only (Hopper, Ampere). Method and
+figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """``wspool calibrate``: measure the workspace MLA decode needs, derive the rules, write them.
 
-For each shape the smallest workspace with which the kernel accepts the call
-is found by :func:`wspool.tools.search.search_min_bytes`, exact to ``granularity`` bytes. The
-rules are then derived per rule name (``default``, ``lse``): the first
-candidate formula that covers every measured minimum and reserves at most
-``max_ratio`` times it, else the peak as a literal. Finally each shape runs
-at its minimum and at the rule's size (see
-:class:`wspool.tools.mla_probe.MLAWorkspaceProbe`), and the rules are
-written as a YAML file that :meth:`wspool.PoolRegistry.from_config` loads.
-
-The search, the derivation and the file are plain Python, tested on the CPU
-with a fake kernel; only the probe needs the GPU.
+Per shape, :func:`wspool.tools.search.search_min_bytes` finds the smallest
+workspace the kernel accepts; per rule name the first candidate formula that
+covers every minimum within ``max_ratio`` is chosen (else the peak), each
+shape is run at its minimum and at the rule's size, and the rules are written
+as a YAML file :meth:`wspool.PoolRegistry.from_config` loads. Plain Python,
+tested on the CPU with a fake kernel; only the probe needs the GPU.
 """
 
 from __future__ import annotations

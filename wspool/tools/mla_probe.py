@@ -1,20 +1,12 @@
 """Measuring, on the current GPU, the float workspace FlashInfer's planned MLA wrapper needs.
 
-The planned wrapper (fa3 on Hopper, fa2 on Ampere) carves its float
-workspace in ``plan()`` with a bounds-checked allocator (see
-:mod:`wspool.flashinfer.layouts`), so a size is probed with ``plan()``
-alone (about a millisecond) on a slice ``buffer[:n]`` of one large buffer,
-and FlashInfer's overflow message names the size the failed carve needed.
-A found size is then confirmed by ``run()``: a guard region right after the
-slice must come back untouched and the output and LSE must match a run with
-a roomy workspace.
-
-Blackwell's trtllm-gen kernel is not measured: its scratch (everything after
-the softmax slab) is not bounds-checked, so no probe can find its need.
-``configs/blackwell.yaml`` carries the launcher's formula with a margin.
-
-Device semantics: everything runs on one CUDA device, chosen at construction.
-Not thread-safe; one probe per process is the intended use.
+The planned wrapper (fa3 on Hopper, fa2 on Ampere) carves its float workspace
+in ``plan()`` with a bounds-checked allocator, so a size is probed with
+``plan()`` alone on a slice of one large buffer, and FlashInfer's overflow
+message names the size the carve needed; a found size is confirmed by
+``run()`` with an untouched guard region. Blackwell's trtllm-gen scratch is
+not bounds-checked and is not measured (configs/blackwell.yaml). One CUDA
+device, chosen at construction; not thread-safe.
 """
 
 from __future__ import annotations
