@@ -1,31 +1,20 @@
 """Agree workspace sizes across the ranks of a ``torch.distributed`` process group.
 
-Engines run one process per GPU (tensor, expert, decode-context parallel). If
-ranks size their workspaces differently, their CUDA graphs differ and one rank
-can run out of memory where the others do not. :func:`agree` makes every rank
-of a group hold, for every (pool, lane), the largest capacity that any rank
-holds or reserves, and refuses on every rank at once when one rank cannot.
-
-Device semantics: :func:`agree` works on the pools of one device per rank
-(``device=None`` or ``"cuda"``: the current device at call time). The
-collectives use CPU tensors on backends that take them (gloo) and the rank's
-CUDA device on NCCL, so NCCL ranks must have called ``torch.cuda.set_device``.
-
-Thread semantics: :func:`agree` is a collective. Every rank of the group calls
-it, in the same order as its other collectives on that group, and no other
-thread runs collectives on the group meanwhile.
-
-Capture semantics: call it before freezing and before CUDA-graph capture; it
-refuses to run while the current stream is capturing. A rank that is frozen
-and would have to grow is found before anything is allocated, and every rank
-raises the same :class:`AgreementError`.
-
-``import wspool.distributed`` creates no CUDA context and does not need a
-process group; only :func:`agree` does.
+:func:`agree` makes every rank hold, for every (pool, lane), the largest
+capacity any rank holds or reserves, and when one rank cannot, every rank
+raises the same :class:`AgreementError`: no rank is left waiting in a
+collective. Device: one device per rank; the collectives use CPU tensors where
+the backend takes them (gloo), else the rank's CUDA device (NCCL ranks must
+have called ``torch.cuda.set_device``). Thread: a collective, called by every
+rank in the same order as its other collectives on the group. Capture: call it
+before freezing and CUDA-graph capture; a rank that is capturing refuses.
+Importing this module creates no CUDA context. Details: docs/multi-gpu.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +23,8 @@ import torch
 
 from wspool.devices import DeviceLike, resolve_device
 from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError, WspoolError
-from wspool.units import format_size
+from wspool.settings.sources import quote
+from wspool.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -55,6 +45,9 @@ __all__ = [
 MAX_ROUNDS = 4
 
 _Key = tuple[str, str]  # (pool, lane)
+#: What a rank found wrong before the first collective: (refusal kind, what to change).
+_Problem = tuple[str, str]
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -139,21 +132,19 @@ def agree(
     group: ProcessGroup | None = None,
     *,
     device: DeviceLike = None,
-    reserve: Mapping[_Key, int] | None = None,
+    reserve: Mapping[_Key, int | str] | None = None,
 ) -> list[AgreedChange]:
     """Grow every (pool, lane) on every rank to the maximum capacity over the ranks.
 
     A collective over ``group``: every rank must call it. Ranks may hold
     different pools; a pool that only some ranks hold is created on the others.
-    Before anything is allocated, the ranks check together that each can grow
-    (not frozen, within ``max_bytes``, pool configured); if one cannot, every
-    rank raises the same error and no rank allocates. If an allocation then
-    fails (out of memory), every rank raises too; ranks that had already grown
-    keep their larger buffers.
-
-    Device, thread and capture semantics are the module's: one device per
-    rank, a collective on ``group`` (one caller per rank, in the same order as
-    the group's other collectives), never during CUDA-graph capture.
+    What can fail on one rank alone (its device, its ``reserve``, a capture in
+    progress) is checked before the first collective and shared in it, so every
+    rank raises. Before anything is allocated, the ranks then check together that
+    each can grow (not frozen, within ``max_bytes``, pool configured); if one
+    cannot, every rank raises the same error and no rank allocates. If an
+    allocation then fails (out of memory), every rank raises too; ranks that had
+    already grown keep their larger buffers.
 
     Args:
         registry: This rank's registry.
@@ -161,80 +152,41 @@ def agree(
         device: This rank's device for its pools; ``None`` is the current
             device (CUDA when available, else the CPU), ``"cuda"`` the current
             CUDA device, resolved once per call. Pools on other devices are untouched.
-        reserve: Sizes this rank wants in addition to what its pools hold,
-            keyed by ``(pool, lane)``; they count in the maximum like capacities.
+        reserve: Sizes this rank wants in addition to what its pools hold, keyed by
+            ``(pool, lane)``: bytes or size strings (``"64MiB"``), at most 1 PiB; they
+            count in the maximum like capacities.
 
     Returns:
         This rank's changes, sorted by pool and lane (empty when all agreed already).
 
     Raises:
-        AgreementFrozenError: A frozen rank would have to grow (also a ``WorkspaceFrozenError``).
+        AgreementFrozenError: A frozen rank would have to grow, or a rank is capturing a
+            CUDA graph (also a ``WorkspaceFrozenError``).
         AgreementLimitError: A rank is over ``max_bytes`` or out of memory (also a ``MemoryError``).
-        AgreementConfigError: A pool is not configured on some rank (also a ``ValueError``).
+        AgreementConfigError: A pool is not configured on some rank, or a rank's ``device``
+            or ``reserve`` is invalid (also a ``ValueError``).
         AgreementError: Capacities still differ after several rounds (``growth`` differs between ranks).
-        WorkspaceFrozenError: The current CUDA stream is capturing (raised before any collective).
+        WorkspaceFrozenError: This rank is capturing and its group has no CPU backend to
+            tell the others (raised before any collective; they wait for the group's timeout).
         RuntimeError: ``torch.distributed`` is unavailable or not initialised.
     """
     dist = _distributed()
-    local = resolve_device(device)
-    if local.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise WorkspaceFrozenError(
-            f"wspool.distributed.agree() cannot run during CUDA-graph capture on {local}: "
-            "agree before capturing (its collectives would be captured, not run)"
-        )
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    wanted = {(str(p), str(lane)): int(n) for (p, lane), n in (reserve or {}).items()}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, sorted(set(_local_pools(registry, local)) | set(wanted)), group=group)
-    keys: list[_Key] = sorted({(str(p), str(lane)) for keys_of_rank in gathered for p, lane in keys_of_rank})
-    if not keys:
+    local, wanted, problems = _local_request(device, reserve)
+    if any(kind == "frozen" for kind, _ in problems) and _collective_device(dist, group, _CPU).type != "cpu":
+        # An NCCL-only group runs its collectives on this rank's capturing stream: they cannot run.
+        raise WorkspaceFrozenError(dict(problems)["frozen"])
+    held = _local_pools(registry, local) if local is not None else {}
+    keys = _gather_keys(dist, group, world, sorted(set(held) | set(wanted)), problems)
+    if not keys or local is None:  # local is None only with a problem, which raised on every rank
         return []
-    collective_device = _collective_device(dist, group, local)
-    reason = f"agree: max over {world} ranks"
-    before: dict[_Key, int] = {}
-    for round_index in range(MAX_ROUNDS + 1):
-        pools = _local_pools(registry, local)
-        have = [pools[k].capacity_bytes if k in pools else 0 for k in keys]
-        need = [max(h, wanted.get(k, 0)) for k, h in zip(keys, have, strict=True)]
-        # One MAX all-reduce gives both the largest need and (negated) the smallest capacity.
-        reduced = torch.tensor(need + [-h for h in have], dtype=torch.int64, device=collective_device)
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-        values = [int(v) for v in reduced.tolist()]
-        targets, least = values[: len(keys)], [-v for v in values[len(keys) :]]
-        if all(low >= target for low, target in zip(least, targets, strict=True)):
-            break
-        if round_index == MAX_ROUNDS:
-            differ = [f"{p!r} (lane {lane})" for (p, lane), low, t in zip(keys, least, targets, strict=True) if low < t]
-            raise AgreementError(
-                f"wspool.distributed.agree: capacities of pool(s) {', '.join(differ)} still differ between "
-                f"the {world} ranks after {MAX_ROUNDS} rounds; make pools.<pool>.growth / "
-                "WSPOOL_POOLS__<POOL>__GROWTH the same on every rank"
-            )
-        todo = [(k, t, h) for k, t, h in zip(keys, targets, have, strict=True) if h < t]
-        refusals = []
-        for key, target, held in todo:
-            refusal = _check(registry, pools.get(key), key, target, held, local, rank)
-            if refusal is not None:
-                refusals.append(refusal)
-        spared = "nothing was allocated on any rank" if round_index == 0 else "this round allocated nothing"
-        _raise_if_any(dist, group, refusals, world, spared)
-        failures = []
-        for key, target, held in todo:
-            before.setdefault(key, held)
-            try:
-                pool = pools.get(key) or registry.pool(key[0], local, lane=key[1])
-                pool.grow_to(target, reason)
-            except Exception as exc:  # any local failure must reach the other ranks, or they hang
-                kind = _kind(exc)
-                failures.append(Refusal(rank, key[0], key[1], str(local), kind, target, held, str(exc)))
-        _raise_if_any(dist, group, failures, world, "ranks without a refusal may have grown already")
+    before = _grow_to_max(dist, group, world, rank, registry, local, keys, wanted)
     pools = _local_pools(registry, local)
-    changes = [
+    return [
         AgreedChange(pool, lane, str(local), old, pools[(pool, lane)].capacity_bytes)
         for (pool, lane), old in sorted(before.items())
         if (pool, lane) in pools and pools[(pool, lane)].capacity_bytes != old
     ]
-    return changes
 
 
 def _distributed() -> Any:
@@ -249,25 +201,134 @@ def _distributed() -> Any:
     return dist
 
 
-def _local_pools(registry: PoolSource, device: torch.device) -> dict[_Key, WorkspacePool]:
-    return {(p.spec.name, p.lane): p for p in registry.pools() if p.device == device}
+def _local_request(
+    device: DeviceLike, reserve: Mapping[_Key, int | str] | None
+) -> tuple[torch.device | None, dict[_Key, int], list[_Problem]]:
+    """Resolve this rank's device and reserve, and check it is not capturing; never raise: collect the problems."""
+    problems: list[_Problem] = []
+    try:
+        local: torch.device | None = resolve_device(device)
+    except ValueError as exc:
+        local = None
+        problems.append(("config", f"device={quote(device)} does not name a device ({exc})"))
+    # Whatever the pools' device: a rank in the middle of a capture is in no state to agree.
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # type: ignore[no-untyped-call]
+        problems.append((
+            "frozen",
+            f"wspool.distributed.agree() cannot run during CUDA-graph capture on {local}: agree before "
+            "capturing (its collectives would be captured, not run)",
+        ))  # fmt: skip
+    wanted: dict[_Key, int] = {}
+    if reserve is not None and not isinstance(reserve, Mapping):
+        problems.append(("config", f"reserve must map (pool, lane) to a size, got {type(reserve).__name__}"))
+        return local, wanted, problems
+    for key, size in (reserve or {}).items():
+        try:
+            pool, lane = key
+            wanted[(str(pool), str(lane))] = _reserve_bytes(size)
+        except (TypeError, ValueError) as exc:  # a key that is no pair; a SizeError (a ValueError)
+            problems.append(("config", f"reserve[{quote(key)}]: {exc}"))
+    return local, wanted, problems
 
 
-def _collective_device(dist: Any, group: ProcessGroup | None, local: torch.device) -> torch.device:
-    """Pick where the all-reduce tensor lives: CPU where the backend takes it, else the rank's accelerator."""
-    backend = str(dist.get_backend(group)).lower()
-    if ":" in backend:  # e.g. "cpu:gloo,cuda:nccl": one backend per device type
-        types = [part.split(":", 1)[0].strip() for part in backend.split(",")]
-    else:
-        capability: dict[str, list[str]] = getattr(dist.Backend, "backend_capability", {})
-        types = capability.get(backend, ["cuda"] if backend == "nccl" else ["cpu"])
-    if "cpu" in types:
-        return torch.device("cpu")
-    if local.type in types:
-        return local
-    if "cuda" in types:
-        return torch.device("cuda", torch.cuda.current_device())
-    return local
+def _reserve_bytes(size: object) -> int:
+    """A reserve's size in bytes: an integer (numpy's too) or a size string, at most 1 PiB.
+
+    Raises:
+        SizeError: Anything else, naming it readably however large it is.
+    """
+    if not isinstance(size, (str, bool)):
+        with contextlib.suppress(TypeError):
+            size = operator.index(size)  # type: ignore[arg-type]
+    return parse_size(size)
+
+
+def _gather_keys(
+    dist: Any, group: ProcessGroup | None, world: int, mine: list[_Key], problems: list[_Problem]
+) -> list[_Key]:
+    """The first collective: every rank's (pool, lane) keys and problems; a problem on any rank raises on all.
+
+    Returns:
+        Every key any rank holds or reserves, sorted.
+    """
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (mine, problems), group=group)
+    found = [(r, kind, text) for r, (_, rank_problems) in enumerate(gathered) for kind, text in rank_problems]
+    if found:
+        ranks = sorted({r for r, _, _ in found})
+        message = (
+            f"wspool.distributed.agree over {world} ranks refused by rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))} (before the ranks compared sizes; nothing was allocated on any rank): "
+            + "; ".join(f"rank {r}: {text}" for r, _, text in found)
+        )
+        kinds = {kind for _, kind, _ in found}
+        raise (AgreementFrozenError if "frozen" in kinds else AgreementConfigError)(message)
+    return sorted({(str(p), str(lane)) for rank_keys, _ in gathered for p, lane in rank_keys})
+
+
+def _grow_to_max(
+    dist: Any,
+    group: ProcessGroup | None,
+    world: int,
+    rank: int,
+    registry: PoolSource,
+    local: torch.device,
+    keys: list[_Key],
+    wanted: Mapping[_Key, int],
+) -> dict[_Key, int]:
+    """Rounds of reduce, check and grow until every rank holds the maximum of every key.
+
+    Returns:
+        The capacity each key had before this rank grew it.
+
+    Raises:
+        AgreementError: On every rank, when a rank refuses or capacities still differ after
+            :data:`MAX_ROUNDS` rounds.
+    """
+    collective_device = _collective_device(dist, group, local)
+    reason = f"agree: max over {world} ranks"
+    before: dict[_Key, int] = {}
+    for round_index in range(MAX_ROUNDS + 1):
+        pools = _local_pools(registry, local)
+        have = [pools[k].capacity_bytes if k in pools else 0 for k in keys]
+        need = [max(h, wanted.get(k, 0)) for k, h in zip(keys, have, strict=True)]
+        targets, least = _reduce_max(dist, group, collective_device, need, have)
+        if all(low >= target for low, target in zip(least, targets, strict=True)):
+            break
+        if round_index == MAX_ROUNDS:
+            differ = [f"{p!r} (lane {lane})" for (p, lane), low, t in zip(keys, least, targets, strict=True) if low < t]
+            raise AgreementError(
+                f"wspool.distributed.agree: capacities of pool(s) {', '.join(differ)} still differ between "
+                f"the {world} ranks after {MAX_ROUNDS} rounds; make pools.<pool>.growth / "
+                "WSPOOL_POOLS__<POOL>__GROWTH the same on every rank"
+            )
+        todo = [(k, t, h) for k, t, h in zip(keys, targets, have, strict=True) if h < t]
+        refusals = [r for k, t, h in todo if (r := _check(registry, pools.get(k), k, t, h, local, rank)) is not None]
+        spared = "nothing was allocated on any rank" if round_index == 0 else "this round allocated nothing"
+        _raise_if_any(dist, group, refusals, world, spared)
+        failures = []
+        for key, target, held in todo:
+            before.setdefault(key, held)
+            try:
+                pool = pools.get(key) or registry.pool(key[0], local, lane=key[1])
+                pool.grow_to(target, reason)
+            except Exception as exc:  # any local failure must reach the other ranks, or they hang
+                failures.append(Refusal(rank, key[0], key[1], str(local), _kind(exc), target, held, str(exc)))
+        _raise_if_any(dist, group, failures, world, "ranks without a refusal may have grown already")
+    return before
+
+
+def _reduce_max(
+    dist: Any, group: ProcessGroup | None, device: torch.device, need: list[int], have: list[int]
+) -> tuple[list[int], list[int]]:
+    """Return the largest need and the smallest capacity of each key over the ranks, in one MAX all-reduce.
+
+    Every value is at most 1 PiB (capacities and reserves are bounded), so the int64 tensor cannot overflow.
+    """
+    reduced = torch.tensor(need + [-h for h in have], dtype=torch.int64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    values = [int(v) for v in reduced.tolist()]
+    return values[: len(need)], [-v for v in values[len(need) :]]
 
 
 def _check(
@@ -330,3 +391,24 @@ def _raise_if_any(dist: Any, group: ProcessGroup | None, mine: list[Refusal], wo
     classes = (("frozen", AgreementFrozenError), ("config", AgreementConfigError), ("limit", AgreementLimitError))
     cls = next((c for kind, c in classes if kind in kinds), AgreementError)
     raise cls(message, refusals)
+
+
+def _local_pools(registry: PoolSource, device: torch.device) -> dict[_Key, WorkspacePool]:
+    return {(p.spec.name, p.lane): p for p in registry.pools() if p.device == device}
+
+
+def _collective_device(dist: Any, group: ProcessGroup | None, local: torch.device) -> torch.device:
+    """Pick where the all-reduce tensor lives: CPU where the backend takes it, else the rank's accelerator."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # e.g. "cpu:gloo,cuda:nccl": one backend per device type
+        types = [part.split(":", 1)[0].strip() for part in backend.split(",")]
+    else:
+        capability: dict[str, list[str]] = getattr(dist.Backend, "backend_capability", {})
+        types = capability.get(backend, ["cuda"] if backend == "nccl" else ["cpu"])
+    if "cpu" in types:
+        return torch.device("cpu")
+    if local.type in types:
+        return local
+    if "cuda" in types:
+        return torch.device("cuda", torch.cuda.current_device())
+    return local

@@ -7,9 +7,11 @@ already catch the builtin kinds keep working.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "MAX_EXACT_DIGITS",
     "ConfigError",
     "RuleError",
     "SizeError",
@@ -18,6 +20,7 @@ __all__ = [
     "WorkspaceOverflowError",
     "WspoolError",
     "printable",
+    "readable_int",
     "setting_names",
     "unknown_pool",
     "unknown_rule",
@@ -32,6 +35,24 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+#: Integers with more digits than this are shown in scientific notation (``repr`` cannot print
+#: one of more than 4,300 digits, and a number that long says nothing more to a reader).
+MAX_EXACT_DIGITS = 40
+
+
+def readable_int(value: int) -> str:
+    """Return ``value``'s digits, or for an integer of more than :data:`MAX_EXACT_DIGITS` digits
+    its magnitude to three significant digits (``"1.23e+400"``), whatever its size."""
+    magnitude = abs(value)
+    if magnitude < 10**MAX_EXACT_DIGITS:
+        return str(value)
+    exponent = math.floor(math.log10(magnitude))
+    mantissa = f"{10 ** (math.log10(magnitude) - exponent):.3g}"
+    if mantissa == "10":  # log10 rounded up to the next power of ten
+        mantissa, exponent = "1", exponent + 1
+    return f"{'-' if value < 0 else ''}{mantissa}e+{exponent}"
 
 
 def setting_names(path: Sequence[str]) -> tuple[str, str]:

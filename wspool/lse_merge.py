@@ -1,25 +1,12 @@
 """Merge partial attention outputs over disjoint KV shares by their natural-log LSEs.
 
-With decode context parallelism (DCP) each rank holds a share of every
-request's KV cache, runs attention for all query heads over its share with the
-LSE (``mla_decode(..., return_lse=True)``), and the ranks combine their partial
-outputs. :func:`merge_lse_partials` is that combination, in the natural log
-that wspool's MLA decode returns on every path (FlashInfer's own
-``merge_state``/``merge_states`` take base-2 LSEs):
-
-    lse_max = max_i lse_i
-    out = sum_i exp(lse_i - lse_max) * out_i / sum_i exp(lse_i - lse_max)
-    lse = lse_max + log(sum_i exp(lse_i - lse_max))
-
-A share whose LSE is ``-inf`` (no keys for that row) weighs nothing, whatever
-its output holds (kernels may leave such rows unwritten); a row that every
-share left empty merges to output 0 and LSE ``-inf``, the identity.
-
-Device semantics: runs on the partials' device, in fp32, and allocates its
-temporaries and results from PyTorch's allocator, not from a pool. Thread
-semantics: stateless. Capture semantics: torch operations only, with no host
-synchronisation and no shape that depends on values, so it can be captured in
-a CUDA graph.
+Under decode context parallelism each rank attends over its share of the KV
+cache and returns its output and LSE; :func:`merge_lse_partials` combines them
+(softmax over the shares' LSEs, in the natural log wspool's MLA decode returns).
+A share whose LSE is ``-inf`` weighs nothing, a row every share left empty
+merges to 0 and ``-inf``, and a NaN or ``+inf`` LSE makes its row NaN. Runs on
+the partials' device in fp32 with PyTorch's allocator, stateless, with no host
+synchronisation, so it can be captured in a CUDA graph. Use with DCP: docs/multi-gpu.md.
 """
 
 from __future__ import annotations
@@ -36,13 +23,17 @@ def merge_lse_partials(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the partial outputs of attention over disjoint KV shares into the whole's.
 
+    With ``m = max_i lse_i``: ``out = sum_i exp(lse_i - m) * out_i / sum_i exp(lse_i - m)``
+    and ``lse = m + log(sum_i exp(lse_i - m))``.
+
     Args:
         outs: One output per share, each ``[*rows, dim]`` (e.g. ``[batch, q_len,
             heads, kv_lora_rank]`` or packed ``[tokens, heads, kv_lora_rank]``),
             all of one shape, dtype and device; or the same stacked as one
             ``[shares, *rows, dim]`` tensor (what an all-gather gives).
         lses: The shares' natural-log LSEs, each ``[*rows]`` (or stacked
-            ``[shares, *rows]``): finite, or ``-inf`` for a row the share has no keys for.
+            ``[shares, *rows]``): finite, or ``-inf`` for a row the share has no keys for
+            (NaN or ``+inf`` make the row's output and LSE NaN).
 
     Returns:
         ``(out, lse)``: ``out [*rows, dim]`` in the partials' dtype and
@@ -66,6 +57,8 @@ def merge_lse_partials(
         if not tensor.is_floating_point():
             raise ValueError(f"merge_lse_partials: {name} must be floating point, got {tensor.dtype}")
     lse_stack = lse_stack.float()
+    # A NaN or +inf LSE is no log-sum-exp: its row has no merge, and must not read as one (a row of zeros).
+    invalid = (torch.isnan(lse_stack) | torch.isposinf(lse_stack)).any(dim=0)
     lse_max = lse_stack.amax(dim=0)
     # A row that every share left empty has lse_max = -inf: shift it by 0, since -inf - -inf is NaN.
     shift = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
@@ -75,8 +68,10 @@ def merge_lse_partials(
     scale = torch.where(total > 0, weights / total, torch.zeros_like(weights)).unsqueeze(-1)
     # An empty share's output may hold anything (NaN included): select, do not multiply by 0.
     partials = torch.where(scale > 0, out_stack.float(), torch.zeros((), device=out_stack.device))
-    out = (partials * scale).sum(dim=0).to(out_stack.dtype)
-    return out, lse
+    out = (partials * scale).sum(dim=0)
+    nan = torch.full((), float("nan"), device=out.device)
+    out = torch.where(invalid.unsqueeze(-1), nan, out).to(out_stack.dtype)
+    return out, torch.where(invalid, nan, lse)
 
 
 def _stacked(tensors: Sequence[torch.Tensor] | torch.Tensor, name: str) -> torch.Tensor:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
-from wspool.errors import RuleError, SizeError, describe_setting
+from wspool.errors import RuleError, SizeError, describe_setting, readable_int
 from wspool.units import MAX_SIZE_BYTES, UNIT_BYTES, ceil_div, format_size, parse_size, round_up
 
 __all__ = [
@@ -416,8 +416,8 @@ _BY_ARITY: dict[int, type[ExpressionRule]] = {1: _OneFactRule, 2: _TwoFactRule, 
 
 
 def _short(value: object) -> str:
-    """A fact's repr, shortened and with control characters escaped."""
-    text = repr(value)
+    """A fact's repr, shortened (an integer of any size included)."""
+    text = readable_int(value) if type(value) is int else repr(value)
     return text if len(text) <= 80 else text[:38] + "..." + text[-38:]
 
 
@@ -448,13 +448,13 @@ def compile_rule(source: object, setting: Sequence[str] = ()) -> SizeRule:
             f"got {type(source).__name__} {source!r}",
             path=path or None,
         )
-    text = str(source)
     try:
         nbytes: int | None = parse_size(source, setting=path or None)
     except SizeError:
         if isinstance(source, int):
-            raise
+            raise  # names the size readably, however many digits it has
         nbytes = None
+    text = str(source)
     if nbytes is None:
         evaluate, names = compile_expression(text, path)
         if names:

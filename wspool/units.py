@@ -12,17 +12,29 @@ import re
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 
-from wspool.errors import SizeError, describe_setting
+from wspool.errors import MAX_EXACT_DIGITS, SizeError, describe_setting, readable_int
 
-__all__ = ["MAX_SIZE_BYTES", "UNIT_BYTES", "GiB", "KiB", "MiB", "ceil_div", "format_size", "parse_size", "round_up"]
+__all__ = [
+    "MAX_SIZE_BYTES",
+    "UNIT_BYTES",
+    "GiB",
+    "KiB",
+    "MiB",
+    "TiB",
+    "ceil_div",
+    "format_size",
+    "parse_size",
+    "round_up",
+]
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
+TiB = 1 << 40
 
 #: Sizes above this are rejected: no device has a petabyte of memory, and the
 #: bound keeps rule arithmetic on small integers.
-MAX_SIZE_BYTES = 1 << 50
+MAX_SIZE_BYTES = 1024 * TiB
 
 UNIT_BYTES: dict[str, int] = {
     "": 1,
@@ -34,12 +46,12 @@ UNIT_BYTES: dict[str, int] = {
     "kib": KiB,
     "mib": MiB,
     "gib": GiB,
-    "tib": 1 << 40,
+    "tib": TiB,
 }
 
 # ASCII only: \d and str.isdigit would take fullwidth and Arabic-Indic digits.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
-_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+_BINARY_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
 
 
 def ceil_div(value: int, divisor: int) -> int:
@@ -61,7 +73,12 @@ def round_up(value: int, multiple: int) -> int:
     """
     if multiple <= 0:
         raise ZeroDivisionError("round_up's multiple must be positive")
-    return -(-value // multiple) * multiple
+    return ceil_div(value, multiple) * multiple
+
+
+def _shown(value: object) -> str:
+    """A value quoted in an error: an integer's digits (or its magnitude, when huge), else its repr."""
+    return readable_int(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
 
 
 def _fail(message: str, setting: Sequence[str] | None) -> SizeError:
@@ -114,24 +131,35 @@ def parse_size(value: object, *, setting: Sequence[str] | None = None) -> int:
             raise _fail(f"size {value!r} exceeds the limit of {format_size(MAX_SIZE_BYTES)}", setting)
         nbytes = math.ceil(exact)
     if nbytes < 0:
-        raise _fail(f"size must not be negative, got {value!r}", setting)
+        raise _fail(f"size must not be negative, got {_shown(value)}", setting)
     if nbytes > MAX_SIZE_BYTES:
-        raise _fail(f"size {value!r} exceeds the limit of {format_size(MAX_SIZE_BYTES)}", setting)
+        raise _fail(f"size {_shown(value)} exceeds the limit of {format_size(MAX_SIZE_BYTES)}", setting)
     return nbytes
 
 
 def format_size(nbytes: int) -> str:
-    """Format a byte count for people: ``268435456`` -> ``"256MiB"``.
+    """Format a byte count for people: ``268435456`` -> ``"256MiB"``; any integer, however large.
 
     Exact multiples print without decimals; other sizes of 1 KiB or more print
     with up to two decimals of the largest binary unit that fits
-    (``17301504`` -> ``"16.5MiB"``); smaller sizes print as ``"123B"``.
+    (``17301504`` -> ``"16.5MiB"``); smaller sizes print as ``"123B"``. A count of
+    more than 40 digits prints in scientific notation (``"1e+400B"``).
     """
+    sign, magnitude = ("-" if nbytes < 0 else ""), abs(nbytes)
+    if magnitude >= 10**MAX_EXACT_DIGITS:
+        return f"{readable_int(nbytes)}B"
     for unit, scale in _BINARY_UNITS:
-        if abs(nbytes) >= scale:
-            if nbytes % scale == 0:
-                return f"{nbytes // scale}{unit}"
+        if magnitude >= scale:
+            whole, rest = divmod(magnitude, scale)
+            if rest == 0:
+                return f"{sign}{whole}{unit}"
+            # Hundredths in integer arithmetic, rounded half to even as float formatting rounds:
+            # exact for any size, where a float overflows.
+            hundredths, remainder = divmod(100 * rest, scale)
+            if 2 * remainder > scale or (2 * remainder == scale and hundredths % 2):
+                hundredths += 1
+            whole, hundredths = whole + hundredths // 100, hundredths % 100
             # Keep a decimal point on inexact sizes so they never read as exact ("2.0KiB").
-            text = f"{nbytes / scale:.2f}".rstrip("0")
-            return (text + "0" if text.endswith(".") else text) + unit
+            decimals = f"{hundredths:02d}".rstrip("0") or "0"
+            return f"{sign}{whole}.{decimals}{unit}"
     return f"{nbytes}B"

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import wspool
 from wspool.cli import main
+from wspool.settings.profiles import shipped_config_names
 
 LSE_ENV = "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"
 
@@ -118,11 +120,11 @@ def test_bad_input_exits_2_with_one_line(args: list[str], env: dict[str, str], m
 
 
 def test_bench_prints_hot_path_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench prints the seed's and wspool's per-call costs from one run."""
+    """bench prints vLLM's and wspool's per-call costs from one run."""
     assert main(["bench", "--repeats", "3"]) == 0
     out = capsys.readouterr().out
-    assert "seed _get_workspace_buffer(True)" in out
-    assert "x the seed" in out
+    assert "vLLM's _get_workspace_buffer(True)" in out
+    assert "x vLLM's)" in out
 
 
 # -- every bad invocation: exit 2, one line on stderr, no traceback ---------------------------
@@ -218,3 +220,158 @@ def test_no_logger_line_before_the_error(tmp_path: Path) -> None:
         "above max_bytes = 2097152 bytes (2MiB); raise pools.flashinfer_mla.max_bytes / "
         "WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES"
     ]
+
+
+@pytest.mark.parametrize("name", ["nbytes", "class", "max", "round_up", "pool"])
+def test_a_fact_named_like_a_reserved_name_is_refused_by_the_one_list(
+    capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """--fact refuses exactly the names the settings refuse for default facts: one list for both."""
+    from wspool.settings.schema import RESERVED_FACT_NAMES
+
+    assert name in RESERVED_FACT_NAMES
+    status, _, err = _in_process(capsys, "resolve", "flashinfer_mla", "--fact", f"{name}=5")
+    assert status == 2
+    assert err.splitlines() == [
+        f"wspool resolve: error: argument --fact: a fact cannot be named {name!r}: it is reserved (a parameter "
+        "of PoolRegistry.workspace(), a Python keyword or a rule function), so no call can pass such a fact "
+        "(see wspool resolve --help)"
+    ]
+
+
+def test_the_old_name_of_the_reserved_facts_still_works_with_a_warning() -> None:
+    """wspool.cli.RESERVED_FACTS is a deprecated alias of wspool.settings.schema.RESERVED_FACT_NAMES."""
+    import wspool.cli
+    from wspool.settings.schema import RESERVED_FACT_NAMES
+
+    with pytest.warns(DeprecationWarning, match="RESERVED_FACTS is deprecated; use .*RESERVED_FACT_NAMES"):
+        assert wspool.cli.RESERVED_FACTS is RESERVED_FACT_NAMES
+
+
+def test_config_takes_a_shipped_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """wspool resolve --config kimi_dcp reads the shipped file, as an installed package has no configs/ folder."""
+    facts = ("--fact", "num_heads=8", "--fact", "cp_world=8", "--fact", "batch_size=1024", "--fact", "q_len=1")
+    assert main(["resolve", "flashinfer_mla", "lse", "--config", "kimi_dcp", "--bytes", *facts]) == 0
+    assert capsys.readouterr().out.strip() == str(135266304 + 32 * 2**20)
+    status, _, err = _in_process(capsys, "show", "--config", "nope")
+    assert status == 2
+    assert "no shipped configuration has that name (shipped: blackwell, default, hopper, kimi_dcp, vllm)" in err
+
+
+def test_show_refuses_a_rule_of_an_own_pool_that_no_call_can_resolve(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE=lots: show exits 2 with one line naming the setting."""
+    monkeypatch.setenv(LSE_ENV, "lots")
+    status, out, err = _in_process(capsys, "show")
+    assert status == 2 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(
+        f"wspool show: error: invalid wspool configuration: pools.flashinfer_mla.rules.lse = 'lots' "
+        f"(from environment variable {LSE_ENV}) reads lots, which is neither a size nor a fact"
+    )
+    assert f"set pools.flashinfer_mla.rules.lse / {LSE_ENV}" in line
+
+
+def test_show_warns_of_a_fact_only_a_backend_can_pass(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A pool declared in code may pass its own facts: show still flags the name, on stderr, and exits 0."""
+    path = tmp_path / "c.yaml"
+    path.write_text("pools:\n  attn:\n    rules: {default: x * 1KiB, split: num_heads * 4, d: y * sm_count}\n"
+                    "    facts: {y: 2}\n")  # fmt: skip
+    status, out, err = _in_process(capsys, "show", "--config", str(path))
+    assert status == 0 and "pools.attn.rules.default" in out
+    (line,) = err.splitlines()
+    assert line.startswith(
+        f"wspool show: warning: pools.attn.rules.default = 'x * 1KiB' (from YAML file {path}) reads x, "
+        "which is neither a size nor a fact that pool 'attn' is given"
+    )
+    assert line.endswith(
+        "it resolves only for calls that pass x (a backend that declares pool 'attn' in code may); give a default "
+        "in pools.attn.facts.x / WSPOOL_POOLS__ATTN__FACTS__X, or fix pools.attn.rules.default / "
+        "WSPOOL_POOLS__ATTN__RULES__DEFAULT"
+    )
+    assert main(["show", "--config", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["warnings"] == [line.removeprefix("wspool show: warning: ")]
+    assert captured.err == ""
+
+
+@pytest.mark.parametrize("command", [("resolve", "flashinfer_mla"), ("calibrate",), ("demo",), ("bench",)])
+def test_every_command_checks_device_against_the_devices_present(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...]
+) -> None:
+    """--device cuda:7 on a (simulated) one-GPU machine: exit 2 with one line, not an answer for another device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    status, out, err = _in_process(capsys, *command, "--device", "cuda:7")
+    assert status == 2 and out == ""
+    assert err.splitlines() == [f"wspool {command[0]}: error: --device 'cuda:7': this machine has 1 CUDA device(s)"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("resolve", "p", "--device", "cuda"), "--device 'cuda': no CUDA device is available on this machine"),
+        (("calibrate", "--device", "cuda:0"), "--device 'cuda:0': no CUDA device is available on this machine"),
+        (("resolve", "p", "--device", "meta"), "--device 'meta': this command runs on cpu or a CUDA device"),
+        (("resolve", "p", "--device", "gpu"), "--device 'gpu' is not a device (e.g. cpu, cuda, cuda:1)"),
+    ],
+)
+def test_resolve_and_calibrate_check_device_as_demo_does(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
+) -> None:
+    """resolve --device cuda without CUDA is one error line and exit 2, not a traceback and exit 1."""
+    import torch
+
+    if torch.cuda.is_available() and "cuda" in args[-1]:
+        pytest.skip("this machine has CUDA")
+    status, _, err = _in_process(capsys, *args)
+    assert status == 2
+    assert err.splitlines() == [f"wspool {args[0]}: error: {message}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", shipped_config_names())
+def test_demo_passes_with_every_shipped_configuration_on_the_cpu(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """wspool demo --config NAME --device cpu exits 0 for every shipped configuration, the replay included."""
+    status, out, err = _in_process(capsys, "demo", "--config", name, "--device", "cpu")
+    assert (status, err) == (0, ""), out
+    assert out.splitlines()[-1] == "demo: all checks passed"
+    assert "  vLLM's fixed size = 128MiB: Buffer overflow" in out
+
+
+def test_the_demo_replay_names_a_configuration_not_meant_for_blackwell(capsys: pytest.CaptureFixture[str]) -> None:
+    """With configs/hopper.yaml the replay resolves the rule with a B200's facts, names its source, and checks
+    the blackwell profile's own rule instead."""
+    from wspool.registry import PoolRegistry
+    from wspool.tools.demo import run_demo
+
+    lines: list[str] = []
+    assert run_demo(PoolRegistry.from_config("hopper"), "cpu", batch=2, heads=4, max_len=128, layers=1,
+                    echo=lines.append)  # fmt: skip
+    replay = lines[-5:]
+    assert replay[1].startswith("  rule pools.flashinfer_mla.rules.lse on a modelled NVIDIA B200 (from YAML file ")
+    assert f"= {wspool.format_size(64 * 148 * (4 * 512 + 8))}: Buffer overflow" in replay[1]
+    assert replay[2].startswith("  this configuration does not size MLA decode for Blackwell")
+    assert replay[3] == "  the blackwell profile's rule = 193MiB: fits"
+    assert replay[4] == "demo: all checks passed"
+
+
+def test_the_cli_keeps_a_wspool_modules_log_records_off_stderr() -> None:
+    """A warning logged on a wspool module's own logger (a child of 'wspool') during a command is not printed."""
+    code = (
+        "import logging, sys\n"
+        "import wspool.cli as cli\n"
+        "show = cli.cmd_show\n"
+        "def noisy(args):\n"
+        "    logging.getLogger('wspool.settings.schema').warning('a warning nobody configured a handler for')\n"
+        "    return show(args)\n"
+        "cli.cmd_show = noisy\n"
+        "sys.exit(cli.main(['show']))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("config file: ")

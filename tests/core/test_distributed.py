@@ -3,9 +3,10 @@
 Each world (2 and 4 processes over gloo on 127.0.0.1, and one process per CUDA
 device over NCCL where there are at least two) is spawned once per module and
 runs every scenario in order on one process group; the tests then check what
-each rank reported. A rank that hangs fails the test at the join timeout
-(``JOIN_TIMEOUT_S``: 90 s for a gloo world, ``NCCL_JOIN_TIMEOUT_S``: 180 s for
-an NCCL one, each above the 45 s collective timeout).
+each rank reported. A gloo world of 2 runs the scenarios in which one rank's
+own arguments or state are wrong. A rank that hangs fails the test at the join
+timeout (``JOIN_TIMEOUT_S``: 90 s for a gloo world, ``NCCL_JOIN_TIMEOUT_S``:
+180 s for an NCCL one, each above the 45 s collective timeout).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 import wspool
 from tests.helpers.process_world import JOIN_TIMEOUT_S, Outcome, Scenario, cuda_world_skip_reason, run_world
+from tests.helpers.registry import make_registry
 from wspool.distributed import (
     AgreedChange,
     AgreementConfigError,
@@ -33,10 +35,6 @@ pytestmark = pytest.mark.slow
 KiB = 1024
 #: NCCL worlds start one CUDA process per device, up to 8: more time to report than gloo's.
 NCCL_JOIN_TIMEOUT_S = 180.0
-
-
-def _registry(pools: dict[str, Any], allocator: Any = None) -> wspool.PoolRegistry:
-    return wspool.PoolRegistry(wspool.load_settings(pools=pools), allocator=allocator)
 
 
 def _caps(reg: wspool.PoolRegistry) -> dict[str, int]:
@@ -58,7 +56,7 @@ MLA = {"mla": {"rules": {"default": "x * 1KiB"}}}
 
 
 def _needs(rank: int, world: int, device: str) -> Outcome:
-    reg = _registry(MLA)
+    reg = make_registry(MLA)
     reg.workspace("mla", device, x=rank + 1)
     reg.workspace("mla", device, lane="ubatch1", x=world - rank)
     changes = agree(reg, device=device)
@@ -69,7 +67,7 @@ def _needs(rank: int, world: int, device: str) -> Outcome:
 
 
 def _missing(rank: int, world: int, device: str) -> Outcome:
-    reg = _registry({**MLA, "paged": {"rules": {"default": "3KiB"}}})
+    reg = make_registry({**MLA, "paged": {"rules": {"default": "3KiB"}}})
     if rank == 0:
         reg.reserve("paged", device, nbytes="3KiB")
     if rank == world - 1:
@@ -87,7 +85,7 @@ def _refused(reg: wspool.PoolRegistry, device: str) -> Outcome:
 
 
 def _frozen(rank: int, world: int, device: str) -> Outcome:
-    reg = _registry(MLA)
+    reg = make_registry(MLA)
     reg.workspace("mla", device, x=rank + 1)
     if rank == 0:
         reg.freeze()
@@ -95,7 +93,7 @@ def _frozen(rank: int, world: int, device: str) -> Outcome:
 
 
 def _frozen_at_max(rank: int, world: int, device: str) -> Outcome:
-    reg = _registry(MLA)
+    reg = make_registry(MLA)
     reg.workspace("mla", device, x=rank + 1)
     if rank == world - 1:
         reg.freeze()
@@ -103,14 +101,14 @@ def _frozen_at_max(rank: int, world: int, device: str) -> Outcome:
 
 
 def _limit(rank: int, world: int, device: str) -> Outcome:
-    reg = _registry({"mla": {**MLA["mla"], "max_bytes": "1KiB" if rank == 0 else None}})
+    reg = make_registry({"mla": {**MLA["mla"], "max_bytes": "1KiB" if rank == 0 else None}})
     reg.workspace("mla", device, x=rank + 1)
     return _refused(reg, device)
 
 
 def _unconfigured(rank: int, world: int, device: str) -> Outcome:
     extra = {"only0": {"rules": {"default": "2KiB"}}} if rank == 0 else {}
-    reg = _registry({**MLA, **extra})
+    reg = make_registry({**MLA, **extra})
     reg.workspace("mla", device, x=1)
     if rank == 0:
         reg.workspace("only0", device)
@@ -123,7 +121,7 @@ def _oom(rank: int, world: int, device: str) -> Outcome:
             raise torch.OutOfMemoryError(f"simulated: cannot allocate {nbytes} bytes")
         return torch.zeros(nbytes, dtype=torch.uint8, device=where)
 
-    reg = _registry(MLA, allocator)
+    reg = make_registry(MLA, allocator=allocator)
     reg.workspace("mla", device, x=rank + 1)
     try:
         agree(reg, device=device)
@@ -133,14 +131,14 @@ def _oom(rank: int, world: int, device: str) -> Outcome:
 
 
 def _warmup(rank: int, world: int, device: str) -> Outcome:
-    reg = _registry(MLA)
+    reg = make_registry(MLA)
     capacity = reg.warmup("mla", [{"x": 1}, {"x": rank + 1}], device, agree_group=dist.group.WORLD)
     stats = reg.stats("mla", device)
     return {"capacity": capacity, "grows": stats.grow_count, "peak": stats.peak_request_bytes}
 
 
 def _growth_differs(rank: int, world: int, device: str) -> Outcome:
-    reg = _registry({"mla": {**MLA["mla"], "growth": "4KiB" if rank == 0 else "exact"}})
+    reg = make_registry({"mla": {**MLA["mla"], "growth": "4KiB" if rank == 0 else "exact"}})
     reg.workspace("mla", device, x=1 if rank == 0 else rank + 4)
     return {"changes": _changes(agree(reg, device=device)), "caps": _caps(reg)}
 
@@ -168,7 +166,7 @@ class _FailingAllocator:
 
 def _batched(rank: int, allocator: _FailingAllocator | None, device: str) -> wspool.PoolRegistry:
     """Rank 0 decodes the larger batch; every other rank the smaller one."""
-    reg = _registry(BATCHED, allocator)
+    reg = make_registry(BATCHED, allocator=allocator)
     reg.workspace("mla", device, batch_size=LARGE_BATCH if rank == 0 else SMALL_BATCH, num_heads=HEADS)
     return reg
 
@@ -440,4 +438,127 @@ def _reraise(outcome: Outcome) -> None:
 def test_agree_without_a_process_group_says_so() -> None:
     """agree() before init_process_group is a clear error, not a hang."""
     with pytest.raises(RuntimeError, match=r"call torch\.distributed\.init_process_group\(\) first"):
-        agree(_registry(MLA), device="cpu")
+        agree(make_registry(MLA), device="cpu")
+
+
+# -- a failure on one rank alone, before the ranks compare sizes: every rank raises, none waits ----------
+
+
+def _agree_outcome(reg: wspool.PoolRegistry, device: str, **kwargs: Any) -> Outcome:
+    try:
+        return {"error": None, "changes": _changes(agree(reg, **{"device": device, **kwargs}))}
+    except Exception as exc:
+        return {**_error(exc), "caps": _caps(reg)}
+
+
+def _then_agree(reg: wspool.PoolRegistry, device: str, first: Outcome) -> Outcome:
+    """After a refused call, a valid one: the ranks are still in step on the group."""
+    return {"first": first, "then": _agree_outcome(reg, device), "caps": _caps(reg)}
+
+
+def _reserve_outside_int64(rank: int, world: int, device: str) -> Outcome:
+    reg = make_registry(MLA)
+    reg.workspace("mla", device, x=rank + 1)
+    reserve = {("mla", "main"): 2**70} if rank == 0 else None
+    return _then_agree(reg, device, _agree_outcome(reg, device, reserve=reserve))
+
+
+def _reserve_not_a_size(rank: int, world: int, device: str) -> Outcome:
+    reg = make_registry(MLA)
+    reg.workspace("mla", device, x=rank + 1)
+    reserve: dict[Any, object] = {("mla", "main"): "8KiB"}
+    if rank == world - 1:
+        reserve = {("mla", "main"): "lots", "not a key": 1}
+    return _then_agree(reg, device, _agree_outcome(reg, device, reserve=reserve))
+
+
+def _capturing_rank(rank: int, world: int, device: str) -> Outcome:
+    reg = make_registry(MLA)
+    reg.workspace("mla", device, x=rank + 1)
+    saved = torch.cuda.is_initialized, torch.cuda.is_current_stream_capturing
+    if rank == 0:  # this process is the scenario's own: it stands in for a rank capturing a CUDA graph
+        torch.cuda.is_initialized = lambda: True  # type: ignore[assignment]
+        torch.cuda.is_current_stream_capturing = lambda: True  # type: ignore[assignment]
+    try:
+        first = _agree_outcome(reg, device)
+    finally:
+        torch.cuda.is_initialized, torch.cuda.is_current_stream_capturing = saved  # type: ignore[assignment]
+    return _then_agree(reg, device, first)
+
+
+def _bad_device(rank: int, world: int, device: str) -> Outcome:
+    reg = make_registry(MLA)
+    reg.workspace("mla", device, x=rank + 1)
+    return _then_agree(reg, device, _agree_outcome(reg, "no-such-device" if rank == 1 else device))
+
+
+ONE_RANK_FAILS: dict[str, Scenario] = {
+    "reserve_outside_int64": _reserve_outside_int64,
+    "reserve_not_a_size": _reserve_not_a_size,
+    "capturing_rank": _capturing_rank,
+    "bad_device": _bad_device,
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank_fails() -> dict[int, dict[str, Outcome]]:
+    """Run the scenarios in which one rank's own arguments or state are wrong, on a gloo world of 2."""
+    return run_world(2, ONE_RANK_FAILS, backend="gloo")
+
+
+def _same_error_everywhere(outcomes: dict[int, dict[str, Outcome]], scenario: str, error: str) -> str:
+    """Check every rank raised ``error`` with one message, allocated nothing, and then agreed normally."""
+    messages = set()
+    for rank, out in outcomes.items():
+        first, then = out[scenario]["first"], out[scenario]["then"]
+        assert first["error"] == error, (rank, first)
+        assert first["caps"] == {"mla/main": (rank + 1) * KiB}  # nothing grew
+        assert then["error"] is None and out[scenario]["caps"] == {"mla/main": 2 * KiB}, (rank, then)
+        messages.add(first["message"])
+    (message,) = messages
+    return message
+
+
+def test_a_reserve_outside_int64_on_one_rank_raises_on_every_rank(
+    one_rank_fails: dict[int, dict[str, Outcome]],
+) -> None:
+    """reserve = 2**70 on rank 0 only: every rank raises the same config error; none waits in all_reduce."""
+    message = _same_error_everywhere(one_rank_fails, "reserve_outside_int64", "AgreementConfigError")
+    assert message == (
+        "wspool.distributed.agree over 2 ranks refused by rank 0 (before the ranks compared sizes; nothing was "
+        "allocated on any rank): rank 0: reserve[('mla', 'main')]: size 1180591620717411303424 exceeds the limit "
+        "of 1024TiB"
+    )
+
+
+def test_a_reserve_that_is_no_size_on_one_rank_raises_on_every_rank(
+    one_rank_fails: dict[int, dict[str, Outcome]],
+) -> None:
+    """A reserve of 'lots' and a key that is no (pool, lane) pair, on the last rank: both named, on every rank."""
+    message = _same_error_everywhere(one_rank_fails, "reserve_not_a_size", "AgreementConfigError")
+    assert message.startswith(
+        "wspool.distributed.agree over 2 ranks refused by rank 1 (before the ranks compared sizes; nothing was "
+        "allocated on any rank): rank 1: reserve[('mla', 'main')]: invalid size 'lots': expected a non-negative "
+        "number with an optional unit"
+    )
+    assert message.endswith("; rank 1: reserve['not a key']: too many values to unpack (expected 2)")
+
+
+def test_a_rank_capturing_a_graph_makes_every_rank_raise(one_rank_fails: dict[int, dict[str, Outcome]]) -> None:
+    """Rank 0 in the middle of a CUDA-graph capture: every rank raises the frozen error; none hangs."""
+    message = _same_error_everywhere(one_rank_fails, "capturing_rank", "AgreementFrozenError")
+    assert message == (
+        "wspool.distributed.agree over 2 ranks refused by rank 0 (before the ranks compared sizes; nothing was "
+        "allocated on any rank): rank 0: wspool.distributed.agree() cannot run during CUDA-graph capture on cpu: "
+        "agree before capturing (its collectives would be captured, not run)"
+    )
+    assert "WorkspaceFrozenError" in one_rank_fails[1]["capturing_rank"]["first"]["mro"]
+
+
+def test_a_bad_device_on_one_rank_raises_on_every_rank(one_rank_fails: dict[int, dict[str, Outcome]]) -> None:
+    """device='no-such-device' on rank 1: every rank raises a config error naming it."""
+    message = _same_error_everywhere(one_rank_fails, "bad_device", "AgreementConfigError")
+    assert message.startswith(
+        "wspool.distributed.agree over 2 ranks refused by rank 1 (before the ranks compared sizes; nothing was "
+        "allocated on any rank): rank 1: device='no-such-device' does not name a device (invalid device"
+    )

@@ -157,3 +157,32 @@ def test_bad_partials_are_refused(outs: object, lses: object, match: str) -> Non
     """Mismatched or missing partials are a ValueError that says what differs."""
     with pytest.raises(ValueError, match=match):
         merge_lse_partials(outs, lses)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "plus-inf"])
+def test_a_nan_or_infinite_lse_makes_its_row_nan(bad: float) -> None:
+    """A NaN or +inf LSE in one share makes that row's output and LSE NaN, never a silent row of zeros."""
+    outs, lses = _random(3, (4,), 8, seed=11)
+    lses[1][2] = bad
+    out, lse = merge_lse_partials(outs, lses)
+    assert torch.isnan(out[2]).all() and torch.isnan(lse[2])
+    want_out, want_lse = _reference([o[[0, 1, 3]] for o in outs], [s[[0, 1, 3]] for s in lses])
+    torch.testing.assert_close(out[[0, 1, 3]].double(), want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse[[0, 1, 3]].double(), want_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_a_nan_lse_next_to_empty_shares_is_still_nan() -> None:
+    """A row whose other shares are empty (-inf) and one share NaN merges to NaN, not to the empty identity."""
+    outs, lses = _random(2, (2,), 4, seed=12)
+    lses[0][0], lses[1][0] = NEG_INF, float("nan")
+    out, lse = merge_lse_partials([o.bfloat16() for o in outs], lses)
+    assert out.dtype == torch.bfloat16 and torch.isnan(out[0]).all() and torch.isnan(lse[0])
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1])
+
+
+def test_a_nan_output_with_a_finite_lse_is_nan_in_the_merge() -> None:
+    """A share that has keys for a row (finite LSE) and a NaN output propagates NaN into that row's output."""
+    outs, lses = _random(2, (3,), 4, seed=13)
+    outs[0][1, 2] = float("nan")
+    out, lse = merge_lse_partials(outs, lses)
+    assert torch.isnan(out[1, 2]) and torch.isfinite(lse).all()

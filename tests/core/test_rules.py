@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wspool.errors import RuleError
+from wspool.errors import RuleError, SizeError
 from wspool.rules import ExpressionRule, LiteralRule, compile_rule
 
 LSE = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB + 32MiB"
@@ -242,3 +242,16 @@ def test_cached_sizes_are_served_only_to_integer_facts_for_any_fact_count(count:
     for name in names:
         with pytest.raises(RuleError, match=f"fact '{name}' must be an integer, got bool"):
             rule.resolve({**ints, name: True})
+
+
+def test_a_huge_integer_rule_is_a_size_error() -> None:
+    """A literal rule of 5,000 digits is wspool's SizeError naming its magnitude and the setting."""
+    with pytest.raises(SizeError, match=r"size 1e\+5000 exceeds the limit of 1024TiB \(setting pools\.p\.rules\.r / "):
+        compile_rule(10**5000, ("pools", "p", "rules", "r"))
+
+
+def test_a_huge_fact_is_a_rule_error_naming_its_magnitude() -> None:
+    """A fact of 5,000 digits is refused as out of range, quoted readably, not a ValueError from repr()."""
+    rule = compile_rule("x * 2", ("pools", "p", "rules", "r"))
+    with pytest.raises(RuleError, match=r"fact 'x' = 1e\+5000 is out of range"):
+        rule.resolve({"x": 10**5000})

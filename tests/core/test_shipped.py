@@ -44,7 +44,8 @@ def test_bench_finds_its_rules_in_the_package() -> None:
 
 @pytest.mark.slow
 def test_a_regular_install_finds_the_profiles_and_configs(tmp_path: Path) -> None:
-    """A non-editable pip install (no dependencies, no build isolation) loads every profile and shipped config."""
+    """A non-editable pip install (no dependencies, no build isolation) loads every profile and shipped config,
+    each also by its name."""
     pytest.importorskip("setuptools", reason="building the wheel without isolation needs setuptools")
     source = tmp_path / "src"
     shutil.copytree(REPO_ROOT / "wspool", source / "wspool", ignore=shutil.ignore_patterns("__pycache__"))
@@ -57,6 +58,7 @@ def test_a_regular_install_finds_the_profiles_and_configs(tmp_path: Path) -> Non
         "import wspool, wspool.settings.profiles as p, wspool.settings.profiles as s\n"
         f"assert wspool.__file__.startswith({str(target)!r}), wspool.__file__\n"
         "for n in s.shipped_config_names():\n"
+        "    assert wspool.load_settings(n) == wspool.load_settings(s.shipped_config(n)), n\n"
         "    for q in p.PROFILE_NAMES:\n"
         "        wspool.load_settings(s.shipped_config(n), profile=q)\n"
         "print(sorted(s.shipped_config_names()), p.load_profile('hopper').measured)\n"

@@ -97,3 +97,32 @@ def test_only_ascii_digits_make_a_size(text: str) -> None:
     """Fullwidth and Arabic-Indic digits are not sizes."""
     with pytest.raises(SizeError, match="invalid size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (10**400 + 1, "1e+400B"),
+        (-(10**400) - 1, "-1e+400B"),
+        (2 * 10**5000, "2e+5000B"),
+        (10**40 - 1, "9094947017729282379150390625.0TiB"),
+        ((10**20 << 40) + 3, "100000000000000000000.0TiB"),
+    ],
+    ids=["400-digits", "negative", "5000-digits", "40-digits", "inexact-tib"],
+)
+def test_format_size_formats_huge_integers(nbytes: int, text: str) -> None:
+    """Sizes far beyond any device, of hundreds or thousands of digits, print without OverflowError or ValueError."""
+    assert format_size(nbytes) == text
+
+
+@given(st.integers(min_value=-(10**600), max_value=10**600))
+def test_format_size_formats_any_integer(nbytes: int) -> None:
+    """format_size returns a size string for every integer."""
+    assert format_size(nbytes).endswith("B")
+
+
+@pytest.mark.parametrize("value", [10**5000, 10**400 + 1], ids=["5000-digits", "400-digits"])
+def test_a_huge_integer_size_is_a_readable_size_error(value: int) -> None:
+    """An integer size of thousands of digits is a SizeError quoting its magnitude, not Python's ValueError."""
+    with pytest.raises(SizeError, match=r"^size 1e\+(5000|400) exceeds the limit of 1024TiB$"):
+        parse_size(value)

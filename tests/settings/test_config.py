@@ -24,8 +24,8 @@ def _lse(settings: object) -> str:
     return settings.pools["flashinfer_mla"].rules["lse"]  # type: ignore[attr-defined]
 
 
-def test_builtin_defaults_are_the_seed_sizes() -> None:
-    """With no file and no environment, the seed's 128MiB/256MiB rules apply."""
+def test_builtin_defaults_are_vllms_fixed_sizes() -> None:
+    """With no file and no environment, vLLM's fixed 128MiB/256MiB rules apply."""
     settings = load_settings()
     assert settings.pools["flashinfer_mla"].rules == {"default": "128MiB", "lse": "256MiB"}
 
@@ -325,3 +325,169 @@ def test_a_huge_invalid_file_gives_a_bounded_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\(2000 errors\): .* and 1995 more$") as info:
         load_settings(path)
     assert len(str(info.value)) < 2000
+
+
+@pytest.mark.parametrize(
+    ("pool", "match"),
+    [
+        ({"max_bytes": 10**5000}, r"pools\.p\.max_bytes = 1e\+5000 \(from code\): size 1e\+5000 exceeds the limit"),
+        ({"rules": {"default": 10**5000}}, r"pools\.p\.rules\.default = 1e\+5000 \(from code\): size 1e\+5000 exceeds"),
+        ({"facts": {"x": 10**5000}}, r"pools\.p\.facts\.x = 1e\+5000 \(from code\): a fact must be at most 2\*\*64"),
+        ({"facts": {"x": 2**64 + 1}}, r"pools\.p\.facts\.x = 18446744073709551617 .*at most 2\*\*64"),
+        ({"facts": {"x": "9" * 5000}}, r"pools\.p\.facts\.x = '9999.*at most 2\*\*64"),
+    ],
+    ids=["max_bytes", "rule", "fact", "fact-2**64+1", "fact-string"],
+)
+def test_a_huge_number_in_the_configuration_is_a_config_error(pool: dict[str, object], match: str) -> None:
+    """Sizes, rules and facts of thousands of digits are ConfigErrors quoting their magnitude, not ValueErrors."""
+    with pytest.raises(ConfigError, match=match):
+        load_settings(pools={"p": pool})
+
+
+def test_a_merge_key_with_an_explicit_override_loads_and_the_explicit_key_wins(tmp_path: Path) -> None:
+    """`<<: *base` followed by a key the base also has is valid YAML: it loads, and the explicit value wins."""
+    path = _write(
+        tmp_path,
+        "pools:\n"
+        "  a: &base\n    rules: {default: 1KiB, lse: 2KiB}\n    growth: exact\n"
+        "  b:\n    <<: *base\n    growth: 4KiB\n    rules: {default: 3KiB}\n",
+    )
+    pools = load_settings(path).pools
+    assert pools["b"].growth == "4KiB" and pools["b"].rules == {"default": "3KiB"}
+    assert pools["a"].growth == "exact" and pools["a"].rules == {"default": "1KiB", "lse": "2KiB"}
+
+
+def test_an_explicit_key_wins_over_several_merges(tmp_path: Path) -> None:
+    """With two mappings merged in, an explicit key wins over both and the other merged keys come through."""
+    path = _write(
+        tmp_path,
+        "pools:\n  x: &x {growth: 1KiB, max_bytes: 1MiB}\n  y: &y {max_bytes: 3MiB, description: from y}\n"
+        "  z:\n    <<: [*x, *y]\n    max_bytes: 2MiB\n",
+    )
+    z = load_settings(path).pools["z"]
+    assert (z.growth, z.max_bytes, z.description) == ("1KiB", 2 * 2**20, "from y")
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            "pools:\n  a: &base {rules: {default: 1KiB}}\n  b:\n    <<: *base\n    growth: exact\n    growth: 4KiB\n",
+            r"c\.yaml:6:5: duplicate key 'growth' \(first given on line 5\)",
+        ),
+        (
+            "pools:\n  b:\n    <<: {growth: exact, growth: 4KiB}\n    rules: {default: 1KiB}\n",
+            r"c\.yaml:3:25: duplicate key 'growth' \(first given on line 3\)",
+        ),
+    ],
+    ids=["explicit-twice-after-a-merge", "twice-inside-a-merged-mapping"],
+)
+def test_a_key_given_twice_is_still_refused_next_to_a_merge(tmp_path: Path, text: str, match: str) -> None:
+    """A key written twice in one mapping, or in a mapping merged in, stays a duplicate-key error."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_settings(path)
+
+
+def test_loading_a_file_or_a_profile_builds_the_settings_class_itself(tmp_path: Path) -> None:
+    """A load with a YAML file and a profile layered in gives a WspoolSettings, not a class made for that load."""
+    from wspool.settings.schema import WspoolSettings, profile_settings
+
+    path = _write(tmp_path, "pools:\n  flashinfer_mla:\n    rules:\n      lse: 300MiB\n")
+    settings = load_settings(path)
+    layered, provenance = profile_settings(settings, "hopper")
+    assert type(settings) is WspoolSettings and type(layered) is WspoolSettings
+    assert layered.pools["flashinfer_mla"].rules["lse"] == "300MiB"  # the file over the profile
+    assert provenance.source_of(("pools", "flashinfer_mla", "rules", "default")) == "profile hopper"
+    assert load_settings().pools["flashinfer_mla"].rules["lse"] == "256MiB"  # nothing of the last load remains
+
+
+def test_settings_built_directly_read_the_environment_and_engine_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WspoolSettings() keeps its sources: code over WSPOOL_* over the engine knobs over the built-in defaults."""
+    from wspool.settings.schema import WspoolSettings
+
+    monkeypatch.setenv(LSE_ENV, "512MiB")
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", "1000")
+    settings = WspoolSettings(pools={"flashinfer": {"rules": {"decode": "2KiB"}}})
+    assert settings.pools["flashinfer_mla"].rules == {"default": "128MiB", "lse": "512MiB"}
+    assert settings.pools["flashinfer"].rules["decode"] == "2KiB"
+    assert settings.pools["flashinfer"].rules["prefill"] == "1000"
+
+
+@pytest.mark.parametrize(
+    ("env", "key", "fix"),
+    [
+        ({"wspool_config": "c.yaml"}, "config", "set WSPOOL_CONFIG, not wspool_config"),
+        ({"wspool_vllm": "0"}, "vllm", "set WSPOOL_VLLM, not wspool_vllm"),
+        ({"Wspool_Vllm_Device": "cpu"}, "vllm_device", "set WSPOOL_VLLM_DEVICE, not Wspool_Vllm_Device"),
+        ({"wspool_profile": "hopper"}, "profile", "set WSPOOL_PROFILE, not wspool_profile"),
+        (
+            {"WSPOOL_POOLS__P__MAX_BYTES": "2MiB", "wspool_pools__p__max_bytes": "1MiB"},
+            "pools.p.max_bytes",
+            "set WSPOOL_POOLS__P__MAX_BYTES, not wspool_pools__p__max_bytes",
+        ),
+        (
+            {"WSPOOL_POOLS__MyPool__RULES__DEFAULT": "1KiB"},
+            "pools.mypool.rules.default",
+            "set WSPOOL_POOLS__MYPOOL__RULES__DEFAULT, not WSPOOL_POOLS__MyPool__RULES__DEFAULT",
+        ),
+    ],
+    ids=["config", "vllm", "vllm-device", "profile", "two-cases", "mixed-case-pool"],
+)
+def test_a_wspool_variable_not_in_upper_case_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], key: str, fix: str
+) -> None:
+    """wspool_config=FILE or wspool_vllm=0 would be ignored, and one setting in two cases decided by order: refused."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"not in upper case: .*; {fix}$") as info:
+        load_settings()
+    assert info.value.key == key
+
+
+def test_the_case_check_is_the_one_a_component_calls_before_reading_its_own_variable() -> None:
+    """check_env_names() takes an environment: the vLLM plugin's variables are checked like the settings'."""
+    from wspool.settings.schema import check_env_names
+
+    check_env_names(environ={"WSPOOL_VLLM": "0", "WSPOOL_VLLM_DEVICE": "cpu", "HOME": "/"})
+    with pytest.raises(ConfigError, match=r"set WSPOOL_VLLM, not wspool_vllm"):
+        check_env_names(environ={"wspool_vllm": "0"})
+
+
+@pytest.mark.parametrize("name", ["vllm", "hopper", "blackwell", "kimi_dcp", "default"])
+def test_a_shipped_configuration_is_reached_by_its_name(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--config / WSPOOL_CONFIG take a shipped configuration's name: the package's file, as after pip install."""
+    from wspool.settings.profiles import shipped_config
+
+    settings, provenance = load_settings_with_provenance(name)
+    assert provenance.config_file == shipped_config(name)
+    assert settings == load_settings(shipped_config(name))
+    monkeypatch.setenv("WSPOOL_CONFIG", name)
+    assert load_settings() == settings
+
+
+def test_every_shipped_name_is_reachable() -> None:
+    """Each shipped configuration, whatever its name, loads by that name."""
+    from wspool.settings.profiles import shipped_config_names
+
+    for name in shipped_config_names():
+        load_settings(name)
+
+
+def test_a_file_that_exists_wins_over_a_shipped_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file named like a shipped configuration, in the working directory, is read instead of the shipped one."""
+    (tmp_path / "hopper").write_text("pools:\n  flashinfer_mla:\n    rules:\n      lse: 300MiB\n")
+    monkeypatch.chdir(tmp_path)
+    assert _lse(load_settings("hopper")) == "300MiB"
+
+
+def test_an_unknown_name_lists_the_shipped_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that is neither a file nor shipped is an error naming how it was given and every shipped name."""
+    shipped = r"\(shipped: blackwell, default, hopper, kimi_dcp, vllm\)"
+    with pytest.raises(ConfigError, match=r"^config file hoper \(given explicitly\) does not exist or is not a file, "
+                       rf"and no shipped configuration has that name {shipped}$"):  # fmt: skip
+        load_settings("hoper")
+    monkeypatch.setenv("WSPOOL_CONFIG", "vlm")
+    with pytest.raises(ConfigError, match=rf"config file vlm \(named by WSPOOL_CONFIG\) does not exist.*{shipped}"):
+        load_settings()

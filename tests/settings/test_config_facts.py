@@ -112,3 +112,9 @@ def test_a_fact_name_no_rule_can_read_is_a_config_error(name: str) -> None:
     """A fact name that is not an identifier (or starts with _) is refused."""
     with pytest.raises(ConfigError, match=r"is not a name a rule can read"):
         load_settings(pools={"p": {"rules": {"default": "1MiB"}, "facts": {name: 1}}})
+
+
+def test_nbytes_is_reserved_like_the_other_parameters() -> None:
+    """nbytes, reserve()'s parameter, cannot name a default fact either: one reserved list for settings and CLI."""
+    with pytest.raises(ConfigError, match=r"fact name 'nbytes' is reserved.*set pools\.p\.facts\.nbytes"):
+        load_settings(pools={"p": {"rules": {"default": "1MiB"}, "facts": {"nbytes": 1}}})

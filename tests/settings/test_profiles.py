@@ -29,7 +29,7 @@ MiB = 1 << 20
     ],
 )
 def test_auto_picks_by_compute_capability(description: DeviceDescription | None, profile: str) -> None:
-    """auto: SM90 hopper; SM100/SM103 blackwell; SM80, SM120 and the CPU the seed's constants (fixed)."""
+    """auto: SM90 hopper; SM100/SM103 blackwell; SM80, SM120 and the CPU vLLM's fixed sizes (fixed)."""
     choice = choose_profile("auto", description)
     assert choice.profile == profile
     assert choice.reason.startswith("auto: ")
@@ -89,7 +89,7 @@ def test_hopper_profile_on_an_h200_resolves_the_measured_size() -> None:
         assert reg.workspace("flashinfer_mla", "cpu", rule="default").numel() == HOPPER_MLA_BYTES
 
 
-def test_profile_fixed_gives_the_seed_constants_on_an_h200() -> None:
+def test_profile_fixed_gives_vllms_fixed_sizes_on_an_h200() -> None:
     """profile: fixed keeps 128MiB / 256MiB on a Hopper device."""
     with fake_device("cpu", H200):
         reg = wspool.PoolRegistry(wspool.load_settings(profile="fixed"))
@@ -155,3 +155,19 @@ def test_profile_names_are_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> 
     """WSPOOL_PROFILE=Hopper names the hopper profile."""
     monkeypatch.setenv("WSPOOL_PROFILE", "Hopper")
     assert wspool.load_settings().profile == "hopper"
+
+
+def test_the_fixed_profile_says_it_holds_vllms_fixed_sizes() -> None:
+    """The fixed profile and auto's reasons name vLLM's fixed sizes."""
+    assert load_profile("fixed").description.startswith("vLLM's fixed sizes on any device: 128MiB for MLA decode")
+    assert choose_profile("auto", None).reason == "auto: no GPU description (not a CUDA device); vLLM's fixed sizes"
+    assert choose_profile("auto", A100).reason.endswith("; vLLM's fixed sizes")
+
+
+def test_the_old_name_of_vllms_fixed_sizes_still_works_with_a_warning() -> None:
+    """SEED_MLA_WORKSPACE_BYTES is a deprecated alias of VLLM_FIXED_MLA_WORKSPACE_BYTES."""
+    import wspool.settings.schema as schema
+
+    assert dict(schema.VLLM_FIXED_MLA_WORKSPACE_BYTES) == {"default": 128 * MiB, "lse": 256 * MiB}
+    with pytest.warns(DeprecationWarning, match="SEED_MLA_WORKSPACE_BYTES is deprecated; use VLLM_FIXED_MLA"):
+        assert schema.SEED_MLA_WORKSPACE_BYTES is schema.VLLM_FIXED_MLA_WORKSPACE_BYTES

@@ -50,7 +50,7 @@ def test_demo_on_the_embedded_default_reports_the_hopper_size() -> None:
         assert size == "16.56MiB"
 
 
-def test_profile_fixed_gives_the_seed_constants() -> None:
+def test_profile_fixed_gives_vllms_fixed_sizes() -> None:
     """profile: fixed on the GPU keeps 128MiB without and 256MiB with the LSE."""
     lines: list[str] = []
     registry = wspool.PoolRegistry(wspool.load_settings(profile="fixed"))

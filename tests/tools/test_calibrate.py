@@ -22,6 +22,7 @@ from tests.helpers.mla_doubles import WrapperDouble, fake_flashinfer_mla
 from tests.helpers.mla_inputs import make_inputs
 from tests.helpers.paths import REPO_ROOT
 from wspool.cli import main
+from wspool.errors import ConfigError
 from wspool.flashinfer import backends, mla_decode
 from wspool.flashinfer import kernels as fi_kernels
 from wspool.flashinfer.layouts import FA_MLA_WORKSPACE_RULE, fa_mla_float_workspace_bytes
@@ -96,8 +97,8 @@ def test_hopper_config_is_the_exact_h200_need() -> None:
     assert WrapperDouble.partial_bytes < H200_NEED
 
 
-def test_blackwell_config_holds_the_seed_slab_plus_margin() -> None:
-    """configs/blackwell.yaml gives the seed's 129MiB slab plus 64MiB, and 64MiB without the LSE."""
+def test_blackwell_config_holds_the_overflowing_slab_plus_margin() -> None:
+    """configs/blackwell.yaml gives the 129MiB slab that overflows vLLM's 128MiB plus 64MiB; 64MiB without the LSE."""
     reg = wspool.PoolRegistry.from_config(REPO_ROOT / "configs" / "blackwell.yaml")
     facts = MLAShape(512, 128, 4096).facts(148)
     assert reg.resolve("flashinfer_mla", "lse", **facts) == 135266304 + 64 * MiB
@@ -245,8 +246,27 @@ def test_load_shapes_file(tmp_path: Path) -> None:
     path.write_text("shape: []\n")
     with pytest.raises(ShapeError, match="must hold 'shapes:'"):
         load_shapes(path)
-    with pytest.raises(ShapeError, match="cannot read shapes file"):
+    with pytest.raises(ShapeError, match=r"shapes file .*missing\.yaml does not exist or is not a file"):
         load_shapes(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("shapes: !!timestamp x\n", r"invalid YAML in shapes file .*s\.yaml:1:9: cannot read 'x' as timestamp"),
+        ("shapes: 2021-13-45\n", r"s\.yaml:1:9: cannot read '2021-13-45' as timestamp"),
+        ("shapes:\n  - {b: 1, h: 16, l: 1024, b: 2}\n", r"s\.yaml:2:28: duplicate key 'b' \(first given on line 2\)"),
+        ("shapes: !!python/object/apply:os.system ['true']\n", r"invalid YAML in shapes file"),
+    ],
+    ids=["bad-tag", "bad-date", "duplicate-key", "python-tag"],
+)
+def test_a_shapes_file_is_read_by_the_strict_loader(tmp_path: Path, text: str, match: str) -> None:
+    """A shapes file is read as a configuration is: a ShapeError (a ConfigError), never a crash."""
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    with pytest.raises(ShapeError, match=match) as info:
+        load_shapes(path)
+    assert isinstance(info.value, ConfigError)
 
 
 # -- the command -----------------------------------------------------------------------------------

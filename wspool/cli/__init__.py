@@ -13,16 +13,19 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from wspool.cli.commands import cmd_resolve, cmd_show, cmd_stats
 from wspool.errors import WspoolError, printable
 from wspool.registry import PoolRegistry
+from wspool.settings.profiles import shipped_config_names
+from wspool.settings.schema import RESERVED_FACT_NAMES
 from wspool.units import format_size
 
 __all__ = [
-    "RESERVED_FACTS",
+    "PACKAGE_LOGGER",
     "Parser",
     "UsageError",
     "add_config_option",
@@ -45,8 +48,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-#: Names a fact cannot take: they are parameters of PoolRegistry.workspace/resolve/reserve.
-RESERVED_FACTS = frozenset({"self", "pool", "rule", "lane", "device", "nbytes"})
+def __getattr__(name: str) -> object:
+    """Serve the deprecated ``RESERVED_FACTS`` (the settings' :data:`RESERVED_FACT_NAMES` now)."""
+    if name == "RESERVED_FACTS":
+        warnings.warn(
+            "wspool.cli.RESERVED_FACTS is deprecated; use wspool.settings.schema.RESERVED_FACT_NAMES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return RESERVED_FACT_NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fact_arg(text: str) -> tuple[str, int]:
@@ -54,10 +65,10 @@ def fact_arg(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier() or not name.isascii():
         raise argparse.ArgumentTypeError(f"expected NAME=INTEGER, got {text!r}")
-    if name in RESERVED_FACTS:
+    if name in RESERVED_FACT_NAMES:
         raise argparse.ArgumentTypeError(
-            f"a fact cannot be named {name!r}: {', '.join(sorted(RESERVED_FACTS))} are parameters of "
-            f"PoolRegistry.workspace(), so no call can pass such a fact"
+            f"a fact cannot be named {name!r}: it is reserved (a parameter of PoolRegistry.workspace(), a Python "
+            f"keyword or a rule function), so no call can pass such a fact"
         )
     try:
         if not value.isascii():
@@ -88,8 +99,13 @@ def device_arg(text: str, *, allow_meta: bool = False) -> str:
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE``."""
-    parser.add_argument("--config", metavar="FILE", help="YAML configuration file (default: $WSPOOL_CONFIG)")
+    """Add ``--config FILE|NAME``."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE|NAME",
+        help="YAML configuration file, or a shipped configuration's name: "
+        f"{', '.join(shipped_config_names())} (default: $WSPOOL_CONFIG)",
+    )
 
 
 def shape_arg(text: str) -> object:
@@ -121,8 +137,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if (args.runs is not None and args.runs < 1) or args.repeats < 1:
         raise UsageError(f"--runs and --repeats must be at least 1, got {args.runs} and {args.repeats}")
-    if args.device is not None:
-        device_arg(args.device, allow_meta=True)
     if args.plot_from:
         if not args.plot:
             raise UsageError("--plot-from needs --plot FILE.png")
@@ -194,8 +208,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from wspool.tools.demo import run_demo
 
-    if args.device is not None:
-        device_arg(args.device)
     registry = PoolRegistry.from_config(args.config)
     return 0 if run_demo(registry, args.device) else 1
 
@@ -269,10 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The package's logger, ``wspool``, not this module's: every wspool module logs to a child of it
+#: (``logging.getLogger(__name__)``), so the one handler the CLI adds here covers them all.
+PACKAGE_LOGGER = __name__.split(".")[0]
+
+
 @contextlib.contextmanager
 def _quiet_logger() -> Iterator[None]:
     """Keep wspool's log records off stderr (Python's last-resort handler) unless the caller set up logging."""
-    logger = logging.getLogger("wspool")
+    logger = logging.getLogger(PACKAGE_LOGGER)
     if logger.hasHandlers():
         yield
         return
@@ -300,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sys.stdout is None:  # started with file descriptor 1 closed
         return _error(args.command, "cannot write the output: standard output is closed")
     try:
+        if getattr(args, "device", None) is not None:  # every command that takes --device: demo, resolve, ...
+            device_arg(args.device, allow_meta=args.command == "bench")
         with _quiet_logger():
             status = handler(args)
             sys.stdout.flush()  # a closed pipe or a full disk surfaces here, not at exit

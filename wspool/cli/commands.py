@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Iterable
 from typing import Any
 
 from wspool.errors import describe_setting, printable
 from wspool.registry import PoolRegistry
 from wspool.settings.schema import (
+    OWN_POOLS,
     Provenance,
     WspoolSettings,
+    describe_unknown_facts,
     iter_settings,
     load_settings_with_provenance,
     profile_settings,
+    unknown_rule_facts,
 )
 from wspool.units import format_size
 
@@ -49,6 +54,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for entry in devices:
         if entry["profile"] not in profiles:
             profiles[entry["profile"]] = profile_settings(given, entry["profile"])
+    warnings = _fact_warnings(profiles.values())
     if args.json:
         tables = {
             name: [
@@ -63,9 +69,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             "devices": devices,
             "settings": tables[devices[0]["profile"]],
             "profiles": tables,
+            "warnings": warnings,
         }
         print(json.dumps(data, indent=2))
         return 0
+    for warning in warnings:
+        print(f"wspool show: warning: {printable(warning)}", file=sys.stderr)
     print(f"config file: {printable(str(provenance.config_file or '(none: built-in defaults and environment)'))}")
     print(f"profile: {printable(given.profile)} (from {printable(provenance.source_of(('profile',)))})")
     for entry in devices:
@@ -88,6 +97,27 @@ def cmd_show(args: argparse.Namespace) -> int:
         for key, value, source in table:
             print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
     return 0
+
+
+def _fact_warnings(profiles: Iterable[tuple[WspoolSettings, Provenance]]) -> list[str]:
+    """One line per rule of a pool wspool does not own that reads a fact nothing known supplies.
+
+    Loading refuses such a rule in wspool's own pools; another pool's facts may come
+    from the backend that declares it in code, so its rule is flagged, not refused.
+    """
+    lines: dict[tuple[str, ...], str] = {}
+    for settings, provenance in profiles:
+        for path, source, names in unknown_rule_facts(settings):
+            if path[1] in OWN_POOLS or path in lines:
+                continue
+            where = f" (from {provenance.source_of(path)})"
+            facts = describe_setting(("pools", path[1], "facts", names[0]))
+            lines[path] = (
+                f"{describe_unknown_facts(path, source, names, where)}: it resolves only for calls that pass "
+                f"{', '.join(names)} (a backend that declares pool {path[1]!r} in code may); give a default in "
+                f"{facts}, or fix {describe_setting(path)}"
+            )
+    return list(lines.values())
 
 
 def _show_value(path: tuple[str, ...], value: object) -> str:

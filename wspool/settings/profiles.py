@@ -2,15 +2,16 @@
 
 A profile is a named set of pool settings for a kind of device (``hopper``,
 ``blackwell``, ``fixed``), layered just above the built-in defaults;
-``profile: auto`` picks one per device from its compute capability. The
-profiles and the shipped configurations (``vllm``, ``hopper``, ...) are
-package data read with ``importlib.resources``. Pure functions; thread-safe.
-Tables: docs/profiles.md.
+``profile: auto`` picks one per device from its compute capability. Profiles
+and shipped configurations (``vllm``, ``hopper``, ...) are package data, so a
+configuration's name works wherever a file does (``--config hopper``). Pure
+functions; thread-safe. Tables: docs/profiles.md.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -19,10 +20,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from wspool.devices import DeviceDescription
 from wspool.errors import ConfigError
+from wspool.settings.sources import config_file_from, parse_yaml
 
 __all__ = [
     "AUTO",
@@ -31,6 +31,7 @@ __all__ = [
     "Profile",
     "ProfileChoice",
     "choose_profile",
+    "find_config_file",
     "load_profile",
     "shipped_config",
     "shipped_config_names",
@@ -71,11 +72,40 @@ def shipped_config(name: str) -> Path:
     return found
 
 
+def find_config_file(config_file: str | os.PathLike[str] | None) -> tuple[Path | None, str]:
+    """Return the YAML file to read and how it was named: given in code, else by ``WSPOOL_CONFIG``.
+
+    A path that exists is that file; otherwise a shipped configuration's name
+    (``"hopper"``, see :func:`shipped_config_names`) is that shipped file, so the
+    shipped files are reachable after ``pip install``.
+
+    Raises:
+        ConfigError: Neither a file nor a shipped configuration's name (listing those names).
+    """
+    path, how = config_file_from(config_file)
+    if path is None:
+        return None, ""
+    try:
+        exists = path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL: read_yaml names the problem
+        return path, how
+    if exists:
+        return path, how
+    known = shipped_config_names()
+    name = os.fspath(config_file) if config_file is not None else str(path)
+    if name in known:
+        return shipped_config(name), f"{how}: the shipped configuration {name}"
+    raise ConfigError(
+        f"config file {path} ({how}) does not exist or is not a file, and no shipped configuration has "
+        f"that name (shipped: {', '.join(known)})"
+    )
+
+
 #: The profile setting that picks per device.
 AUTO = "auto"
 #: The shipped profiles.
 PROFILE_NAMES = ("blackwell", "fixed", "hopper")
-#: What auto picks for a device no profile names: the seed's constants.
+#: What auto picks for a device no profile names: vLLM's fixed sizes.
 FALLBACK_PROFILE = "fixed"
 
 
@@ -121,7 +151,7 @@ def load_profile(name: str) -> Profile:
     """
     if name not in PROFILE_NAMES:
         raise KeyError(f"no profile {name!r} (profiles: {', '.join(PROFILE_NAMES)})")
-    data = yaml.safe_load(shipped_text("profiles", name))
+    data = parse_yaml(shipped_text("profiles", name), f"profile {name}")
     capabilities = tuple(
         (int(major), int(minor)) for major, minor in (str(cc).split(".") for cc in data["compute_capabilities"])
     )
@@ -145,10 +175,10 @@ def choose_profile(setting: str, description: DeviceDescription | None, *, sourc
     if setting != AUTO:
         return ProfileChoice(setting, f"profile = {setting} (from {source})")
     if description is None:
-        return ProfileChoice(FALLBACK_PROFILE, "auto: no GPU description (not a CUDA device); the seed's constants")
+        return ProfileChoice(FALLBACK_PROFILE, "auto: no GPU description (not a CUDA device); vLLM's fixed sizes")
     cc = description.compute_capability
     shown = f"compute capability {cc[0]}.{cc[1]} ({description.name})"
     for name in PROFILE_NAMES:
         if cc in load_profile(name).compute_capabilities:
             return ProfileChoice(name, f"auto: {shown} is {name}'s")
-    return ProfileChoice(FALLBACK_PROFILE, f"auto: no profile was measured for {shown}; the seed's constants")
+    return ProfileChoice(FALLBACK_PROFILE, f"auto: no profile was measured for {shown}; vLLM's fixed sizes")

@@ -1,21 +1,23 @@
 """The configuration schema and its loading: pools, rules, facts, profile, with every value checked.
 
 :func:`load_settings` merges code overrides > ``WSPOOL_*`` variables > the
-YAML file > engine knobs > the device profile > built-in defaults, key by key,
-and validates the result: a bad value raises one
-:class:`~wspool.errors.ConfigError` naming the YAML key, the variable, the
-value and its source, and nothing is allocated. Loading reads files and the
-environment once; the returned settings are immutable and thread-safe.
+YAML file > engine knobs > the device profile > built-in defaults, key by key
+(pydantic-settings sources, each read once per load), and validates the
+result: a bad value, or a rule of wspool's own pools that reads a fact nothing
+supplies, raises one :class:`~wspool.errors.ConfigError` naming the YAML key,
+the variable, the value and its source; nothing is allocated. The settings are
+immutable and thread-safe; nothing here touches CUDA. Keys: docs/profiles.md.
 """
 
 from __future__ import annotations
 
 import keyword
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -26,12 +28,12 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
-    YamlConfigSettingsSource,
 )
 
+from wspool.devices import DEVICE_FACTS
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
-from wspool.rules import FUNCTIONS, LiteralRule, compile_rule
-from wspool.settings.profiles import AUTO, PROFILE_NAMES, load_profile
+from wspool.rules import FUNCTIONS, MAX_MAGNITUDE, LiteralRule, compile_rule
+from wspool.settings.profiles import AUTO, PROFILE_NAMES, find_config_file, load_profile
 from wspool.settings.sources import (
     CONFIG_ENV_VAR,
     MAX_CONFIG_DEPTH,
@@ -39,28 +41,30 @@ from wspool.settings.sources import (
     MAX_CONFIG_VALUES,
     MAX_REPORTED_ERRORS,
     Provenance,
+    SettingsLayer,
     config_error,
-    config_file_from,
-    deep_copy,
     engine_knob_layers,
     engine_knob_settings,
     env_error,
     quote,
     read_yaml,
 )
-from wspool.units import format_size, parse_size
+from wspool.units import MiB, format_size, parse_size
 
 __all__ = [
     "BUILTIN_DEFAULTS",
     "CONFIG_ENV_VAR",
     "EXTRA_ENV_VARS",
     "GROWTH_POLICIES",
+    "LAYERS_KEYWORD",
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
     "MAX_REPORTED_ERRORS",
+    "OWN_POOLS",
     "RESERVED_FACT_NAMES",
-    "SEED_MLA_WORKSPACE_BYTES",
+    "SHAPE_FACTS",
+    "VLLM_FIXED_MLA_WORKSPACE_BYTES",
     "FactName",
     "FactValue",
     "GrowthPolicy",
@@ -73,11 +77,14 @@ __all__ = [
     "WspoolSettings",
     "check_env_names",
     "check_pool_names",
+    "check_rule_facts",
     "check_shared_pools",
+    "describe_unknown_facts",
     "iter_settings",
     "load_settings",
     "load_settings_with_provenance",
     "profile_settings",
+    "unknown_rule_facts",
     "validate_pool",
 ]
 
@@ -130,9 +137,84 @@ def _pool_name_value(value: object) -> str | None:
     return value.strip()
 
 
-#: Names a default fact may not have: the parameters of the per-call methods (facts are
-#: passed as keyword arguments next to them), Python's keywords and the rule functions.
-RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "self", *keyword.kwlist, *FUNCTIONS})
+#: Names no fact may have: the parameters of the per-call methods (``PoolRegistry.workspace``,
+#: ``resolve``, ``reserve``: facts are passed as keyword arguments next to them), Python's
+#: keywords and the rule functions. Default facts and ``--fact`` on the command line check it.
+RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "nbytes", "self", *keyword.kwlist, *FUNCTIONS})
+
+
+#: The facts wspool's own ops and integrations pass to their pools' rules: MLA decode
+#: (``wspool.flashinfer.backends.call_facts``, the trtllm-gen counters), paged attention
+#: (``wspool.flashinfer.paged``), and the vLLM plugin (``wspool.integrations.vllm_facts``, its
+#: counters' ``min_bytes``). The one list of them: tests keep it in step with those modules.
+SHAPE_FACTS = frozenset(
+    {
+        "batch_size", "q_len", "num_heads", "max_seq_len", "page_size", "dtype_bytes", "cp_world",
+        "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+        "num_tokens", "num_qo_heads", "num_kv_heads", "head_dim",
+        "kv_dtype_size", "q_heads", "min_bytes",
+    }
+)  # fmt: skip
+#: The pools of wspool's own ops and integrations. Their callers pass :data:`SHAPE_FACTS` and
+#: nothing else, so a rule of theirs that reads another name (not a device fact or one of the
+#: pool's default facts either) can never resolve: it is refused when the configuration loads.
+OWN_POOLS = frozenset(
+    {"flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters"}
+)
+
+
+def unknown_rule_facts(settings: WspoolSettings) -> list[tuple[tuple[str, ...], str, list[str]]]:
+    """Return the rules that read a name no known source supplies.
+
+    Known: :data:`SHAPE_FACTS`, the device facts (``sm_count``, ...) and the pool's own
+    default facts. A pool a backend declares in code (``declare_pool``) may pass others.
+
+    Returns:
+        ``(the rule's key path, its source, the unknown names)`` per such rule, sorted by key.
+    """
+    found: list[tuple[tuple[str, ...], str, list[str]]] = []
+    for pool_name in sorted(settings.pools):
+        pool = settings.pools[pool_name]
+        known = SHAPE_FACTS | set(DEVICE_FACTS) | set(pool.facts)
+        for rule_name in sorted(pool.rules):
+            source = pool.rules[rule_name]
+            unknown = [name for name in compile_rule(source).names if name not in known]
+            if unknown:
+                found.append((("pools", pool_name, "rules", rule_name), source, unknown))
+    return found
+
+
+def describe_unknown_facts(path: tuple[str, ...], source: str, names: list[str], where: str = "") -> str:
+    """Say what a rule that reads unknown ``names`` reads (see :func:`unknown_rule_facts`), and what is known.
+
+    Args:
+        path: The rule's key path.
+        source: The rule as written.
+        names: The names no known source supplies.
+        where: Where the rule came from, e.g. ``" (from YAML file c.yaml)"``.
+    """
+    return (
+        f"{setting_names(path)[0]} = {quote(source)}{where} reads {', '.join(names)}, which is neither a size "
+        f"nor a fact that pool {path[1]!r} is given (wspool's ops pass {', '.join(sorted(SHAPE_FACTS))}; the "
+        f"device gives {', '.join(DEVICE_FACTS)}; the pool's default facts are set in pools.{path[1]}.facts)"
+    )
+
+
+def check_rule_facts(settings: WspoolSettings, provenance: Provenance | None = None) -> None:
+    """Refuse a rule of one of :data:`OWN_POOLS` that reads a name no call, device or default supplies.
+
+    Raises:
+        ConfigError: Naming the rule's key and variable, its source and the facts that are known.
+    """
+    for path, source, names in unknown_rule_facts(settings):
+        if path[1] in OWN_POOLS:
+            where = f" (from {provenance.source_of(path)})" if provenance is not None else ""
+            raise ConfigError(
+                f"invalid wspool configuration: {describe_unknown_facts(path, source, names, where)}; set "
+                f"{describe_setting(path)} (a size takes a unit, e.g. 256MiB), or, if a call passes {names[0]}, "
+                f"give it a default in {describe_setting(('pools', path[1], 'facts', names[0]))}",
+                path=path,
+            )
 
 
 def _fact_name(value: object) -> str:
@@ -149,11 +231,15 @@ def _fact_name(value: object) -> str:
 
 
 def _fact_value(value: object) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    number = value
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        # 2**64 has 20 digits; a longer string need not be converted (and int() refuses 4,300 digits).
+        number = int(value.strip()) if len(value.strip()) <= 20 else MAX_MAGNITUDE + 1
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
         raise ValueError(f"a fact must be a non-negative integer, got {type(value).__name__} {quote(value)}")
-    return value
+    if number > MAX_MAGNITUDE:
+        raise ValueError(f"a fact must be at most 2**64 (a rule refuses larger facts), got {quote(value)}")
+    return number
 
 
 RuleSource = Annotated[str, BeforeValidator(_rule_value)]
@@ -173,30 +259,59 @@ def _profile_value(value: object) -> str:
 ProfileSetting = Annotated[str, BeforeValidator(_profile_value)]
 
 
-def check_env_names(setting_names: Iterable[str], extra_env_vars: Iterable[str]) -> None:
-    """Refuse a ``WSPOOL_*`` variable that names no setting (pydantic-settings would ignore it).
+def check_env_names(
+    setting_names: Iterable[str] | None = None,
+    extra_env_vars: Iterable[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a ``WSPOOL_*`` variable that is not in upper case, or that names no setting.
+
+    wspool reads its variables by their exact, upper-case names, so ``wspool_config``
+    would be ignored, and one setting given in two cases would be decided by the
+    environment's order: such a variable is refused by name. A ``WSPOOL_*`` variable
+    that names no setting would be ignored too (pydantic-settings skips it): refused.
+    Components that read a ``WSPOOL_*`` variable of their own (the vLLM plugin's
+    ``WSPOOL_VLLM``) call this before reading it.
 
     Args:
-        setting_names: The top-level settings.
-        extra_env_vars: ``WSPOOL_*`` variables that are not settings but are read elsewhere.
+        setting_names: The top-level settings; default :class:`WspoolSettings`' fields.
+        extra_env_vars: ``WSPOOL_*`` variables that are not settings but are read elsewhere;
+            default :data:`EXTRA_ENV_VARS`.
+        environ: The environment; default ``os.environ``.
+
+    Raises:
+        ConfigError: Naming the variable and the name to use instead.
     """
-    extra = tuple(extra_env_vars)
-    fields = {name.upper() for name in setting_names}
-    unknown = []
-    for name in sorted(os.environ):
+    environ = os.environ if environ is None else environ
+    fields = {name.upper() for name in (WspoolSettings.model_fields if setting_names is None else setting_names)}
+    extra = tuple(EXTRA_ENV_VARS if extra_env_vars is None else extra_env_vars)
+    unknown, miscased = [], []
+    for name in sorted(environ):
         upper = name.upper()
-        if not upper.startswith(ENV_PREFIX) or upper in extra:
+        if not upper.startswith(ENV_PREFIX):
             continue
         head, nested, _ = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
-        if head not in fields or (nested and head != "POOLS"):
+        known = upper in extra or (head in fields and (not nested or head == "POOLS"))
+        if not known:
             unknown.append(name)
+        elif name != upper:
+            miscased.append(name)
+    if miscased:
+        fixes = "; ".join(f"set {printable(n.upper())}, not {printable(n)}" for n in miscased[:MAX_REPORTED_ERRORS])
+        more = f" and {len(miscased) - MAX_REPORTED_ERRORS} more" if len(miscased) > MAX_REPORTED_ERRORS else ""
+        raise ConfigError(
+            f"environment variable(s) {', '.join(printable(n) for n in miscased[:MAX_REPORTED_ERRORS])}{more} "
+            f"not in upper case: wspool's {ENV_PREFIX}* variables are upper case, and one in another case "
+            f"would be ignored or clash with its upper-case twin; {fixes}",
+            path=tuple(miscased[0].upper()[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)),
+        )
     if unknown:
-        known = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
+        known_names = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
         shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
         more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
         raise ConfigError(
             f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
-            f"(check the spelling; the variables are {known}, and pools are set through "
+            f"(check the spelling; the variables are {known_names}, and pools are set through "
             f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)",
             path=(unknown[0][len(ENV_PREFIX) :].lower(),),
         )
@@ -205,8 +320,9 @@ def check_env_names(setting_names: Iterable[str], extra_env_vars: Iterable[str])
 def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:
     """Refuse empty pool or rule names, and pool names that differ only in case.
 
-    Environment variables are matched case-insensitively, so ``WSPOOL_POOLS__MYPOOL__...``
-    names ``mypool``: a YAML pool ``MyPool`` next to it would otherwise be a second pool.
+    Environment variables are upper case and name pools in lower case, so
+    ``WSPOOL_POOLS__MYPOOL__...`` names ``mypool``: a YAML pool ``MyPool`` next to it
+    would otherwise be a second pool.
     """
     where = source_of or (lambda path: "code")
     by_folded: dict[str, str] = {}
@@ -263,23 +379,28 @@ def check_shared_pools(settings: WspoolSettings, provenance: Provenance | None =
         )
 
 
+#: The init keyword through which :func:`load_settings` hands :class:`WspoolSettings` the layers
+#: below the code overrides, read once: the environment, the YAML file, the engine knobs, a profile.
+LAYERS_KEYWORD = "_wspool_layers"
+
 #: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
 #: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
 #: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``.
 EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_VLLM", "WSPOOL_VLLM_DEVICE")
 
-#: The seed's sizes: 128 MiB for plain MLA decode, 256 MiB when the LSE is returned.
-#: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
-#: two one after another on one stream. Its rules bound the split-KV partial outputs that
-#: FlashInfer's eager plans carve (``wspool.flashinfer.paged`` derives them).
+#: vLLM's fixed sizes (its FlashInfer MLA backend after PR #47074): 128 MiB for plain MLA
+#: decode, 256 MiB when the LSE is returned. FlashInfer paged attention (pool ``flashinfer``)
+#: shares that buffer: engines run the two one after another on one stream. Its rules bound
+#: the split-KV partial outputs that FlashInfer's eager plans carve (``wspool.flashinfer.paged``
+#: derives them).
 #: The ``flashinfer_mla`` pool's default facts are DeepSeek's and Kimi's MLA geometry, for
 #: call sites that pass none (a caller's facts win). ``configs/default.yaml`` carries the
 #: same values (a test keeps them equal).
-SEED_MLA_WORKSPACE_BYTES: Mapping[str, int] = MappingProxyType({"default": 128 << 20, "lse": 256 << 20})
+VLLM_FIXED_MLA_WORKSPACE_BYTES: Mapping[str, int] = MappingProxyType({"default": 128 * MiB, "lse": 256 * MiB})
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "pools": {
         "flashinfer_mla": {
-            "rules": {rule: f"{nbytes >> 20}MiB" for rule, nbytes in SEED_MLA_WORKSPACE_BYTES.items()},
+            "rules": {rule: format_size(nbytes) for rule, nbytes in VLLM_FIXED_MLA_WORKSPACE_BYTES.items()},
             "facts": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "q_len": 1, "cp_world": 1},
         },
         "flashinfer": {
@@ -291,6 +412,18 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
         },
     },
 }
+
+
+def __getattr__(name: str) -> Any:
+    """Serve ``SEED_MLA_WORKSPACE_BYTES``, the deprecated name of :data:`VLLM_FIXED_MLA_WORKSPACE_BYTES`."""
+    if name == "SEED_MLA_WORKSPACE_BYTES":
+        warnings.warn(
+            "wspool.settings.schema.SEED_MLA_WORKSPACE_BYTES is deprecated; use VLLM_FIXED_MLA_WORKSPACE_BYTES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return VLLM_FIXED_MLA_WORKSPACE_BYTES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class PoolConfig(BaseModel):
@@ -346,7 +479,7 @@ class WspoolSettings(BaseSettings):
 
     Attributes:
         pools: Pool name -> its settings. Pool names are lower case (environment
-            variable names are matched case-insensitively).
+            variables are upper case and name pools in lower case).
         debug_streams: Warn when one pool's buffer is handed to two CUDA streams
             without ordering between them (costs a stream query per call).
         profile: ``auto`` (pick per device from its compute capability) or the
@@ -364,8 +497,6 @@ class WspoolSettings(BaseSettings):
     debug_streams: bool = False
     profile: ProfileSetting = AUTO
 
-    # The profile layer of this class's sources (see profile_settings), just above the built-in defaults.
-    _profile_layer: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
     # How load_settings built these settings, so profile_settings can layer a profile under the same inputs.
     _load_inputs: tuple[Path | None, dict[str, Any]] | None = PrivateAttr(default=None)
 
@@ -378,32 +509,40 @@ class WspoolSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        yaml_file = settings_cls.model_config.get("yaml_file")
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if yaml_file is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
-        knobs = engine_knob_settings()
-        if knobs:
-            sources.append(InitSettingsSource(settings_cls, init_kwargs=knobs))
-        layer = getattr(settings_cls, "_profile_layer", None)
-        if layer is not None:
-            sources.append(InitSettingsSource(settings_cls, init_kwargs=deep_copy(layer[1])))
-        sources.append(InitSettingsSource(settings_cls, init_kwargs=deep_copy(BUILTIN_DEFAULTS)))
-        return tuple(sources)
+        """Return the sources, highest precedence first: code, the layers below it, the built-in defaults.
+
+        :func:`load_settings` reads each layer once (the environment, the YAML file,
+        the engine knobs, a profile) for its provenance too, and passes them in the
+        init keyword :data:`LAYERS_KEYWORD`. Settings built directly
+        (``WspoolSettings()``) read the environment and the engine knobs here.
+        """
+        code = dict(init_settings.init_kwargs) if isinstance(init_settings, InitSettingsSource) else {}
+        layers: Sequence[Mapping[str, Any]] | None = code.pop(LAYERS_KEYWORD, None)
+        below_code = (
+            [SettingsLayer(settings_cls, data) for data in layers]
+            if layers is not None
+            else [env_settings, SettingsLayer(settings_cls, engine_knob_settings())]
+        )
+        return (
+            InitSettingsSource(settings_cls, init_kwargs=code),
+            *below_code,
+            SettingsLayer(settings_cls, BUILTIN_DEFAULTS),
+        )
 
 
 def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> WspoolSettings:
     """Load and validate the configuration.
 
     Args:
-        config_file: A YAML file; when ``None``, the file named by
-            ``WSPOOL_CONFIG``, if set. A named file that does not exist is an error.
+        config_file: A YAML file, or a shipped configuration's name (``"hopper"``; a
+            file of that name wins); when ``None``, the one ``WSPOOL_CONFIG`` names,
+            if set. One that is neither a file nor a shipped name is an error.
         **overrides: Values given in code, highest precedence, e.g.
             ``pools={"flashinfer_mla": {"rules": {"lse": "512MiB"}}}``.
 
     Returns:
-        The validated settings. Its provenance is available as
-        ``settings_provenance(settings)``.
+        The validated settings; :func:`load_settings_with_provenance` also says
+        where each value came from.
 
     Raises:
         ConfigError: The file is missing or not valid YAML, or a value is invalid.
@@ -438,33 +577,27 @@ def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSett
 def _load(
     config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
 ) -> tuple[WspoolSettings, Provenance]:
-    path, how = config_file_from(config_file)
+    check_env_names()
+    path, how = find_config_file(config_file)
     yaml_data = read_yaml(path, how, WspoolSettings.model_fields) if path is not None else {}
-    settings_cls: type[WspoolSettings] = WspoolSettings
-    profile_layer = None if profile is None else (f"profile {profile}", load_profile(profile).settings)
-    if path is not None or profile_layer is not None:
-        settings_cls = type(
-            "WspoolSettings",
-            (WspoolSettings,),
-            {"model_config": {**WspoolSettings.model_config, "yaml_file": path}, "_profile_layer": profile_layer},
-        )
-    check_env_names(WspoolSettings.model_fields, EXTRA_ENV_VARS)
     try:
-        env_data = EnvSettingsSource(settings_cls)()
+        env_data = EnvSettingsSource(WspoolSettings)()
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
-    layers = [("code", overrides), ("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
-    if profile_layer is not None:
-        layers.append((profile_layer[0], dict(profile_layer[1])))
-    provenance = Provenance([*layers, ("default", BUILTIN_DEFAULTS)], path)
+    layers: list[tuple[str, Mapping[str, Any]]] = [("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
+    if profile is not None:
+        layers.append((f"profile {profile}", load_profile(profile).settings))
+    provenance = Provenance([("code", overrides), *layers, ("default", BUILTIN_DEFAULTS)], path)
     try:
-        settings = settings_cls(**overrides)
+        given: dict[str, Any] = {**overrides, LAYERS_KEYWORD: [data for _, data in layers]}
+        settings = WspoolSettings(**given)
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
     except ValidationError as exc:
         raise config_error(exc, provenance) from None
     _check_names(settings, provenance)
     check_shared_pools(settings, provenance)
+    check_rule_facts(settings, provenance)
     settings._load_inputs = (path, overrides)
     return settings, provenance
 

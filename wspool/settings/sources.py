@@ -1,11 +1,11 @@
 """Where settings come from: the strict YAML reader, the engines' own workspace variables, and provenance.
 
-Every value keeps where it came from (:class:`Provenance`), so an error names
-the source, the YAML key and the ``WSPOOL_*`` variable. The YAML reader
-refuses duplicate keys, tags and aliases that could hide a value; the engine
-knobs (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``...) sit just above the
-profile. Pure functions over text and mappings; thread-safe. Precedence and
-every key: README's Configuration section and docs/profiles.md.
+Every YAML file wspool reads goes through :func:`read_yaml_file`, which refuses
+duplicate keys, unsafe tags and documents over its bounds; every value keeps
+where it came from (:class:`Provenance`), so an error names the source, the
+YAML key and the ``WSPOOL_*`` variable. The engine knobs
+(``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``...) sit just above the profile.
+Pure functions over files, text and mappings; thread-safe. Precedence: README.
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ import json
 import os
 import re
 import reprlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, setting_names
-from wspool.units import format_size
+from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, readable_int, setting_names
+from wspool.units import KiB, format_size
 
 __all__ = [
     "CONFIG_ENV_VAR",
@@ -32,14 +34,17 @@ __all__ = [
     "MAX_CONFIG_VALUES",
     "MAX_REPORTED_ERRORS",
     "Provenance",
+    "SettingsLayer",
     "config_error",
     "config_file_from",
     "deep_copy",
     "engine_knob_layers",
     "engine_knob_settings",
     "env_error",
+    "parse_yaml",
     "quote",
     "read_yaml",
+    "read_yaml_file",
 ]
 
 
@@ -50,6 +55,27 @@ def deep_copy(data: Any) -> Any:
     return data
 
 
+class SettingsLayer(PydanticBaseSettingsSource):
+    """A pydantic-settings source holding one layer of settings already read.
+
+    The environment, a YAML file, an engine knob, a profile or the built-in
+    defaults: :func:`wspool.settings.schema.load_settings` reads each once and
+    lists them in ``WspoolSettings.settings_customise_sources``' order.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self.data = data
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        """Return one field's value (pydantic-settings calls :meth:`__call__` instead)."""
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        """Return the layer, copied: the merge of the sources must not share dicts between them."""
+        return dict(deep_copy(self.data))
+
+
 class Provenance:
     """Where each value of a loaded configuration came from.
 
@@ -57,7 +83,7 @@ class Provenance:
         config_file: The YAML file that was read, if any.
     """
 
-    def __init__(self, layers: list[tuple[str, dict[str, Any]]], config_file: Path | None) -> None:
+    def __init__(self, layers: Sequence[tuple[str, Mapping[str, Any]]], config_file: Path | None) -> None:
         self._layers = layers
         self.config_file = config_file
 
@@ -85,7 +111,15 @@ class Provenance:
 #: Validation errors quoted in one ConfigError; the rest are counted.
 MAX_REPORTED_ERRORS = 5
 
-_quote = reprlib.Repr()
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's shortened repr, with integers of any size (``repr`` refuses more than 4,300 digits)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return readable_int(x)
+
+
+_quote = _ShortRepr()
 _quote.maxlevel = 3
 _quote.maxstring = 80
 _quote.maxother = 80
@@ -178,7 +212,7 @@ def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provena
 CONFIG_ENV_VAR = "WSPOOL_CONFIG"
 #: The largest YAML file read; a real configuration is a few hundred bytes. The bound keeps
 #: parsing with pure-Python PyYAML well under a second.
-MAX_CONFIG_FILE_BYTES = 64 << 10
+MAX_CONFIG_FILE_BYTES = 64 * KiB
 #: The most values (mappings, lists and scalars) a file may hold once its aliases are expanded.
 MAX_CONFIG_VALUES = 10_000
 #: The deepest nesting a file may have; the schema itself is four levels deep.
@@ -195,46 +229,68 @@ def config_file_from(config_file: str | os.PathLike[str] | None) -> tuple[Path |
     return None, ""
 
 
-def read_yaml(path: Path, how: str, keys: Iterable[str]) -> dict[str, Any]:
-    """Read ``path`` with the strict safe loader and check its bounds.
+def read_yaml_file(
+    path: Path, *, what: str = "config file", how: str = "", error: type[ConfigError] = ConfigError
+) -> Any:
+    """Read any YAML file wspool takes with the strict safe loader, within the size and nesting bounds.
 
-    ``keys`` are the top-level settings, named in the error for a key that is not a string.
+    Args:
+        path: The file.
+        what: What the file is, named in errors (``"config file"``, ``"shapes file"``).
+        how: How it was named (``"given explicitly"``), named in errors; empty: not named.
+        error: The :class:`~wspool.errors.ConfigError` subclass to raise.
+
+    Returns:
+        The document: ``None`` for an empty file, else a mapping, list or scalar.
 
     Raises:
-        ConfigError: The file is missing, unreadable, malformed or over a bound.
+        ConfigError: The file is missing, unreadable, malformed or over a bound (as ``error``).
     """
+    named = f" ({how})" if how else ""
+    config = what == "config file"
     try:
         is_file = path.is_file()
     except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
         why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
-        raise ConfigError(f"cannot read config file {quote(str(path))} ({how}): {why}") from None
+        raise error(f"cannot read {what} {quote(str(path))}{named}: {why}") from None
     if not is_file:
-        raise ConfigError(f"config file {path} ({how}) does not exist or is not a file")
+        raise error(f"{what} {path}{named} does not exist or is not a file")
     try:
         with path.open(encoding="utf-8") as handle:
             text = handle.read(MAX_CONFIG_FILE_BYTES + 1)
         if len(text) > MAX_CONFIG_FILE_BYTES:
-            raise ConfigError(
-                f"config file {path} ({how}) is larger than {format_size(MAX_CONFIG_FILE_BYTES)}; "
-                f"a wspool configuration is a few hundred bytes"
-            )
+            typical = "; a wspool configuration is a few hundred bytes" if config else ""
+            raise error(f"{what} {path}{named} is larger than {format_size(MAX_CONFIG_FILE_BYTES)}{typical}")
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"invalid YAML in config file {where}: {problem}") from None
+        raise error(f"invalid YAML in {what} {where}: {problem}") from None
     except RecursionError:
-        raise ConfigError(f"invalid YAML in config file {path}: it nests too deeply") from None
+        raise error(f"invalid YAML in {what} {path}: it nests too deeply") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path} ({how}): {exc}") from None
+        raise error(f"cannot read {what} {path}{named}: {exc}") from None
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
         # PyYAML's constructors raise these for tagged or date-like scalars they cannot build
         # (!!timestamp x, !!bool maybe, 2021-13-45, !!int abc, an integer of 5,000 digits).
         detail = quote(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        raise ConfigError(f"invalid YAML value in config file {path}: {detail}") from None
+        raise error(f"invalid YAML value in {what} {path}: {detail}") from None
+    _check_size_and_depth(data, f"{what} {path}", config, error)
+    return data
+
+
+def read_yaml(path: Path, how: str, keys: Iterable[str]) -> dict[str, Any]:
+    """Read a configuration file: :func:`read_yaml_file`, and a mapping with string keys at the top.
+
+    ``keys`` are the top-level settings, named in the error for a key that is not a string.
+
+    Raises:
+        ConfigError: The file is missing, unreadable, malformed or over a bound.
+    """
+    data = read_yaml_file(path, how=how)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -244,15 +300,28 @@ def read_yaml(path: Path, how: str, keys: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"config file {path}: top-level key {quote(key)} is not a string (the keys are {', '.join(keys)})"
             )
-    _check_size_and_depth(data, path)
     return data
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Parse YAML text that wspool ships (its profiles) with the strict loader.
+
+    Raises:
+        ConfigError: The text is not valid YAML, naming ``where``.
+    """
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML in {where}: {' '.join(str(exc).split())}") from None
 
 
 class _StrictLoader(yaml.SafeLoader):
     """The safe loader, refusing a key given twice in one mapping (the last one would win silently).
 
-    A scalar PyYAML cannot build (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``,
-    ``!!int abc``, an integer of 5,000 digits) becomes a YAML error at its line.
+    A key that a merge (``<<: *base``) brings in may be given again explicitly: the
+    explicit one wins, as YAML specifies. A scalar PyYAML cannot build
+    (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``, ``!!int abc``, an integer of
+    5,000 digits) becomes a YAML error at its line.
     """
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
@@ -266,10 +335,22 @@ class _StrictLoader(yaml.SafeLoader):
             ) from None  # fmt: skip
 
 
-def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_repeated_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: bool, checked: set[int]) -> None:
+    """Refuse a key written twice in ``node`` or in a mapping it merges in (``checked``: nodes already seen)."""
+    if id(node) in checked:
+        return
+    checked.add(id(node))
     seen: dict[object, yaml.Node] = {}
-    for key_node, _ in node.value:
+    for key_node, value_node in node.value:
+        if key_node.tag == _MERGE_TAG:
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in sources:
+                if isinstance(source, yaml.MappingNode):
+                    _refuse_repeated_keys(loader, source, deep, checked)
+            continue
         key = loader.construct_object(key_node, deep=deep)
         try:
             first = seen.get(key)
@@ -281,13 +362,19 @@ def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, dee
                 key_node.start_mark,
             )  # fmt: skip
         seen[key] = key_node
+
+
+def _construct_strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    # Checked before the merge keys are flattened: flattening puts the merged keys first and the
+    # explicit ones after them, so construct_mapping lets an explicit key override a merged one.
+    _refuse_repeated_keys(loader, node, deep, set())
     return loader.construct_mapping(node, deep=deep)
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_strict_mapping)
 
 
-def _check_size_and_depth(data: object, path: Path) -> None:
+def _check_size_and_depth(data: object, where: str, config: bool, error: type[ConfigError]) -> None:
     """Refuse a document too large or too deep once aliases are expanded (iteratively: no recursion)."""
     stack: list[tuple[object, int]] = [(data, 0)]
     count = 0
@@ -295,12 +382,11 @@ def _check_size_and_depth(data: object, path: Path) -> None:
         node, depth = stack.pop()
         count += 1
         if count > MAX_CONFIG_VALUES:
-            raise ConfigError(
-                f"config file {path} holds more than {MAX_CONFIG_VALUES} values once its YAML aliases "
-                f"are expanded; a wspool configuration holds a few dozen"
-            )
+            typical = "; a wspool configuration holds a few dozen" if config else ""
+            expanded = f"values once its YAML aliases are expanded{typical}"
+            raise error(f"{where} holds more than {MAX_CONFIG_VALUES} {expanded}")
         if depth > MAX_CONFIG_DEPTH:
-            raise ConfigError(f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels")
+            raise error(f"{where} nests deeper than {MAX_CONFIG_DEPTH} levels")
         if isinstance(node, dict):
             stack.extend((child, depth + 1) for child in node.values())
         elif isinstance(node, (list, tuple, set)):

@@ -1,16 +1,12 @@
-"""``wspool bench``: the per-call path against the seed's bare function, and the GPU sections.
+"""``wspool bench``: the per-call path against vLLM's bare function, and the GPU sections.
 
-The seed (vLLM's FlashInfer MLA backend) kept one module-level buffer and a
-size check: ``_get_workspace_buffer(return_lse)``. wspool replaces it with a
-registry lookup and a rule resolution, which must stay within a small factor
-of it. Figures are medians over many timed batches after warm-up.
-
-:func:`run_benchmarks` runs every section in one process and returns plain
-data (what ``--json`` writes and :mod:`wspool.tools.bench_report` prints and
-plots): ``hot_path`` here, and on a CUDA device ``mla_decode``,
-``decode_step`` and ``memory`` from :mod:`wspool.tools.bench_gpu`. A section that
-cannot run holds ``{"skipped": "<why>"}``; one that raised holds
-``{"failed": "<error>"}`` and the others still run.
+vLLM's FlashInfer MLA backend keeps one module-level buffer and a size check,
+``_get_workspace_buffer(return_lse)``; wspool's registry lookup and rule
+resolution must stay within a small factor of it. :func:`run_benchmarks` runs
+every section in one process and returns plain data (``hot_path`` here, the
+GPU sections from :mod:`wspool.tools.bench_gpu`); a section that cannot run or
+raised says so and the others still run. Single-threaded; the GPU sections use
+the current CUDA device. Sections and figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -31,8 +27,9 @@ import torch
 from wspool.flashinfer.backends import BLACKWELL_ARCHS
 from wspool.registry import PoolRegistry
 from wspool.settings.profiles import shipped_config
-from wspool.settings.schema import SEED_MLA_WORKSPACE_BYTES
+from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 from wspool.tools.sweep import DEFAULT_SHAPES, MLAShape
+from wspool.units import GiB
 
 __all__ = [
     "SECTIONS",
@@ -50,10 +47,10 @@ SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
 _LSE_EXPRESSION = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB + 32MiB"
 
 
-def _seed_function(device: torch.device) -> Callable[[bool], torch.Tensor]:
-    """Rebuild the seed's ``_get_workspace_buffer`` (a module global and one size check)."""
+def _vllm_function(device: torch.device) -> Callable[[bool], torch.Tensor]:
+    """Rebuild vLLM's ``_get_workspace_buffer`` (a module global and one size check)."""
     state: dict[str, torch.Tensor | None] = {"buffer": None}
-    default_bytes, lse_bytes = SEED_MLA_WORKSPACE_BYTES["default"], SEED_MLA_WORKSPACE_BYTES["lse"]
+    default_bytes, lse_bytes = VLLM_FIXED_MLA_WORKSPACE_BYTES["default"], VLLM_FIXED_MLA_WORKSPACE_BYTES["lse"]
 
     def _get_workspace_buffer(return_lse: bool) -> torch.Tensor:
         buffer_size = lse_bytes if return_lse else default_bytes
@@ -84,6 +81,7 @@ class HotPathFigures:
     """Median per-call costs of the hot path, in nanoseconds."""
 
     device: str
+    # "seed" names vLLM's function in the JSON keys, which saved figure files (--plot-from) still carry.
     seed_bare_ns: float
     literal_rule_ns: float
     expression_rule_ns: float
@@ -91,7 +89,7 @@ class HotPathFigures:
 
     @property
     def literal_vs_seed(self) -> float:
-        """How many times the seed's cost a literal-rule request costs."""
+        """How many times vLLM's cost a literal-rule request costs."""
         return self.literal_rule_ns / self.seed_bare_ns
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,7 +98,7 @@ class HotPathFigures:
 
 
 def measure_hot_path(device: str = "cpu", *, repeats: int = 101) -> HotPathFigures:
-    """Measure ``reg.workspace(...)`` against the seed's function on ``device``.
+    """Measure ``reg.workspace(...)`` against vLLM's function on ``device``.
 
     All three are timed in the same run, each through a closure of the same
     shape, so the loop's own overhead (reported as ``empty_loop_ns``) is in
@@ -110,11 +108,11 @@ def measure_hot_path(device: str = "cpu", *, repeats: int = 101) -> HotPathFigur
         pools={"flashinfer_mla": {"rules": {"default": "128MiB", "lse": "256MiB", "lse_expr": _LSE_EXPRESSION}}}
     )
     target = torch.device(device)
-    seed = _seed_function(target)
+    vllm = _vllm_function(target)
     workspace = registry.workspace
 
-    def seed_call() -> object:
-        return seed(True)
+    def vllm_call() -> object:
+        return vllm(True)
 
     def literal_call() -> object:
         return workspace("flashinfer_mla", device, rule="lse")
@@ -127,7 +125,7 @@ def measure_hot_path(device: str = "cpu", *, repeats: int = 101) -> HotPathFigur
 
     return HotPathFigures(
         device=str(target),
-        seed_bare_ns=time_per_call_ns(seed_call, repeats=repeats),
+        seed_bare_ns=time_per_call_ns(vllm_call, repeats=repeats),
         literal_rule_ns=time_per_call_ns(literal_call, repeats=repeats),
         expression_rule_ns=time_per_call_ns(expression_call, repeats=repeats),
         empty_loop_ns=time_per_call_ns(empty_call, repeats=repeats),
@@ -162,7 +160,7 @@ def machine_info(device: torch.device | None) -> dict[str, str]:
         props = torch.cuda.get_device_properties(device)
         info["gpu"] = (
             f"{props.name} (compute capability {props.major}.{props.minor}, "
-            f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
+            f"{props.multi_processor_count} SMs, {props.total_memory / GiB:.0f} GiB)"
         )
         info["cuda"] = str(torch.version.cuda)
     return info

@@ -1,26 +1,12 @@
 """GPU benchmarks of MLA decode through wspool against the same FlashInfer calls made directly.
 
-Three measurements, each on the current CUDA device with random data:
-
-- :func:`measure_mla_decode`: one ``mla_decode`` call per step (the op plans
-  and runs, as a backend does per step) against the same CSR conversion,
-  ``plan()`` and ``run()`` made directly on a preallocated buffer of the
-  same size, for each query form: the packed ``[tokens, heads, 576]`` one
-  FlashInfer's wrapper takes, and the 4-D ``[batch, q_len, heads, 576]`` one,
-  which the op and a direct backend alike reshape to FlashInfer's form and
-  back (the rows also give what those reshapes cost the direct calls);
-- :func:`measure_decode_step`: one decode step of 61 layer calls through an
-  :class:`~wspool.flashinfer.MLADecodePlan` (one plan per step, then
-  ``run()`` per layer, packed queries) against ``run()`` on a directly
-  pre-planned wrapper, and the step replayed from a CUDA graph;
-- :func:`measure_memory`: per shape, the true minimum float workspace, the
-  measured rule's size and the seed's constant.
-
-Times are medians of host clocks around synchronised calls, after warm-up,
-with the two variants run in pairs (alternating which goes first) and the
-garbage collector paused; the added time is the median of the per-pair
-differences, which drift between pairs does not move. The planned wrapper
-path only (Hopper, Ampere); Blackwell's trtllm-gen path is not compared here.
+:func:`measure_mla_decode` times one step's ``mla_decode`` (plan and run) per
+query form, :func:`measure_decode_step` a step of 61 layer calls through one
+plan (and replayed from a CUDA graph), :func:`measure_memory` the true minimum
+workspace per shape against the measured rule and vLLM's fixed size. Each runs
+on the current CUDA device, single-threaded, with the two variants timed in
+alternating pairs; the planned wrapper only (Hopper, Ampere). Method and
+figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -37,7 +23,7 @@ import torch
 from wspool.flashinfer import MLADecodePlan, backends, mla_decode, mla_decode_plan
 from wspool.flashinfer.backends import select_path
 from wspool.registry import PoolRegistry
-from wspool.tools.calibrate import SEED_CONSTANTS
+from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 from wspool.tools.direct import PAGE_SIZE, SM_SCALE, DecodeInputs, DirectMLA
 from wspool.tools.mla_probe import MLAWorkspaceProbe
 from wspool.tools.sweep import MLAShape
@@ -139,8 +125,8 @@ class MemoryRow:
 
     @property
     def constant_bytes(self) -> int:
-        """The seed's fixed size for this call (128 MiB, or 256 MiB with the LSE)."""
-        return SEED_CONSTANTS[self.shape.rule]
+        """vLLM's fixed size for this call (128 MiB, or 256 MiB with the LSE)."""
+        return VLLM_FIXED_MLA_WORKSPACE_BYTES[self.shape.rule]
 
     def as_dict(self) -> dict[str, Any]:
         """Return the row as plain data."""
@@ -391,7 +377,7 @@ def _graph_step_us(
 
 
 def measure_memory(registry: PoolRegistry, shapes: Sequence[MLAShape], probe: MLAWorkspaceProbe) -> list[MemoryRow]:
-    """Per shape: the true minimum (searched), the rule's size (run and checked), the seed's constant."""
+    """Per shape: the true minimum (searched), the rule's size (run and checked), vLLM's fixed size."""
     rows = []
     for shape in shapes:
         minimum = probe.search(shape).min_bytes

@@ -15,11 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from wspool.errors import WspoolError
-from wspool.units import format_size
+from wspool.units import MiB, format_size
 
 __all__ = ["BenchError", "failed_sections", "format_report", "load_figures", "plot_memory", "save_figures"]
-
-_MiB = 1 << 20
 
 
 class BenchError(WspoolError):
@@ -48,9 +46,9 @@ def _hot_path(figures: Mapping[str, Any]) -> list[str]:
         return []
     return [
         f"(a) hot path on {hot['device']} (median per call, same run):",
-        f"  seed _get_workspace_buffer(True)       {hot['seed_bare_ns']:8.1f} ns",
+        f"  vLLM's _get_workspace_buffer(True)     {hot['seed_bare_ns']:8.1f} ns",
         f"  reg.workspace(..., rule='lse') literal {hot['literal_rule_ns']:8.1f} ns  "
-        f"({hot['literal_vs_seed']:.2f}x the seed)",
+        f"({hot['literal_vs_seed']:.2f}x vLLM's)",
         f"  reg.workspace(..., rule=expr, facts)   {hot['expression_rule_ns']:8.1f} ns",
         f"  empty call (loop overhead)             {hot['empty_loop_ns']:8.1f} ns",
     ]
@@ -215,9 +213,9 @@ def plot_memory(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> Non
     rows = section["rows"]
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(max(8.0, 0.42 * len(rows)), 5.0))
-    ax.step(x, [r["constant_bytes"] / _MiB for r in rows], where="mid", label="fixed constant (128 / 256 MiB)")
-    ax.plot(x, [r["rule_bytes"] / _MiB for r in rows], "o-", label="measured rule")
-    ax.plot(x, [r["minimum_bytes"] / _MiB for r in rows], "x", markersize=9, label="true minimum")
+    ax.step(x, [r["constant_bytes"] / MiB for r in rows], where="mid", label="fixed constant (128 / 256 MiB)")
+    ax.plot(x, [r["rule_bytes"] / MiB for r in rows], "o-", label="measured rule")
+    ax.plot(x, [r["minimum_bytes"] / MiB for r in rows], "x", markersize=9, label="true minimum")
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     ax.set_ylabel("workspace per call (MiB, log scale)")

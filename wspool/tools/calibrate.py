@@ -1,16 +1,11 @@
 """``wspool calibrate``: measure the workspace MLA decode needs, derive the rules, write them.
 
-For each shape the smallest workspace with which the kernel accepts the call
-is found by :func:`wspool.tools.search.search_min_bytes`, exact to ``granularity`` bytes. The
-rules are then derived per rule name (``default``, ``lse``): the first
-candidate formula that covers every measured minimum and reserves at most
-``max_ratio`` times it, else the peak as a literal. Finally each shape runs
-at its minimum and at the rule's size (see
-:class:`wspool.tools.mla_probe.MLAWorkspaceProbe`), and the rules are
-written as a YAML file that :meth:`wspool.PoolRegistry.from_config` loads.
-
-The search, the derivation and the file are plain Python, tested on the CPU
-with a fake kernel; only the probe needs the GPU.
+Per shape, :func:`wspool.tools.search.search_min_bytes` finds the smallest
+workspace the kernel accepts; per rule name the first candidate formula that
+covers every minimum within ``max_ratio`` is chosen (else the peak), each
+shape is run at its minimum and at the rule's size, and the rules are written
+as a YAML file :meth:`wspool.PoolRegistry.from_config` loads. Plain Python,
+tested on the CPU with a fake kernel; only the probe needs the GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import yaml
 from wspool.errors import WspoolError
 from wspool.flashinfer.layouts import FA_MLA_WORKSPACE_RULE
 from wspool.rules import compile_rule
-from wspool.settings.schema import SEED_MLA_WORKSPACE_BYTES
+from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 from wspool.tools.search import CalibrationError, SearchResult
 from wspool.tools.sweep import MLAShape
 from wspool.units import format_size
@@ -41,8 +36,6 @@ __all__ = [
     "run_calibration",
 ]
 
-#: The seed's fixed sizes, shown next to the measured ones.
-SEED_CONSTANTS = SEED_MLA_WORKSPACE_BYTES
 NEEDS_GPU = (
     "needs a CUDA GPU to measure on (torch.cuda.is_available() is False here); run it on the GPU the "
     "rules are for, or load a shipped rules file such as configs/hopper.yaml"
@@ -86,8 +79,8 @@ class Measurement:
 
     @property
     def constant_bytes(self) -> int:
-        """What the seed's fixed constant reserves for this call."""
-        return SEED_CONSTANTS[self.shape.rule]
+        """What vLLM's fixed size reserves for this call (shown next to the measured one)."""
+        return VLLM_FIXED_MLA_WORKSPACE_BYTES[self.shape.rule]
 
     @property
     def ok(self) -> bool:

@@ -1,11 +1,11 @@
-"""``wspool demo``: the main job, MLA decode through the pool on the embedded default configuration.
+"""``wspool demo``: the main job, MLA decode through the pool, checked, on any configuration.
 
-It runs a small batch of MLA decode calls (DeepSeek / Kimi geometry: latent
-512 + rope 64, page size 64, bf16) with and without the LSE, checks each
-result, prints the device's profile, which kernel path ran and the pool's
-statistics, and replays the seed's crash: the LSE call whose trtllm-gen softmax
-slab does not fit a 128 MiB workspace, served by the ``lse`` rule of the
-profile Blackwell devices get (the kernel that carves that slab runs there).
+It runs a few MLA decode steps (DeepSeek / Kimi geometry, bf16) with and
+without the LSE on one device, checks each result against an independent
+fp32 computation, prints the device's profile, the kernel path and the
+pool's statistics, then replays the LSE call that overflows vLLM's fixed
+128 MiB on Blackwell's trtllm-gen carve, at the size the configuration gives
+a Blackwell device. Allocates on the chosen device only; not thread-safe.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from collections.abc import Callable
 
 import torch
 
+from wspool.devices import DeviceDescription
+from wspool.flashinfer.backends import call_facts
 from wspool.flashinfer.layouts import carve_trtllm_mla_workspace, softmax_slab_bytes
 from wspool.flashinfer.mla import mla_decode_plan
 from wspool.flashinfer.reference import mla_decode_reference
 from wspool.registry import PoolRegistry, get_registry
 from wspool.rules import compile_rule
+from wspool.settings.profiles import load_profile
 from wspool.settings.schema import profile_settings
-from wspool.units import format_size
+from wspool.units import MiB, ceil_div, format_size
 
 __all__ = ["run_demo"]
 
@@ -32,7 +35,7 @@ def _inputs(batch: int, heads: int, max_len: int, device: torch.device, seed: in
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max_len + 1, (batch,), generator=generator, dtype=torch.int32)
     lengths[0] = max_len
-    pages = -(-lengths // _PAGE_SIZE)
+    pages = torch.tensor([ceil_div(n, _PAGE_SIZE) for n in lengths.tolist()], dtype=torch.int32)
     total = int(pages.sum()) + 4
     order = torch.randperm(total, generator=generator).to(torch.int32)
     tables = torch.zeros(batch, int(pages.max()), dtype=torch.int32)
@@ -123,34 +126,57 @@ def run_demo(
     echo(f"pool flashinfer_mla on {stats.device}: capacity {format_size(stats.capacity_bytes)}, "
          f"peak request {format_size(stats.peak_request_bytes)}, {stats.request_count} requests "
          f"{dict(stats.requests_by_rule)}, {stats.grow_count} grows (last: {stats.last_grow_reason})")  # fmt: skip
-    ok = _seed_replay(registry, echo) and ok
+    ok = _overflow_replay(registry, echo) and ok
     echo("demo: all checks passed" if ok else "demo: CHECKS FAILED")
     return ok
 
 
-def _seed_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> bool:
-    """Carve the seed's LSE call (128 heads x 512 requests) as trtllm-gen would, at 128 MiB and at the rule's size."""
-    heads, batch, scratch = 128, 512, 32 << 20
+#: The device the overflow replay models: trtllm-gen's carve runs on Blackwell (a B200's facts).
+REPLAY_DEVICE = DeviceDescription("NVIDIA B200", 10, 0, 148, 191_514_607_616)
+_LSE_RULE = ("pools", "flashinfer_mla", "rules", "lse")
+
+
+def _overflow_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> bool:
+    """Carve the LSE call that overflows vLLM's 128 MiB as trtllm-gen would, at 128 MiB and at the rule's size.
+
+    The rule is the one a Blackwell device gets under this configuration, resolved
+    with a B200's device facts. A rule the configuration sets for another device
+    (configs/hopper.yaml) is reported, and the blackwell profile's own rule checked.
+    """
+    heads, batch, scratch = 128, 512, 32 * MiB
+    call = call_facts(
+        batch_size=batch, q_len=1, num_heads=heads, max_seq_len=4096, page_size=_PAGE_SIZE, dtype_bytes=2,
+        sm_count=REPLAY_DEVICE.sm_count, cp_world=None,
+    )  # fmt: skip
     slab = softmax_slab_bytes(heads, batch, 1)
-    echo(f"seed replay (trtllm-gen carve, Blackwell launcher model): LSE call with {heads} heads x {batch} requests "
-         f"needs a {format_size(slab)} softmax slab + ~{format_size(scratch)} scratch")  # fmt: skip
-    try:
-        carve_trtllm_mla_workspace(128 << 20, num_heads=heads, batch_size=batch, q_len=1, return_lse=True,
-                                   scratch_bytes=scratch)  # fmt: skip
-        echo("  fixed 128MiB: fits (unexpected)")
-        crashed = False
-    except RuntimeError as exc:
-        echo(f"  fixed 128MiB (the seed's constant): {exc}")
-        crashed = True
-    settings, _ = profile_settings(registry.settings, "blackwell")
+    echo(f"vLLM's fixed 128MiB, replayed (trtllm-gen carve, Blackwell launcher model): LSE call with {heads} heads "
+         f"x {batch} requests needs a {format_size(slab)} softmax slab + ~{format_size(scratch)} scratch")  # fmt: skip
+    crashed = not _fits(128 * MiB, heads, batch, scratch, "  vLLM's fixed size", echo)
+    settings, provenance = profile_settings(registry.settings, "blackwell")
     pool = settings.pools["flashinfer_mla"]
-    size = compile_rule(pool.rules["lse"]).resolve({"batch_size": batch, "num_heads": heads, "q_len": 1}, pool.facts)
-    label = f"rule pools.flashinfer_mla.rules.lse under profile blackwell = {format_size(size)}"
-    try:
-        carve_trtllm_mla_workspace(size, num_heads=heads, batch_size=batch, q_len=1, return_lse=True,
-                                   scratch_bytes=scratch)  # fmt: skip
-        echo(f"  {label}: fits")
+    defaults = {**REPLAY_DEVICE.facts(), **pool.facts}
+    size = compile_rule(pool.rules["lse"], _LSE_RULE).resolve(call, defaults)
+    source = provenance.source_of(_LSE_RULE)
+    label = f"  rule pools.flashinfer_mla.rules.lse on a modelled {REPLAY_DEVICE.name} (from {source})"
+    if _fits(size, heads, batch, scratch, label, echo):
         return crashed
+    if source == "profile blackwell":
+        return False  # the profile for this device is wrong
+    own = load_profile("blackwell").settings["pools"]["flashinfer_mla"]
+    own_size = compile_rule(own["rules"]["lse"], _LSE_RULE).resolve(call, {**defaults, **own.get("facts", {})})
+    echo(f"  this configuration does not size MLA decode for Blackwell ({source} replaces the blackwell "
+         "profile's rule); on Blackwell, use configs/blackwell.yaml or leave pools.flashinfer_mla.rules to "
+         "the profile")  # fmt: skip
+    return _fits(own_size, heads, batch, scratch, "  the blackwell profile's rule", echo) and crashed
+
+
+def _fits(nbytes: int, heads: int, batch: int, scratch: int, label: str, echo: Callable[[str], None]) -> bool:
+    """Carve the call in ``nbytes``; print whether it fits."""
+    try:
+        carve_trtllm_mla_workspace(nbytes, num_heads=heads, batch_size=batch, q_len=1, return_lse=True,
+                                   scratch_bytes=scratch)  # fmt: skip
     except RuntimeError as exc:
-        echo(f"  {label}: {exc}")
+        echo(f"{label} = {format_size(nbytes)}: {exc}")
         return False
+    echo(f"{label} = {format_size(nbytes)}: fits")
+    return True

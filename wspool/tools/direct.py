@@ -18,6 +18,7 @@ import torch
 from wspool.flashinfer import kernels
 from wspool.flashinfer.backends import KV_LORA_RANK, QK_ROPE_HEAD_DIM
 from wspool.flashinfer.layouts import CSRConstants, csr_parts
+from wspool.units import MiB, ceil_div
 
 __all__ = ["PAGE_SIZE", "SM_SCALE", "DecodeInputs", "DirectMLA"]
 
@@ -26,7 +27,7 @@ _DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM
 SM_SCALE = 1.0 / (128 + QK_ROPE_HEAD_DIM) ** 0.5
 PAGE_SIZE = 64
 #: Distinct per-layer KV caches cycle until they span this many bytes, so layers do not hit in L2.
-_DISTINCT_KV_BYTES = 512 << 20
+_DISTINCT_KV_BYTES = 512 * MiB
 
 
 class DecodeInputs:
@@ -34,9 +35,9 @@ class DecodeInputs:
 
     def __init__(self, batch: int, heads: int, length: int, device: torch.device, layers: int, seed: int = 0):
         gen = torch.Generator(device=device).manual_seed(seed)
-        pages = -(-length // PAGE_SIZE)
+        pages = ceil_div(length, PAGE_SIZE)
         per_layer = batch * pages * PAGE_SIZE * _DIM * 2
-        self.distinct = min(layers, max(2, -(-_DISTINCT_KV_BYTES // per_layer)))
+        self.distinct = min(layers, max(2, ceil_div(_DISTINCT_KV_BYTES, per_layer)))
         order = torch.randperm(batch * pages, generator=gen, device=device).to(torch.int32)
         self.block_tables = order.view(batch, pages)
         self.seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)

@@ -8,7 +8,7 @@ hold themselves (:mod:`wspool.memory`), and the rest (index buffers,
 outputs, the graphs' memory). Run it on a GPU, once per profile::
 
     python -m wspool.tools.graph_plans                  # profile auto (hopper on an H200)
-    python -m wspool.tools.graph_plans --profile fixed  # the seed's 128/256 MiB
+    python -m wspool.tools.graph_plans --profile fixed  # vLLM's fixed 128/256 MiB
 
 Device semantics: the current CUDA device. It allocates about 1 GiB of
 inputs besides what it measures.
@@ -27,7 +27,7 @@ import torch
 from wspool.memory import kernel_buffer_stats
 from wspool.registry import PoolRegistry
 from wspool.settings.schema import load_settings
-from wspool.units import format_size
+from wspool.units import ceil_div, format_size
 
 __all__ = ["BATCH_SIZES", "main", "measure_graph_plans"]
 
@@ -55,7 +55,7 @@ def measure_graph_plans(
 
     device = torch.device("cuda", torch.cuda.current_device())
     largest = max(batch_sizes)
-    pages = largest * -(-seq_len // _PAGE)
+    pages = largest * ceil_div(seq_len, _PAGE)
     generator = torch.Generator(device=device).manual_seed(0)
     kv_cache = torch.randn(pages, _PAGE, _DIM, generator=generator, device=device).to(torch.bfloat16)
     tables = torch.arange(pages, dtype=torch.int32, device=device).view(largest, -1)

@@ -1,20 +1,12 @@
 """Measuring, on the current GPU, the float workspace FlashInfer's planned MLA wrapper needs.
 
-The planned wrapper (fa3 on Hopper, fa2 on Ampere) carves its float
-workspace in ``plan()`` with a bounds-checked allocator (see
-:mod:`wspool.flashinfer.layouts`), so a size is probed with ``plan()``
-alone (about a millisecond) on a slice ``buffer[:n]`` of one large buffer,
-and FlashInfer's overflow message names the size the failed carve needed.
-A found size is then confirmed by ``run()``: a guard region right after the
-slice must come back untouched and the output and LSE must match a run with
-a roomy workspace.
-
-Blackwell's trtllm-gen kernel is not measured: its scratch (everything after
-the softmax slab) is not bounds-checked, so no probe can find its need.
-``configs/blackwell.yaml`` carries the launcher's formula with a margin.
-
-Device semantics: everything runs on one CUDA device, chosen at construction.
-Not thread-safe; one probe per process is the intended use.
+The planned wrapper (fa3 on Hopper, fa2 on Ampere) carves its float workspace
+in ``plan()`` with a bounds-checked allocator, so a size is probed with
+``plan()`` alone on a slice of one large buffer, and FlashInfer's overflow
+message names the size the carve needed; a found size is confirmed by
+``run()`` with an untouched guard region. Blackwell's trtllm-gen scratch is
+not bounds-checked and is not measured (configs/blackwell.yaml). One CUDA
+device, chosen at construction; not thread-safe.
 """
 
 from __future__ import annotations
@@ -33,10 +25,10 @@ from wspool.tools.calibrate import NEEDS_GPU
 from wspool.tools.direct import SM_SCALE
 from wspool.tools.search import CalibrationError, SearchResult, search_min_bytes
 from wspool.tools.sweep import MLAShape
+from wspool.units import GiB, MiB, ceil_div, format_size
 
 __all__ = ["MLAWorkspaceProbe", "device_description"]
 
-MiB = 1 << 20
 _GUARD_BYTES = 1 * MiB
 _GUARD_VALUE = 0xA5
 _ROOMY_BYTES = 256 * MiB
@@ -52,7 +44,7 @@ def device_description(device: torch.device, path: str) -> dict[str, str]:
         flashinfer = str(getattr(importlib.import_module("flashinfer"), "__version__", "unknown"))
     return {
         "device": f"{props.name} (compute capability {props.major}.{props.minor}, {props.multi_processor_count} SMs, "
-        f"{props.total_memory / 2**30:.0f} GiB)",
+        f"{props.total_memory / GiB:.0f} GiB)",
         "sm_count": str(props.multi_processor_count),
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
@@ -145,7 +137,7 @@ class MLAWorkspaceProbe:
                 return f"non-finite {name}"
             diff = float((a.float() - b.float()).abs().max())
             if diff > 1e-2:
-                return f"{name} differs from a run with a {_ROOMY_BYTES >> 20}MiB workspace by {diff:.3g}"
+                return f"{name} differs from a run with a {format_size(_ROOMY_BYTES)} workspace by {diff:.3g}"
         return None
 
     # -- FlashInfer calls (the arguments wspool's MLA op passes) -----------------
@@ -201,7 +193,7 @@ class MLAWorkspaceProbe:
         found = self._metadata.get(shape)
         if found is None:
             batch, q_len, device = shape.batch_size, shape.q_len, self.device
-            pages = -(-shape.max_seq_len // shape.page_size)
+            pages = ceil_div(shape.max_seq_len, shape.page_size)
             found = self._metadata[shape] = (
                 torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device),
                 torch.arange(0, (batch + 1) * pages, pages, dtype=torch.int32, device=device),

@@ -13,11 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from wspool.errors import WspoolError
-from wspool.units import format_size
+from wspool.units import MiB, TiB, format_size, round_up
 
 __all__ = ["CalibrationError", "Probe", "SearchResult", "search_min_bytes"]
-
-MiB = 1 << 20
 
 #: Probe a size: ``None`` when the kernel accepts it, else a lower bound on the
 #: size it needs (from its overflow message; 0 when the failure says nothing).
@@ -41,12 +39,8 @@ class SearchResult:
         return len(self.probes)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def search_min_bytes(
-    probe: Probe, *, start_bytes: int = 64 * MiB, limit_bytes: int = 1 << 40, granularity: int = 1
+    probe: Probe, *, start_bytes: int = 64 * MiB, limit_bytes: int = TiB, granularity: int = 1
 ) -> SearchResult:
     """Find the smallest size ``probe`` accepts, to within ``granularity`` bytes.
 
@@ -73,19 +67,19 @@ def search_min_bytes(
         tried.append((nbytes, need is None))
         return need
 
-    lo, hi = 0, _round_up(max(start_bytes, granularity), granularity)
+    lo, hi = 0, round_up(max(start_bytes, granularity), granularity)
     hint = granularity  # the next size worth trying (0: none); the smallest first, for its message
     while (need := attempt(hi)) is not None:
         if hi >= limit_bytes:
             raise CalibrationError(f"the kernel still overflows a {hi}-byte ({format_size(hi)}) workspace")
-        hint = _round_up(need, granularity) if need > hi else 0
-        lo, hi = hi, min(max(2 * hi, hint), _round_up(limit_bytes, granularity))
+        hint = round_up(need, granularity) if need > hi else 0
+        lo, hi = hi, min(max(2 * hi, hint), round_up(limit_bytes, granularity))
     edge = False  # whether ``hint`` checks just below a size a message named
     while hi - lo > granularity:
         if hint >= hi and not edge:
             hint, edge = hi - granularity, True  # a message named hi (or more): check just below it
         from_hint = lo < hint < hi
-        nbytes = hint if from_hint else _round_up(lo + (hi - lo) // 2, granularity)
+        nbytes = hint if from_hint else round_up(lo + (hi - lo) // 2, granularity)
         checked_edge = from_hint and edge
         hint, edge = 0, False
         need = attempt(nbytes)
@@ -96,5 +90,5 @@ def search_min_bytes(
         else:
             lo = nbytes
             if need > nbytes:
-                hint = _round_up(need, granularity)
+                hint = round_up(need, granularity)
     return SearchResult(hi, tuple(tried))

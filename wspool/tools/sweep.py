@@ -21,16 +21,15 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from wspool.errors import WspoolError
+from wspool.errors import ConfigError
 from wspool.flashinfer.backends import call_facts
+from wspool.settings.sources import read_yaml_file
 
 __all__ = ["DEFAULT_SHAPES", "MLAShape", "ShapeError", "load_shapes", "parse_shape", "shape_from_mapping"]
 
 
-class ShapeError(WspoolError, ValueError):
-    """A shape (from a file or a ``--shape`` flag) is malformed."""
+class ShapeError(ConfigError):
+    """A shape (from a file or a ``--shape`` flag) is malformed (a ``ConfigError``, so also a ``ValueError``)."""
 
 
 @dataclass(frozen=True)
@@ -183,16 +182,13 @@ def parse_shape(text: str) -> MLAShape:
 def load_shapes(path: str | os.PathLike[str]) -> list[MLAShape]:
     """Read shapes from a YAML file holding ``shapes: [{batch_size: ..., ...}, ...]``.
 
+    The file is read as a configuration file is (:func:`wspool.settings.sources.read_yaml_file`).
+
     Raises:
         ShapeError: The file is missing, is not YAML, or holds a malformed shape.
     """
     file = Path(path)
-    try:
-        data = yaml.safe_load(file.read_text())
-    except OSError as exc:
-        raise ShapeError(f"cannot read shapes file {file}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ShapeError(f"invalid YAML in shapes file {file}: {' '.join(str(exc).split())}") from None
+    data = read_yaml_file(file, what="shapes file", error=ShapeError)
     if not isinstance(data, Mapping) or not isinstance(data.get("shapes"), list) or not data["shapes"]:
         raise ShapeError(f"shapes file {file} must hold 'shapes:' with a non-empty list of shapes")
     return [shape_from_mapping(item, f"{file}: shapes[{i}]") for i, item in enumerate(data["shapes"])]
