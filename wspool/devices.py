@@ -17,6 +17,8 @@ from types import MappingProxyType
 
 import torch
 
+from wspool.errors import ConfigError
+
 __all__ = [
     "DEVICE_FACTS",
     "DeviceDescription",
@@ -163,11 +165,23 @@ _cuda_available: bool | None = None
 
 
 def _current_cuda() -> torch.device:
-    index = torch.cuda.current_device()
+    try:
+        index = torch.cuda.current_device()
+    except (AssertionError, RuntimeError):  # a CPU build of torch, or no driver or device
+        raise _no_cuda("cuda") from None
     found = _cuda_devices.get(index)
     if found is None:
         found = _cuda_devices[index] = torch.device("cuda", index)
     return found
+
+
+def _no_cuda(device: object) -> ConfigError:
+    """The error for a CUDA device asked for where torch sees none, saying what is missing."""
+    why = "it is a CPU build" if torch.version.cuda is None else "it finds no CUDA driver or device"
+    return ConfigError(
+        f"device {str(device)!r} needs CUDA, but torch {torch.__version__} cannot use it here ({why}); "
+        f"install a CUDA build of PyTorch on a machine with an NVIDIA GPU, or pass device='cpu'"
+    )
 
 
 def _has_cuda() -> bool:
@@ -193,17 +207,23 @@ def resolve_device(device: DeviceLike) -> torch.device:
 
     Raises:
         ValueError: The argument does not name a device.
+        ConfigError: It names a CUDA device and torch can use none here (also a ``ValueError``).
     """
     if device is None:
         return _current_cuda() if _has_cuda() else _CPU
     if isinstance(device, bool):
         raise ValueError(f"invalid device {device!r}")
     if isinstance(device, int):
+        if not _has_cuda():
+            raise _no_cuda(f"cuda:{device}")
         return torch.device("cuda", device)
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"invalid device {device!r}: {exc}") from None
-    if resolved.type == "cuda" and resolved.index is None:
-        return _current_cuda()
+    if resolved.type == "cuda":
+        if resolved.index is None:
+            return _current_cuda()
+        if not _has_cuda():
+            raise _no_cuda(resolved)
     return resolved

@@ -14,7 +14,9 @@ import torch
 
 import wspool
 import wspool.devices
+from tests.helpers.registry import make_registry
 from wspool.devices import is_dynamic, resolve_device
+from wspool.errors import ConfigError
 
 KiB = 1024
 
@@ -111,3 +113,13 @@ def test_invalid_device_is_a_clear_error() -> None:
         resolve_device("gpu0")
     with pytest.raises(ValueError, match=r"invalid device True"):
         resolve_device(True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch has no CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda", 1)])
+def test_a_cuda_device_without_cuda_is_a_wspool_error_that_says_what_is_missing(device: object) -> None:
+    """Asking for a CUDA device where torch has none is a ConfigError naming the device, not torch's AssertionError."""
+    reg = make_registry({"p": {"rules": {"default": "1KiB"}}})
+    with pytest.raises(ConfigError, match=r"device 'cuda(:\d)?' needs CUDA, but torch .* cannot use it here"):
+        reg.workspace("p", device)  # type: ignore[arg-type]
+    assert reg.all_stats() == []

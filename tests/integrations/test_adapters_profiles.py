@@ -60,15 +60,15 @@ def test_the_shipped_configs_are_all_tested() -> None:
 
 def test_a_missing_fact_fails_at_load_time_naming_its_key() -> None:
     """check_workspace_facts names the fact a rule lacks and the key that sets it, allocating nothing."""
-    rule = "8 * num_heads * tokens + 1MiB"
+    rule = "8 * num_heads * max_seq_len + 1MiB"
     with fake_device("cpu", H200):
         registry = wspool.PoolRegistry(
             wspool.load_settings(pools={"flashinfer_mla": {"rules": {"lse": rule}}}), allocator=meta_allocator
         )
         with pytest.raises(
             ConfigError,
-            match=r"needs fact\(s\) num_heads, tokens, .*set pools\.flashinfer_mla\.facts\.num_heads / "
-            r"WSPOOL_POOLS__FLASHINFER_MLA__FACTS__NUM_HEADS, pools\.flashinfer_mla\.facts\.tokens",
+            match=r"needs fact\(s\) max_seq_len, num_heads, .*set pools\.flashinfer_mla\.facts\.max_seq_len / "
+            r"WSPOOL_POOLS__FLASHINFER_MLA__FACTS__MAX_SEQ_LEN, pools\.flashinfer_mla\.facts\.num_heads",
         ):
             adapters.check_workspace_facts(registry, "cpu")
     assert all(s.capacity_bytes == 0 for s in registry.all_stats())

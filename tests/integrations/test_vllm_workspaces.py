@@ -165,7 +165,7 @@ def test_facts_from_the_config_reach_the_rule(monkeypatch: pytest.MonkeyPatch) -
 
 def test_missing_facts_name_what_the_plugin_knows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A rule that reads facts nobody gave fails naming the facts known and unknown."""
-    rule = "8 * num_heads * tp_heads * batch_size * round_up(q_len, 256) + 1MiB"  # tp_heads: a fact nobody gives
+    rule = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB"  # num_heads: no call has given it yet
     use_lse_rule_without_facts(monkeypatch, tmp_path, rule)
     ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
     with pytest.raises(

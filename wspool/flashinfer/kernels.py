@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-_INSTALL_HINT = "install a tested one: pip install 'flashinfer-python>=0.7.2.post1,<=0.7.4' (or backend='reference')"
+_INSTALL_HINT = "install a supported one: pip install 'flashinfer-python>=0.7.2,<0.7.5' (or backend='reference')"
 
 
 _flashinfer_mla: ModuleType | None = None

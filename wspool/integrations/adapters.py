@@ -2,9 +2,9 @@
 
 vLLM's FlashInfer MLA backend (after PR #47074) keeps one module-level buffer,
 128 MiB, or 256 MiB once a call returns the LSE, grown lazily and reused.
-:func:`_get_workspace_buffer` has that function's exact signature and
-semantics, backed by the process-wide registry, so the backend switches with
-one import::
+:func:`get_workspace_buffer` has that function's exact signature and
+semantics, backed by the process-wide registry; it is also importable under
+vLLM's own name, so the backend switches with one import::
 
     from wspool.integrations.adapters import _get_workspace_buffer
 
@@ -20,7 +20,7 @@ the other backends of that pool (paged attention by default), each CUDA device
 to happen during CUDA-graph capture or while the registry is frozen, and the
 statistics count the calls.
 
-Device semantics: the current CUDA device at each call, like the seed's
+Device semantics: the current CUDA device at each call, like vLLM's
 ``device="cuda"``. Thread semantics: thread-safe. Capture semantics: a call that
 would grow the buffer during capture raises
 :class:`~wspool.errors.WorkspaceFrozenError` instead of replacing memory that
@@ -38,24 +38,24 @@ import torch
 
 from wspool.devices import DeviceLike
 from wspool.registry import PoolRegistry, get_registry
-from wspool.settings.schema import SEED_MLA_WORKSPACE_BYTES
+from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 
 __all__ = [
     "FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE",
     "FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE",
-    "_get_workspace_buffer",
     "check_workspace_facts",
+    "get_workspace_buffer",
 ]
 
-#: The seed's constants, for code that imports them; the sizes served come from the configuration.
-FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE = SEED_MLA_WORKSPACE_BYTES["default"]
-FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE = SEED_MLA_WORKSPACE_BYTES["lse"]
+#: vLLM's fixed sizes, for code that imports them; the sizes served come from the configuration.
+FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE = VLLM_FIXED_MLA_WORKSPACE_BYTES["default"]
+FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE = VLLM_FIXED_MLA_WORKSPACE_BYTES["lse"]
 
 _POOL = "flashinfer_mla"
 _DEVICE = "cuda"  # the current CUDA device at each call (tests point it at the CPU)
 
 
-def _get_workspace_buffer(return_lse: bool) -> torch.Tensor:
+def get_workspace_buffer(return_lse: bool) -> torch.Tensor:
     """Return FlashInfer MLA's workspace: the ``flashinfer_mla`` pool's buffer, grown to rule ``lse`` or ``default``.
 
     Args:
@@ -73,7 +73,7 @@ def _get_workspace_buffer(return_lse: bool) -> torch.Tensor:
 
 
 def check_workspace_facts(registry: PoolRegistry | None = None, device: DeviceLike = _DEVICE) -> None:
-    """Check at load time that :func:`_get_workspace_buffer` can size both rules without facts.
+    """Check at load time that :func:`get_workspace_buffer` can size both rules without facts.
 
     An engine calls it once while it loads (before its first decode step):
     a rule of ``flashinfer_mla`` that reads a fact neither the pool's default
@@ -88,3 +88,7 @@ def check_workspace_facts(registry: PoolRegistry | None = None, device: DeviceLi
             and ``WSPOOL_POOLS__FLASHINFER_MLA__FACTS__<NAME>``.
     """
     (registry or get_registry()).check_facts(_POOL, ("default", "lse"), device=device)
+
+
+#: vLLM's name for the function, so a backend switches by changing one import.
+_get_workspace_buffer = get_workspace_buffer
