@@ -93,8 +93,15 @@ __all__ = [
 
 #: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
 #: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
-#: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``.
-EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_VLLM", "WSPOOL_VLLM_DEVICE")
+#: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``; the SGLang integration
+#: ``WSPOOL_SGLANG`` and ``WSPOOL_SGLANG_DEVICE``.
+EXTRA_ENV_VARS: tuple[str, ...] = (
+    CONFIG_ENV_VAR,
+    "WSPOOL_VLLM",
+    "WSPOOL_VLLM_DEVICE",
+    "WSPOOL_SGLANG",
+    "WSPOOL_SGLANG_DEVICE",
+)
 
 #: The seed's sizes: 128 MiB for plain MLA decode, 256 MiB when the LSE is returned.
 #: FlashInfer paged attention (pool ``flashinfer``) shares that buffer: engines run the
