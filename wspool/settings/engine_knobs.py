@@ -14,7 +14,11 @@ variable                                   sets
                                            (vLLM's sparse FlashInfer MLA backend)
 ``SGLANG_FLASHINFER_WORKSPACE_SIZE``       the same, and ``pools.flashinfer_mla.rules.default``
                                            and ``.lse`` (SGLang sizes all its FlashInfer
-                                           backends with it)
+                                           backends with it); for the SGLang integration,
+                                           ``pools.flashinfer.rules.sglang``,
+                                           ``pools.flashinfer_mla.rules.sglang_mla`` and
+                                           ``pools.sglang_dsa_sparse_mla.rules.default`` (the
+                                           workspaces SGLang sizes with it alone)
 =========================================  ==================================================
 
 Where both are set, the vLLM variable wins for the keys both set. An empty
@@ -49,7 +53,15 @@ ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     (
         "SGLANG_FLASHINFER_WORKSPACE_SIZE",
         "SGLang",
-        (("flashinfer", "decode"), ("flashinfer", "prefill"), ("flashinfer_mla", "default"), ("flashinfer_mla", "lse")),
+        (
+            ("flashinfer", "decode"),
+            ("flashinfer", "prefill"),
+            ("flashinfer_mla", "default"),
+            ("flashinfer_mla", "lse"),
+            ("flashinfer", "sglang"),
+            ("flashinfer_mla", "sglang_mla"),
+            ("sglang_dsa_sparse_mla", "default"),
+        ),
     ),
 )
 
