@@ -13,16 +13,20 @@ import logging
 import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
 import wspool
+from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError
 from wspool.integrations import sglang as sg
 from wspool.integrations import sglang_facts as sf
+from wspool.shipped import shipped_config, shipped_text
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -324,3 +328,13 @@ def test_switch_off_loads_nothing(monkeypatch: pytest.MonkeyPatch, log: pytest.L
     sg.register()
     assert sg.patched() == [] and "WSPOOL_SGLANG=0" in log.text
     wspool.load_settings()  # both variables are known to the configuration's spelling check
+
+
+def test_configs_sglang_yaml_writes_out_the_declared_rules() -> None:
+    """configs/sglang.yaml is the integration's declared rules, shipped, and loadable by name."""
+    data = yaml.safe_load((Path(REPO_ROOT) / "configs" / "sglang.yaml").read_text())
+    assert {pool: config["rules"] for pool, config in data["pools"].items()} == sg.SGLANG_POOLS
+    assert shipped_text("configs", "sglang") == (Path(REPO_ROOT) / "configs" / "sglang.yaml").read_text()
+    registry = wspool.PoolRegistry.from_config(shipped_config("sglang"))
+    assert registry.resolve("sglang_dsa_trtllm", sglang_bytes=3 * MiB) == 3 * MiB
+    assert registry.buffer_pool("flashinfer") == "flashinfer_mla"
