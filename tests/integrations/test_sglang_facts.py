@@ -48,7 +48,7 @@ def test_facts_of_a_runner_and_context() -> None:
         "page_size": 64,
         "batch_size": 256,
         "kv_dtype_size": 1,
-        "dtype_size": 2,
+        "dtype_bytes": 2,
         "cp_world": 2,
         "q_len": 4,
     }

@@ -13,6 +13,7 @@ import logging
 import re
 import sys
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +27,6 @@ from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError
 from wspool.integrations import sglang as sg
 from wspool.integrations import sglang_facts as sf
-from wspool.shipped import shipped_config, shipped_text
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -331,10 +331,12 @@ def test_switch_off_loads_nothing(monkeypatch: pytest.MonkeyPatch, log: pytest.L
 
 
 def test_configs_sglang_yaml_writes_out_the_declared_rules() -> None:
-    """configs/sglang.yaml is the integration's declared rules, shipped, and loadable by name."""
+    """configs/sglang.yaml is the integration's declared rules, shipped as package data, and loads."""
     data = yaml.safe_load((Path(REPO_ROOT) / "configs" / "sglang.yaml").read_text())
     assert {pool: config["rules"] for pool, config in data["pools"].items()} == sg.SGLANG_POOLS
-    assert shipped_text("configs", "sglang") == (Path(REPO_ROOT) / "configs" / "sglang.yaml").read_text()
-    registry = wspool.PoolRegistry.from_config(shipped_config("sglang"))
+    shipped = resources.files("wspool").joinpath("data", "configs", "sglang.yaml")
+    assert shipped.read_text() == (Path(REPO_ROOT) / "configs" / "sglang.yaml").read_text()
+    with resources.as_file(shipped) as path:
+        registry = wspool.PoolRegistry.from_config(path)
     assert registry.resolve("sglang_dsa_trtllm", sglang_bytes=3 * MiB) == 3 * MiB
     assert registry.buffer_pool("flashinfer") == "flashinfer_mla"

@@ -19,7 +19,7 @@ fact                 value                                                      
 ``page_size``        ``model_runner.page_size``                                        same
 ``batch_size``       ``model_runner.max_running_requests``: the largest batch          same
 ``kv_dtype_size``    bytes per element of ``model_runner.kv_cache_dtype``              same
-``dtype_size``       bytes per element of ``model_runner.dtype`` (queries, outputs)    same
+``dtype_bytes``      bytes per element of ``model_runner.dtype`` (queries, outputs)    same
 ``cp_world``         ``get_parallel().attn_dcp_size`` (decode context parallelism)     SGLang's context
 ``q_len``            ``get_spec().speculative_num_draft_tokens`` (1 without            SGLang's context
                      speculative decoding): query tokens per request in decode
@@ -70,7 +70,7 @@ FACT_NAMES = (
     "page_size",
     "batch_size",
     "kv_dtype_size",
-    "dtype_size",
+    "dtype_bytes",
     "cp_world",
     "q_len",
 )
@@ -177,7 +177,7 @@ def facts_from_runner(runner: Any, *, parallel: Any = None, spec: Any = None) ->
         "page_size": _positive(getattr(runner, "page_size", None)),
         "batch_size": _positive(getattr(runner, "max_running_requests", None)),
         "kv_dtype_size": _itemsize(getattr(runner, "kv_cache_dtype", None)),
-        "dtype_size": _itemsize(getattr(runner, "dtype", None)),
+        "dtype_bytes": _itemsize(getattr(runner, "dtype", None)),
         "cp_world": _positive(_read(lambda: parallel.attn_dcp_size)) if parallel is not None else 1,
         "q_len": _q_len(spec),
     }
