@@ -42,6 +42,18 @@ def test_sglang_knob_sizes_every_flashinfer_backend(monkeypatch: pytest.MonkeyPa
     assert _rules("flashinfer_mla")["lse"] == str(384 * MiB)
 
 
+def test_sglang_knob_sizes_the_sglang_integrations_variable_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's variable sets the integration's rules for the workspaces SGLang sizes with it alone."""
+    monkeypatch.setenv(SGLANG, str(256 * MiB))
+    settings, provenance = load_settings_with_provenance()
+    keys = (("flashinfer", "sglang"), ("flashinfer_mla", "sglang_mla"), ("sglang_dsa_sparse_mla", "default"))
+    for pool, rule in keys:
+        assert settings.pools[pool].rules[rule] == str(256 * MiB)
+        assert provenance.source_of(("pools", pool, "rules", rule)) == f"environment variable {SGLANG}"
+    monkeypatch.setenv(VLLM, str(64 * MiB))
+    assert _rules("flashinfer")["sglang"] == str(256 * MiB)  # vLLM's variable does not set SGLang's rules
+
+
 def test_knob_is_below_yaml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A value in the YAML file beats the engine's variable; the variable still sets the other rule."""
     monkeypatch.setenv(VLLM, str(394 * MiB))
@@ -57,7 +69,7 @@ def test_knob_is_below_wspool_env_and_code(monkeypatch: pytest.MonkeyPatch) -> N
     """WSPOOL_* variables and values in code beat the engine's variable."""
     monkeypatch.setenv(SGLANG, str(384 * MiB))
     monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE", "512MiB")
-    assert _rules("flashinfer_mla") == {"default": str(384 * MiB), "lse": "512MiB"}
+    assert _rules("flashinfer_mla") == {"default": str(384 * MiB), "lse": "512MiB", "sglang_mla": str(384 * MiB)}
     settings = load_settings(pools={"flashinfer_mla": {"rules": {"lse": "1GiB"}}})
     assert settings.pools["flashinfer_mla"].rules["lse"] == "1GiB"
 

@@ -13,7 +13,7 @@ from wspool.flashinfer import COUNTER_POOL, MLA_POOL, PAGED_POOL
 from wspool.flashinfer.backends import call_facts
 from wspool.flashinfer.mla import COUNTER_RULE
 from wspool.flashinfer.paged import paged_decode_plan
-from wspool.integrations import vllm_workspaces
+from wspool.integrations import sglang, sglang_facts, vllm_workspaces
 from wspool.integrations.vllm_facts import FACT_NAMES
 from wspool.rules import compile_rule
 from wspool.settings.profiles import PROFILE_NAMES, shipped_config_names
@@ -30,7 +30,7 @@ LSE_ENV = "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"
 
 
 def test_the_shape_facts_are_what_wspools_ops_pass() -> None:
-    """SHAPE_FACTS holds every fact MLA decode, paged attention, the counters and the vLLM plugin pass."""
+    """SHAPE_FACTS holds every fact MLA decode, paged attention, the counters and the engine integrations pass."""
     mla = call_facts(
         batch_size=1, q_len=1, num_heads=16, max_seq_len=64, page_size=64, dtype_bytes=2, sm_count=1, cp_world=1
     )
@@ -41,15 +41,16 @@ def test_the_shape_facts_are_what_wspools_ops_pass() -> None:
     ).facts  # fmt: skip
     defaults = BUILTIN_DEFAULTS["pools"]["flashinfer_mla"]["facts"]
     counters = compile_rule(COUNTER_RULE).names
-    passed = {*mla, *paged, *FACT_NAMES, *defaults, *counters, "min_bytes"}
+    passed = {*mla, *paged, *FACT_NAMES, *sglang_facts.FACT_NAMES, *defaults, *counters, "min_bytes"}
     assert passed - set(DEVICE_FACTS) <= SHAPE_FACTS
     assert passed >= SHAPE_FACTS  # no name that nothing passes
 
 
 def test_the_own_pools_are_the_pools_of_wspools_ops() -> None:
-    """OWN_POOLS is exactly the pools the FlashInfer ops and the vLLM plugin use."""
+    """OWN_POOLS is exactly the pools the FlashInfer ops and the engine integrations use."""
     plugin = {getattr(vllm_workspaces, n) for n in dir(vllm_workspaces) if n.startswith("POOL_")}
-    assert {MLA_POOL, COUNTER_POOL, PAGED_POOL} | plugin == OWN_POOLS
+    sglang_pools = {w.pool for w in (*sglang.BUFFERS.values(), sglang.CUTE_DSL_WORKSPACE)}
+    assert {MLA_POOL, COUNTER_POOL, PAGED_POOL} | plugin | sglang_pools == OWN_POOLS
 
 
 @pytest.mark.parametrize("pool", sorted(OWN_POOLS))

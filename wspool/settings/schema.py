@@ -146,21 +146,26 @@ RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "nbytes", "se
 #: The facts wspool's own ops and integrations pass to their pools' rules: MLA decode
 #: (``wspool.flashinfer.backends.call_facts``, the trtllm-gen counters), paged attention
 #: (``wspool.flashinfer.paged``), and the vLLM plugin (``wspool.integrations.vllm_facts``, its
-#: counters' ``min_bytes``). The one list of them: tests keep it in step with those modules.
+#: counters' ``min_bytes``), and the SGLang integration (``wspool.integrations.sglang_facts``,
+#: with ``sglang_bytes``, what SGLang's own code would allocate). The one list of them: tests
+#: keep it in step with those modules.
 SHAPE_FACTS = frozenset(
     {
         "batch_size", "q_len", "num_heads", "max_seq_len", "page_size", "dtype_bytes", "cp_world",
         "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
         "num_tokens", "num_qo_heads", "num_kv_heads", "head_dim",
-        "kv_dtype_size", "q_heads", "min_bytes",
+        "kv_dtype_size", "q_heads", "min_bytes", "sglang_bytes",
     }
 )  # fmt: skip
 #: The pools of wspool's own ops and integrations. Their callers pass :data:`SHAPE_FACTS` and
 #: nothing else, so a rule of theirs that reads another name (not a device fact or one of the
 #: pool's default facts either) can never resolve: it is refused when the configuration loads.
 OWN_POOLS = frozenset(
-    {"flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters"}
-)
+    {
+        "flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters",
+        "sglang_trtllm_mla", "sglang_trtllm_mha", "sglang_dsa_sparse_mla", "sglang_dsa_trtllm", "sglang_trtllm_dsv4",
+    }
+)  # fmt: skip
 
 
 def unknown_rule_facts(settings: WspoolSettings) -> list[tuple[tuple[str, ...], str, list[str]]]:
@@ -385,8 +390,15 @@ LAYERS_KEYWORD = "_wspool_layers"
 
 #: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
 #: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
-#: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``.
-EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_VLLM", "WSPOOL_VLLM_DEVICE")
+#: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``; the SGLang integration
+#: ``WSPOOL_SGLANG`` and ``WSPOOL_SGLANG_DEVICE``.
+EXTRA_ENV_VARS: tuple[str, ...] = (
+    CONFIG_ENV_VAR,
+    "WSPOOL_VLLM",
+    "WSPOOL_VLLM_DEVICE",
+    "WSPOOL_SGLANG",
+    "WSPOOL_SGLANG_DEVICE",
+)
 
 #: vLLM's fixed sizes (its FlashInfer MLA backend after PR #47074): 128 MiB for plain MLA
 #: decode, 256 MiB when the LSE is returned. FlashInfer paged attention (pool ``flashinfer``)

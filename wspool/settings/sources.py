@@ -408,7 +408,16 @@ ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     (
         "SGLANG_FLASHINFER_WORKSPACE_SIZE",
         "SGLang",
-        (("flashinfer", "decode"), ("flashinfer", "prefill"), ("flashinfer_mla", "default"), ("flashinfer_mla", "lse")),
+        (
+            ("flashinfer", "decode"),
+            ("flashinfer", "prefill"),
+            ("flashinfer_mla", "default"),
+            ("flashinfer_mla", "lse"),
+            # The SGLang integration's rules for the workspaces SGLang sizes with this variable alone.
+            ("flashinfer", "sglang"),
+            ("flashinfer_mla", "sglang_mla"),
+            ("sglang_dsa_sparse_mla", "default"),
+        ),
     ),
 )
 

@@ -1,0 +1,367 @@
+"""Tests for wspool.integrations.sglang against the real SGLang 0.5.23, loaded through SGLang's own plugin loader.
+
+Every test here needs SGLang and skips, with the reason, where it is not
+installed (docs/sglang.md's recipe builds ``.venv-sglang``); run them with
+
+    .venv-sglang/bin/python -m pytest -q tests/integrations/test_sglang.py
+
+``WSPOOL_SGLANG_DEVICE=cpu`` points every pool buffer at the CPU, so SGLang's
+own factories (which name ``"cuda"``) and code run on a machine without a GPU.
+The integration's logic without SGLang is tested in ``test_sglang_serving.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import wspool
+from wspool.errors import WorkspaceFrozenError, WspoolError
+from wspool.integrations import sglang as sg
+
+MiB = 1 << 20
+CPU = torch.device("cpu")
+VERSION = "0.5.23"
+SGLANG_MISSING = "SGLang is not installed here; docs/sglang.md's recipe installs sglang==0.5.23 in .venv-sglang"
+
+
+class SGLang(SimpleNamespace):
+    """The real SGLang modules the tests call."""
+
+
+@pytest.fixture(scope="module")
+def srt() -> SGLang:
+    """SGLang's modules; skips where SGLang is not installed, or is not the version the integration targets."""
+    sglang = pytest.importorskip("sglang", reason=SGLANG_MISSING)
+    if sglang.__version__ != VERSION:
+        pytest.skip(f"the integration targets SGLang {VERSION}; this environment has {sglang.__version__}")
+    names = {
+        "plugins": "sglang.srt.plugins",
+        "rc": "sglang.srt.runtime_context",
+        "envs": "sglang.srt.environ",
+        "paged": "sglang.srt.layers.attention.flashinfer_backend",
+        "mla": "sglang.srt.layers.attention.flashinfer_mla_backend",
+        "trtllm_mla": "sglang.srt.layers.attention.trtllm_mla_backend",
+        "trtllm_mha": "sglang.srt.layers.attention.trtllm_mha_backend",
+        "dsv4": "sglang.srt.layers.attention.deepseek_v4_trtllm_backend",
+        "decode_runner": "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+        "prefill_runner": "sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
+    }
+    return SGLang(**{key: importlib.import_module(module) for key, module in names.items()})
+
+
+def _originals(srt: SGLang) -> dict[str, Any]:
+    """The attribute each target names, as it is now."""
+    found = {}
+    for target in sg.TARGETS:
+        class_name, attr = target.path.split(".")
+        found[target.name] = vars(getattr(importlib.import_module(target.module), class_name))[attr]
+    return found
+
+
+@pytest.fixture
+def load(srt: SGLang, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> Iterator[Any]:
+    """SGLang's own load_plugins(), callable again per test, with fresh SGLang resources and nothing left patched."""
+    monkeypatch.setenv("WSPOOL_SGLANG_DEVICE", "cpu")
+    monkeypatch.setenv("SGLANG_PLUGINS", "wspool")
+    monkeypatch.setattr(srt.rc.get_context(), "resources", srt.rc.Resources())
+    caplog.set_level(logging.INFO, logger=srt.plugins.logger.name)
+    caplog.set_level(logging.DEBUG, logger=sg.logger.name)
+
+    def load_plugins() -> None:
+        monkeypatch.setattr(srt.plugins, "_plugins_loaded", False)
+        srt.plugins.load_plugins()
+
+    yield load_plugins
+    sg.unregister()
+
+
+@pytest.fixture
+def loaded(load: Any) -> None:
+    """The integration, loaded by SGLang."""
+    load()
+    assert sg.patched(), "the integration did not load"
+
+
+def _workspace_factory(srt: SGLang, name: str, made: list[str]) -> Any:
+    """SGLang 0.5.23's factory for ``name``, as its backend writes it (device "cuda", as on a GPU)."""
+    size = srt.envs.envs.SGLANG_FLASHINFER_WORKSPACE_SIZE.get
+    mha = srt.trtllm_mha
+    makers = {
+        "flashinfer_workspace": lambda: torch.empty(size(), dtype=torch.uint8, device="cuda"),
+        "flashinfer_mla_workspace": lambda: torch.empty(size(), dtype=torch.uint8, device="cuda"),
+        "trtllm_mla_zero_workspace": lambda: torch.zeros(
+            srt.trtllm_mla.DEFAULT_WORKSPACE_SIZE_MB * MiB, dtype=torch.int8, device="cuda"
+        ),
+        "trtllm_mha_zero_workspace": lambda: torch.zeros(
+            mha._XQA_SEMAPHORE_BYTES + size(), dtype=torch.uint8, device="cuda"
+        ),
+        "dsa_flashinfer_sparse_mla_workspace": lambda: torch.zeros(size(), dtype=torch.uint8, device="cuda"),
+        "dsa_trtllm_workspace": lambda: torch.empty(size() * 2, dtype=torch.uint8, device="cuda"),
+    }
+
+    def factory() -> torch.Tensor:
+        tensor = makers[name]()
+        made.append(type(tensor).__name__)
+        return tensor
+
+    return factory
+
+
+def test_sglang_finds_the_entry_point_and_patches_every_target(srt: SGLang, load: Any, caplog: Any) -> None:
+    """SGLang's load_plugins() runs wspool's entry point, which wraps each target around SGLang's own."""
+    assert any(ep.name == "wspool" and ep.value == "wspool.integrations.sglang:register"
+               for ep in entry_points(group="sglang.srt.plugins"))  # fmt: skip
+    before = _originals(srt)
+    load()
+    assert sg.patched() == [t.name for t in sg.TARGETS]
+    for name, wrapper in _originals(srt).items():
+        assert wrapper is not before[name] and wrapper.__wrapped__ is before[name], name
+    assert "Executed general plugin: wspool" in caplog.text
+    assert "wspool: SGLang integration loaded; patched RuntimeContext.get_buffer -> pools for" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "flashinfer_workspace",
+        "flashinfer_mla_workspace",
+        "trtllm_mla_zero_workspace",
+        "trtllm_mha_zero_workspace",
+        "dsa_flashinfer_sparse_mla_workspace",
+        "dsa_trtllm_workspace",
+    ],
+)
+def test_get_buffer_serves_each_workspace_from_its_pool(
+    srt: SGLang, loaded: None, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Every way SGLang calls get_buffer gets the pool's buffer: SGLang's size and dtype, zeroed, one tensor."""
+    monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(2 * MiB))
+    wspool.reset_registry()  # the engine knob is read when the registry is built
+    made: list[str] = []
+    factory = _workspace_factory(srt, name, made)
+    expected = srt.trtllm_mla.DEFAULT_WORKSPACE_SIZE_MB * MiB if name == "trtllm_mla_zero_workspace" else None
+    expected = expected or {"trtllm_mha_zero_workspace": 10 * MiB, "dsa_trtllm_workspace": 4 * MiB}.get(name, 2 * MiB)
+    got = srt.rc.get_buffer(name, factory)  # the module function
+    w = sg.BUFFERS[name]
+    registry = wspool.get_registry()
+    pool_buffer = registry.pool(w.pool, CPU).buffer
+    assert made == ["FakeTensor"]  # SGLang's factory never allocated
+    dtype = torch.int8 if name == "trtllm_mla_zero_workspace" else torch.uint8
+    assert (got.dtype, got.numel(), got.device) == (dtype, expected, CPU)
+    assert pool_buffer is not None and got.data_ptr() == pool_buffer.data_ptr() and not got.any()
+    assert srt.rc.get_context().get_buffer(name, factory) is got  # the method
+    assert srt.paged.get_buffer(name, factory) is got  # a backend's by-name copy
+    assert registry.stats(w.pool, CPU).requests_by_rule[w.rule] == 3
+    assert name not in srt.rc.get_resources().buffers  # SGLang's own registry never held it
+
+
+def test_sglangs_own_dsv4_accessor_is_served_from_its_pool(srt: SGLang, loaded: None) -> None:
+    """DeepSeek-V4's trtllm workspace, asked for by SGLang's own function: 128 MiB, int8, zeroed, pooled."""
+    got = srt.dsv4._get_trtllm_workspace_buffer(torch.device("cuda"))
+    stats = wspool.get_registry().stats("sglang_trtllm_dsv4", CPU)
+    assert (got.dtype, got.numel(), stats.capacity_bytes) == (torch.int8, 128 * MiB, 128 * MiB)
+    assert srt.dsv4._get_trtllm_workspace_buffer(torch.device("cuda")) is got and not got.any()
+
+
+def test_other_names_get_the_factorys_own_object(srt: SGLang, loaded: None) -> None:
+    """Any other name is SGLang's: the factory's object, cached by SGLang, no pool involved."""
+    scale = torch.ones(1, dtype=torch.float32)
+    assert srt.rc.get_buffer("trtllm_mha_default_kv_scale", lambda: scale) is scale
+    assert srt.rc.get_buffer("trtllm_mha_default_kv_scale", lambda: pytest.fail("factory called again")) is scale
+    assert srt.rc.get_resources().buffers["trtllm_mha_default_kv_scale"] is scale
+    assert not wspool.get_registry().all_stats()
+
+
+def test_loading_twice_patches_once(srt: SGLang, loaded: None, load: Any, caplog: Any) -> None:
+    """A second load_plugins() or register() leaves the wrappers as they are, not wrapped twice."""
+    first = _originals(srt)
+    load()
+    sg.register()
+    assert _originals(srt) == first and sg.patched() == [t.name for t in sg.TARGETS]
+    assert "SGLang integration loaded" in "".join(r.getMessage() for r in caplog.get_records("setup"))
+    assert "SGLang integration loaded" not in caplog.text  # not again, in this test's own calls
+    assert caplog.text.count("the SGLang integration is already loaded") == 2
+
+
+def test_switched_off_it_patches_nothing(srt: SGLang, load: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """WSPOOL_SGLANG=0: the plugin runs, says so, and SGLang's get_buffer calls its own factory."""
+    monkeypatch.setenv("WSPOOL_SGLANG", "0")
+    before = _originals(srt)
+    load()
+    assert sg.patched() == [] and _originals(srt) == before
+    assert "WSPOOL_SGLANG=0: SGLang's FlashInfer workspaces are left as they are" in caplog.text
+    mine = torch.empty(16, dtype=torch.uint8)
+    assert srt.rc.get_buffer("flashinfer_workspace", lambda: mine) is mine
+
+
+def test_sglang_plugins_without_wspool_skips_it(
+    srt: SGLang, load: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """An SGLANG_PLUGINS allowlist that does not name wspool: SGLang never runs it."""
+    monkeypatch.setenv("SGLANG_PLUGINS", "some-other-plugin")
+    load()
+    assert sg.patched() == [] and "Skipping plugin wspool (not in SGLANG_PLUGINS)" in caplog.text
+
+
+def test_a_changed_target_means_nothing_is_patched(
+    srt: SGLang, load: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """One target with another signature and one missing module global: no target patched, one warning."""
+
+    def capture(self: Any, graphs: Any) -> None: ...
+
+    monkeypatch.setattr(srt.prefill_runner.PrefillCudaGraphRunner, "capture", capture)
+    monkeypatch.delattr(srt.trtllm_mla, "global_cute_dsl_workspace_buffer")
+    before = _originals(srt)
+    load()
+    assert sg.patched() == [] and _originals(srt) == before
+    warnings = [r.getMessage() for r in caplog.records if r.name == sg.logger.name and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "PrefillCudaGraphRunner.capture takes (self, graphs), not (self)" in warnings[0]
+    assert "trtllm_mla_backend has no global_cute_dsl_workspace_buffer" in warnings[0]
+
+
+def test_a_failure_while_patching_rolls_everything_back(
+    srt: SGLang, load: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """An exception after some targets were patched puts SGLang's originals back, and the log says so."""
+
+    def explode(original: Any) -> Any:
+        raise RuntimeError("cannot wrap")
+
+    last = sg.TARGETS[-1]
+    broken = sg.Target(last.module, last.path, last.parameters, explode, "explodes")
+    monkeypatch.setattr(sg, "TARGETS", (*sg.TARGETS[:-1], broken))
+    before = _originals(srt)
+    load()
+    assert sg.patched() == [] and _originals(srt) == before
+    assert "the SGLang integration failed to load; SGLang's own workspaces stay in use" in caplog.text
+    assert "RuntimeError: cannot wrap" in caplog.text
+
+
+def test_capture_freezes_the_registry_and_a_recapture_thaws_it(srt: SGLang, loaded: None) -> None:
+    """SGLang's capture() runs with growth allowed and leaves the registry frozen; so does a recapture."""
+    registry = wspool.get_registry()
+    seen: list[bool] = []
+    runner = SimpleNamespace(model_context=contextlib.nullcontext, _capture=lambda: seen.append(registry.is_frozen))
+    got = srt.rc.get_buffer("flashinfer_mla_workspace", lambda: torch.empty(MiB, dtype=torch.uint8))
+    srt.decode_runner.DecodeCudaGraphRunner.capture(runner)
+    assert seen == [False] and registry.is_frozen
+    assert srt.rc.get_buffer("flashinfer_mla_workspace", lambda: torch.empty(MiB, dtype=torch.uint8)) is got
+    with pytest.raises(WorkspaceFrozenError, match="flashinfer_mla"):
+        srt.rc.get_buffer("flashinfer_mla_workspace", lambda: torch.empty(2 * MiB, dtype=torch.uint8))
+    srt.prefill_runner.PrefillCudaGraphRunner.capture(runner)
+    assert seen == [False, False] and registry.is_frozen
+
+
+# -- SGLang's backend constructors, on a published (tiny) model configuration --------------------------
+
+
+@pytest.fixture(scope="module")
+def published(srt: SGLang, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """SGLang's process configuration for a tiny local model, as a scheduler publishes it."""
+    from sglang.srt.server_args import ServerArgs
+
+    model = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+    }  # fmt: skip
+    (Path(model) / "config.json").write_text(json.dumps(config))
+    srt.rc.publish(ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu"), role="scheduler")
+    yield
+    srt.rc.reset_context()
+
+
+def _runner(srt: SGLang) -> SimpleNamespace:
+    """A model runner with what SGLang's FlashInfer constructors read before FlashInfer's own wrappers."""
+    quant = SimpleNamespace(resolve_attention_access=lambda *args: None)
+    model_config = SimpleNamespace(
+        hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]), is_encoder_decoder=False,
+        is_multimodal=False, context_len=4096, num_attention_heads=16, head_dim=32,
+        get_num_kv_heads=lambda *args: 4, kv_lora_rank=512, qk_rope_head_dim=64,
+    )  # fmt: skip
+    return SimpleNamespace(
+        model_config=model_config, device="cpu", req_to_token_pool=SimpleNamespace(size=8),
+        token_to_kv_pool=SimpleNamespace(get_kv_cache_quant_method=lambda: quant), kv_index_translator=None,
+        is_draft_worker=True, spec_algorithm=SimpleNamespace(is_frozen_kv_mtp=lambda: False),
+        server_args=srt.rc.get_server_args(), prefill_attention_backend_str="triton",
+        decode_attention_backend_str="triton", sliding_window_size=None, page_size=16, max_running_requests=8,
+        kv_cache_dtype=torch.bfloat16, dtype=torch.bfloat16,
+    )  # fmt: skip
+
+
+# Without CUDA, SGLang does not import FlashInfer's wrapper classes, so its constructors stop with this
+# NameError right after asking for their workspace: everything up to it is SGLang's own code.
+NO_FLASHINFER_ON_CPU = "name 'BatchPrefillWithRaggedKVCacheWrapper' is not defined"
+
+
+def test_a_backend_constructor_gives_the_rules_its_runner(
+    srt: SGLang, published: None, loaded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FlashInferMLAAttnBackend's get_buffer call sees its runner's heads, DCP, page size and batch."""
+    rule = "num_heads * cp_world * kv_lora_rank * page_size * batch_size"
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__SGLANG_MLA", rule)
+    wspool.reset_registry()  # the configuration is read when the registry is built
+    with srt.rc.get_parallel().override(attn_dcp_size=2), pytest.raises(NameError, match=NO_FLASHINFER_ON_CPU):
+        srt.mla.FlashInferMLAAttnBackend(_runner(srt))
+    assert wspool.get_registry().stats("flashinfer_mla", CPU).capacity_bytes == 16 * 2 * 512 * 16 * 8
+
+
+def test_a_backend_built_after_a_capture_may_grow_its_pool(srt: SGLang, published: None, loaded: None) -> None:
+    """A constructor is a growth window even while a capture's freeze holds; the freeze holds after it."""
+    registry = wspool.get_registry()
+    srt.decode_runner.DecodeCudaGraphRunner.capture(SimpleNamespace(model_context=contextlib.nullcontext,
+                                                                    _capture=lambda: None))  # fmt: skip
+    assert registry.is_frozen
+    with pytest.raises(NameError, match=NO_FLASHINFER_ON_CPU):
+        srt.mla.FlashInferMLAAttnBackend(_runner(srt))
+    assert registry.stats("flashinfer_mla", CPU).capacity_bytes == 384 * MiB and registry.is_frozen
+
+
+def test_init_new_workspace_is_a_lane_of_its_own(srt: SGLang, published: None, loaded: None) -> None:
+    """FlashInferAttnBackend(init_new_workspace=True): a pool buffer in a new lane, not SGLang's torch.empty."""
+    with pytest.raises(NameError, match=NO_FLASHINFER_ON_CPU):
+        srt.paged.FlashInferAttnBackend(_runner(srt), init_new_workspace=True)
+    stats = wspool.get_registry().all_stats()
+    assert [(s.pool, s.lane.startswith("sglang-new-workspace-"), s.capacity_bytes) for s in stats] == [
+        ("flashinfer_mla", True, 384 * MiB)
+    ]
+    assert "flashinfer_workspace" not in srt.rc.get_resources().buffers
+
+
+def test_deterministic_inference_reads_sglangs_configuration(
+    srt: SGLang, published: None, loaded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SGLang's deterministic inference on, flashinfer_workspace is sized by its own rule."""
+    monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(MiB))
+    wspool.reset_registry()
+    context = srt.rc.get_context()
+    context.override("test", enable_deterministic_inference=True)
+    try:
+        got = srt.rc.get_buffer("flashinfer_workspace", lambda: torch.empty(4 * MiB, dtype=torch.uint8))
+    finally:
+        context.override("test", enable_deterministic_inference=False)
+    assert got.numel() == 4 * MiB  # SGLang's own size, not the variable's 1 MiB
+    assert wspool.get_registry().stats("flashinfer", CPU).requests_by_rule == {"sglang_deterministic": 1}
+
+
+def test_errors_reach_sglang_as_wspool_errors(srt: SGLang, loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule reading a fact SGLang did not give fails SGLang's call with a RuleError naming the facts."""
+    monkeypatch.setenv("WSPOOL_POOLS__SGLANG_DSA_TRTLLM__RULES__DEFAULT", "sglang_bytes * cp_world")
+    wspool.reset_registry()
+    with pytest.raises(WspoolError, match=r"dsa_trtllm_workspace the integration passes the facts it knows: "
+                       r"sglang_bytes=1024; unknown here: num_heads.*cp_world"):  # fmt: skip
+        srt.rc.get_buffer("dsa_trtllm_workspace", lambda: torch.empty(1024, dtype=torch.uint8))

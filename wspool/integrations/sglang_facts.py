@@ -1,0 +1,216 @@
+"""The facts of an SGLang engine that wspool's sizing rules read, and what SGLang itself would allocate.
+
+SGLang asks for a workspace with ``get_buffer(name, factory)``: a name and a
+function that allocates it. The rules of :mod:`wspool.integrations.sglang` see
+two kinds of facts at each such call:
+
+===================  ================================================================  ======================
+fact                 value                                                             from
+===================  ================================================================  ======================
+``sglang_bytes``     the bytes SGLang's own ``factory`` allocates at this call         the factory, run under
+                     (``SGLANG_FLASHINFER_WORKSPACE_SIZE`` and SGLang's own            PyTorch's fake-tensor
+                     adjustments of it, its constants, ``x DCP``, XQA semaphores)      mode: nothing allocated
+``num_heads``,       this rank's query heads: ``num_attention_heads // attn_tp_size``  the model runner whose
+``num_qo_heads``                                                                       backend is being built
+``num_kv_heads``     ``model_config.get_num_kv_heads(attn_tp_size)``                   same
+``head_dim``         ``model_config.head_dim``                                         same
+``kv_lora_rank``,    MLA geometry (MLA models only)                                    same
+``qk_rope_head_dim``
+``page_size``        ``model_runner.page_size``                                        same
+``batch_size``       ``model_runner.max_running_requests``: the largest batch          same
+``kv_dtype_size``    bytes per element of ``model_runner.kv_cache_dtype``              same
+``dtype_bytes``      bytes per element of ``model_runner.dtype`` (queries, outputs)    same
+``cp_world``         ``get_parallel().attn_dcp_size`` (decode context parallelism)     SGLang's context
+``q_len``            ``get_spec().speculative_num_draft_tokens`` (1 without            SGLang's context
+                     speculative decoding): query tokens per request in decode
+===================  ================================================================  ======================
+
+The model facts exist only inside an attention backend's constructor, which
+is where SGLang 0.5.23 calls ``get_buffer`` for its workspaces: the
+integration wraps those constructors in :func:`building`. A fact SGLang does
+not give (a non-MLA model's ``kv_lora_rank``, a runner without
+``max_running_requests``) is left out, and a rule that reads it raises a
+:class:`~wspool.errors.RuleError` naming it.
+
+Device semantics: :func:`probe_factory` runs SGLang's factory under
+``torch._subclasses.fake_tensor.FakeTensorMode``, which allocates nothing and
+creates no CUDA context. Thread semantics: the runner being built is a context
+variable, so it follows the constructing thread. Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FACT_NAMES",
+    "Request",
+    "building",
+    "current_facts",
+    "facts_from_runner",
+    "probe_factory",
+    "set_context_readers",
+]
+
+#: The facts this module can give a rule, in the order of the table above.
+FACT_NAMES = (
+    "sglang_bytes",
+    "num_heads",
+    "num_qo_heads",
+    "num_kv_heads",
+    "head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "page_size",
+    "batch_size",
+    "kv_dtype_size",
+    "dtype_bytes",
+    "cp_world",
+    "q_len",
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What SGLang's factory allocates: a tensor of ``shape`` and ``dtype`` on ``device``.
+
+    Attributes:
+        shape: The tensor's shape.
+        dtype: Its element type.
+        device: Where SGLang allocates it (``"cuda"`` resolved to the current device).
+        nbytes: Its size in bytes.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        """The size in bytes: elements times the element size."""
+        count = 1
+        for extent in self.shape:
+            count *= extent
+        return count * self.dtype.itemsize
+
+
+def probe_factory(factory: Callable[[], Any]) -> Request:
+    """Return what ``factory`` would allocate, without allocating it.
+
+    Args:
+        factory: SGLang's ``get_buffer`` factory, e.g. ``lambda: torch.empty(n, dtype=torch.uint8, device=d)``.
+
+    Returns:
+        The shape, dtype and device of the tensor it makes.
+
+    Raises:
+        TypeError: The factory returns something other than a tensor.
+        Exception: Whatever the factory raises under the fake-tensor mode.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        made = factory()
+    if not isinstance(made, torch.Tensor):
+        raise TypeError(f"the factory returns {type(made).__name__}, not a tensor")
+    return Request(tuple(made.shape), made.dtype, made.device)
+
+
+def _positive(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
+def _read(get: Callable[[], Any]) -> Any:
+    # SGLang's accessors raise while its configuration is not published (a bare
+    # runner in a test, a process that never publishes): the facts they give are left out.
+    try:
+        return get()
+    except Exception:
+        return None
+
+
+def _itemsize(dtype: object) -> int | None:
+    return _positive(getattr(dtype, "itemsize", None))
+
+
+_UNKNOWN = object()  # a context SGLang could not give: every fact read from it is left out
+
+
+def _q_len(spec: Any) -> int | None:
+    if spec is None:
+        return 1
+    try:
+        tokens = spec.speculative_num_draft_tokens
+    except Exception:
+        return None
+    return _positive(tokens) or 1  # SGLang's None: no speculative decoding, one query token
+
+
+def facts_from_runner(runner: Any, *, parallel: Any = None, spec: Any = None) -> dict[str, int]:
+    """Return the facts a model runner and SGLang's context give (see the module's table).
+
+    Args:
+        runner: SGLang's ``ModelRunner`` (or any object with its attributes).
+        parallel: ``sglang.srt.runtime_context.get_parallel()``; ``None``: one attention-TP rank, no DCP.
+        spec: ``sglang.srt.runtime_context.get_spec()``; ``None``: no speculative decoding.
+
+    Returns:
+        ``{fact: value}`` with positive integers only; facts SGLang does not give are left out.
+    """
+    tp = _positive(_read(lambda: parallel.attn_tp_size)) if parallel is not None else 1
+    model = getattr(runner, "model_config", None)
+    heads = _positive(getattr(model, "num_attention_heads", None))
+    facts: dict[str, int | None] = {
+        "num_heads": heads // tp if heads and tp else None,
+        "num_kv_heads": _positive(_read(lambda: model.get_num_kv_heads(tp))) if model is not None and tp else None,
+        "head_dim": _positive(getattr(model, "head_dim", None)),
+        "kv_lora_rank": _positive(getattr(model, "kv_lora_rank", None)),
+        "qk_rope_head_dim": _positive(getattr(model, "qk_rope_head_dim", None)),
+        "page_size": _positive(getattr(runner, "page_size", None)),
+        "batch_size": _positive(getattr(runner, "max_running_requests", None)),
+        "kv_dtype_size": _itemsize(getattr(runner, "kv_cache_dtype", None)),
+        "dtype_bytes": _itemsize(getattr(runner, "dtype", None)),
+        "cp_world": _positive(_read(lambda: parallel.attn_dcp_size)) if parallel is not None else 1,
+        "q_len": _q_len(spec),
+    }
+    facts["num_qo_heads"] = facts["num_heads"]
+    return {name: value for name, value in facts.items() if value is not None}
+
+
+_RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("wspool_sglang_runner", default=None)
+_context: tuple[Callable[[], Any] | None, Callable[[], Any] | None] = (None, None)
+
+
+def set_context_readers(parallel: Callable[[], Any] | None, spec: Callable[[], Any] | None) -> None:
+    """Tell :func:`current_facts` how to read SGLang's parallel and speculative state (``None``: not at all)."""
+    global _context
+    _context = (parallel, spec)
+
+
+@contextmanager
+def building(runner: Any) -> Iterator[None]:
+    """Make ``runner``'s facts those of every ``get_buffer`` call inside the block (this thread or task)."""
+    token = _RUNNER.set(runner)
+    try:
+        yield
+    finally:
+        _RUNNER.reset(token)
+
+
+def current_facts() -> dict[str, int]:
+    """Return the facts of the runner whose backend is being built; empty outside :func:`building`."""
+    runner = _RUNNER.get()
+    if runner is None:
+        return {}
+    get_parallel, get_spec = _context
+    parallel = (_read(get_parallel) or _UNKNOWN) if get_parallel is not None else None
+    spec = (_read(get_spec) or _UNKNOWN) if get_spec is not None else None
+    return facts_from_runner(runner, parallel=parallel, spec=spec)
