@@ -214,7 +214,7 @@ def resolve_device(device: DeviceLike) -> torch.device:
     if isinstance(device, bool):
         raise ValueError(f"invalid device {device!r}")
     if isinstance(device, int):
-        if not _has_cuda():
+        if not torch.cuda.is_available():
             raise _no_cuda(f"cuda:{device}")
         return torch.device("cuda", device)
     try:
@@ -224,6 +224,6 @@ def resolve_device(device: DeviceLike) -> torch.device:
     if resolved.type == "cuda":
         if resolved.index is None:
             return _current_cuda()
-        if not _has_cuda():
+        if not torch.cuda.is_available():  # asked live: only a pool's first lookup comes here
             raise _no_cuda(resolved)
     return resolved

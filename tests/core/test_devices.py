@@ -32,6 +32,7 @@ def current() -> Iterator[_FakeCurrentDevice]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "current_device", lambda: fake.index)
         mp.setattr(wspool.devices, "_cuda_available", True)
+        mp.setattr(torch.cuda, "is_available", lambda: True)
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         yield fake
 

@@ -160,6 +160,7 @@ def test_registry_pools_watch_streams_when_enabled(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: gpu.current)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("WSPOOL_DEBUG_STREAMS", "1")
     monkeypatch.setenv("WSPOOL_POOLS__P__RULES__DEFAULT", "1KiB")
     reg = wspool.PoolRegistry(allocator=lambda nbytes, device: torch.zeros(nbytes, dtype=torch.uint8))

@@ -105,7 +105,7 @@ def test_undersized_rule_recovers_once(caplog: pytest.LogCaptureFixture) -> None
         out = plan.run(inputs.query, inputs.kv_cache)
     assert _rel_err(out, _reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
     stats = registry.stats("flashinfer_mla", device="cuda")
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "wspool"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("wspool")]
     print(f"\nsized up front: {stats.last_grow_reason}, capacity {stats.capacity_bytes}, path {plan.path}, "
           f"FlashInfer planned {plan.flashinfer_backend}; warning: {warnings}", end="")  # fmt: skip
     assert plan.path == plan.flashinfer_backend == path
@@ -128,7 +128,7 @@ def test_refusal_recovery_keeps_the_path(monkeypatch: pytest.MonkeyPatch, caplog
         out = plan.run(inputs.query, inputs.kv_cache)
     assert _rel_err(out, _reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
     stats = registry.stats("flashinfer_mla", device="cuda")
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "wspool"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("wspool")]
     print(f"\nrecovered: {stats.last_grow_reason}, capacity {stats.capacity_bytes}, FlashInfer planned "
           f"{plan.flashinfer_backend}; warning: {warnings}", end="")  # fmt: skip
     assert plan.path == plan.flashinfer_backend == path

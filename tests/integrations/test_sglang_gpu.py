@@ -9,6 +9,7 @@ reason, where there is no CUDA device.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,7 @@ def _serve(name: str, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Te
 
 def test_cuda_factories_are_served_on_the_current_device(on_cuda: torch.device) -> None:
     """Each workspace lands on cuda:0 from its pool; SGLang's factories allocate no device memory."""
+    gc.collect()  # earlier tests' garbage must not be freed inside the measurement
     before = torch.cuda.memory_allocated(on_cuda)
     paged = _serve("flashinfer_workspace", 8 * MiB)
     mla = _serve("flashinfer_mla_workspace", 8 * MiB)

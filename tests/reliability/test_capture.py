@@ -28,9 +28,10 @@ CUDA0 = torch.device("cuda", 0)
 
 @pytest.fixture
 def capture(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
-    """Simulate CUDA-graph capture on the current stream: set ``capture[0] = True`` to be capturing."""
+    """Simulate CUDA (pools on cuda:0 made on the CPU) and graph capture: set ``capture[0] = True`` to capture."""
     state = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CUDA pools, made on the CPU
     yield state
 
 
