@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
+import wspool
 from wspool.errors import ConfigError, RuleError
 from wspool.integrations.vllm_facts import FACT_NAMES, ConfigFacts, call_facts, set_call_facts
-from wspool.lanes import current_lane
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
@@ -156,10 +156,10 @@ _LANE_NAMES: dict[tuple[int, int], str] = {}
 def _lane() -> str:
     get = _hooks.vllm_lane
     if get is None:
-        return current_lane()
+        return wspool.current_lane()
     key = get()
     if key == (0, 0):
-        return current_lane()
+        return wspool.current_lane()
     name = _LANE_NAMES.get(key)
     if name is None:
         name = _LANE_NAMES.setdefault(key, f"vllm-u{key[0]}-l{key[1]}")
