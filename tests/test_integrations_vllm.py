@@ -103,7 +103,8 @@ def test_register_without_vllm_warns_and_patches_nothing(warnings_seen: pytest.L
     assert plugin.patched() == []
     (warning,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING}
     assert "did not patch" in warning
-    assert all(target.name in warning for target in plugin.TARGETS)
+    required = {group.name for group in plugin.GROUPS if any(not t.optional for t in group.targets)}
+    assert all(f"{name} (module " in warning for name in required)
 
 
 def test_disabled_by_environment_patches_nothing(
@@ -409,7 +410,7 @@ def test_wspool_vllm_zero_patches_nothing(load: Any, monkeypatch: pytest.MonkeyP
 def test_missing_or_changed_function_is_a_warning(
     load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
 ) -> None:
-    """A missing function and one with other parameters keep vLLM's behaviour, named in one warning."""
+    """A missing function and one with other parameters keep vLLM's behaviour for their groups, in one warning."""
     mla, sparse = _module(MLA), _module(SPARSE)
     monkeypatch.delattr(mla, "_get_multi_ctas_kv_counter_buffer")
 
@@ -419,9 +420,89 @@ def test_missing_or_changed_function_is_a_warning(
     monkeypatch.setattr(sparse, "_get_workspace_buffer", changed)
     load()
     assert sparse._get_workspace_buffer is changed
+    # The by-name copy belongs to the same group: it keeps vLLM's function too.
+    assert _module(SPARSE_SM120)._get_workspace_buffer is not ws.get_sparse_workspace_buffer
     assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
     (warning,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING}
-    assert f"{MLA}._get_multi_ctas_kv_counter_buffer is missing" in warning
+    assert f"trtllm-gen's MLA counters ({MLA}._get_multi_ctas_kv_counter_buffer is missing)" in warning
     assert f"{SPARSE}._get_workspace_buffer takes (device), not (device, min_bytes)" in warning
     assert "vLLM's own behaviour stays" in warning
     assert "patched" in warnings_seen.text and "pool flashinfer_mla (int8)" in warnings_seen.text
+
+
+def test_lock_and_unlock_are_patched_together(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """An unlock the plugin cannot patch leaves the lock unpatched too: vLLM's unlock never leaves wspool frozen."""
+    workspace = _module(WORKSPACE)
+    vllms_lock = workspace.WorkspaceManager.__dict__["lock"]
+
+    def unlock(self: Any, reason: str = "") -> None:  # another signature, as a later vLLM might have
+        self._locked = False
+
+    monkeypatch.setattr(workspace.WorkspaceManager, "unlock", unlock)
+    load()
+    assert workspace.WorkspaceManager.__dict__["lock"] is vllms_lock
+    workspace.init_workspace_manager(torch.device("cpu"))
+    workspace.lock_workspace()
+    workspace.unlock_workspace()
+    assert not wspool.get_registry().is_frozen
+    assert _module(MLA)._get_multi_ctas_kv_counter_buffer(4096, torch.device("cpu")).numel() == 4096  # grows
+    assert "vLLM's workspace lock (vllm.v1.worker.workspace.WorkspaceManager.unlock takes (self, reason)" in (
+        warnings_seen.text
+    )
+
+
+def test_an_exception_while_registering_undoes_every_patch(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """A target that cannot be set after others were undoes them all, and the log says nothing stayed patched."""
+    mla, paged = _module(MLA), _module(PAGED)
+    originals = (mla._get_workspace_buffer, mla.FlashInferMLAImpl.__dict__["forward_mqa"])
+
+    class ReadOnlyCounters(ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "_get_multi_ctas_kv_counter_buffer":
+                raise AttributeError(f"{name} is read-only here")
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(paged, "__class__", ReadOnlyCounters)
+    load()
+    assert plugin.patched() == []
+    assert (mla._get_workspace_buffer, mla.FlashInferMLAImpl.__dict__["forward_mqa"]) == originals
+    assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == PAGED
+    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    assert "failed to load and patched nothing; vLLM's own workspaces stay in use" in error
+    assert "is read-only here" in warnings_seen.text  # the traceback of the cause
+    assert "vLLM plugin loaded" not in warnings_seen.text
+
+
+def test_a_patch_that_cannot_be_undone_is_reported(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """Where undoing fails too, the error names what stays wspool's, and patched() lists it."""
+    mla, paged = _module(MLA), _module(PAGED)
+    refusals = [1]
+
+    class ReadOnlyCounters(ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "_get_multi_ctas_kv_counter_buffer":
+                raise AttributeError(f"{name} is read-only here")
+            super().__setattr__(name, value)
+
+    class StickyWorkspace(ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "_get_workspace_buffer" and value is not ws.get_mla_workspace_buffer and refusals:
+                refusals.pop()  # refuses the first undo only, so the test's teardown can restore it
+                raise AttributeError("cannot restore")
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(paged, "__class__", ReadOnlyCounters)
+    monkeypatch.setattr(mla, "__class__", StickyWorkspace)
+    load()
+    assert plugin.patched() == [f"{MLA}._get_workspace_buffer"]
+    assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
+    assert mla.FlashInferMLAImpl.forward_mqa.__module__ == MLA  # undone
+    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    assert f"undoing its patches failed for {MLA}._get_workspace_buffer (AttributeError: cannot restore)" in error
+    assert "which stay wspool's" in error and "every other patch was undone" in error
