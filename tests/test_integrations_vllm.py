@@ -11,9 +11,9 @@ import importlib
 import importlib.util
 import logging
 from collections.abc import Iterator
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import MethodType, ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,6 +33,7 @@ PAGED = "vllm.v1.attention.backends.flashinfer"
 SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 WORKSPACE = "vllm.v1.worker.workspace"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_VERSION = version("vllm") if HAS_VLLM else None
 
 
 @pytest.fixture
@@ -53,8 +54,16 @@ def warnings_seen(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptur
 def vllm() -> ModuleType:
     """The real vLLM package; skips where it is not installed."""
     return pytest.importorskip(
-        "vllm", reason="vLLM is not installed here; `bash .ci/run` installs vllm==0.33.0 in .venv-vllm"
+        "vllm", reason="vLLM is not installed here; `.ci/engine-envs` builds .venv-vllm (0.33.0) and .venv-vllm034"
     )
+
+
+@pytest.fixture
+def vllm034(vllm: ModuleType) -> ModuleType:
+    """The real vLLM 0.34; skips on another version."""
+    if not (VLLM_VERSION or "").startswith("0.34."):
+        pytest.skip(f"a vLLM 0.34 path; this is vLLM {VLLM_VERSION}")
+    return vllm
 
 
 @pytest.fixture
@@ -318,10 +327,15 @@ def test_vllm_lanes_map_to_wspool_lanes(loaded: None) -> None:
     assert lanes == {"main", "vllm-u0-l1"}
 
 
-def _fake_mla_call(mla: Any, monkeypatch: pytest.MonkeyPatch, dcp: int, heads_per_rank: int) -> dict[str, Any]:
-    """Run vLLM's real FlashInferMLAImpl.forward_mqa with the kernel replaced by a recorder (no GPU here)."""
+def _fake_mla_call(
+    mla: Any, monkeypatch: pytest.MonkeyPatch, dcp: int, heads_per_rank: int, query_lens: tuple[int, ...] = (1, 1, 1, 1)
+) -> dict[str, Any]:
+    """Run vLLM's real FlashInferMLAImpl.forward_mqa with the kernel replaced by a recorder (no GPU here).
+
+    ``query_lens``: each decode request's query tokens (1 + its drafts); uneven lengths make a ragged batch.
+    """
     seen: dict[str, Any] = {}
-    batch, dim = 4, 8
+    requests, tokens, dim = len(query_lens), sum(query_lens), 8
 
     def kernel(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         seen.update(kwargs)
@@ -340,40 +354,88 @@ def _fake_mla_call(mla: Any, monkeypatch: pytest.MonkeyPatch, dcp: int, heads_pe
         qk_rope_head_dim=4,
         kv_cache_dtype="auto",
     )
+    # vLLM's own row split, bound to the stand-in (0.34's ragged DCP branch calls it).
+    impl._flattened_decode_metadata = MethodType(mla.FlashInferMLAImpl._flattened_decode_metadata, impl)
+    starts = [0]
+    for length in query_lens:
+        starts.append(starts[-1] + length)
     decode = SimpleNamespace(
-        block_table=torch.zeros(batch, 1, dtype=torch.int32),
-        seq_lens=torch.ones(batch, dtype=torch.int32),
-        max_query_len=1,
-        dcp_tot_seq_lens=torch.ones(batch, dtype=torch.int32),
-        query_start_loc=None,
+        block_table=torch.zeros(requests, 1, dtype=torch.int32),
+        seq_lens=torch.full((requests,), 8, dtype=torch.int32),
+        max_query_len=max(query_lens),
+        dcp_tot_seq_lens=torch.full((requests,), 32, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        query_len=0,
+        flattened_block_table=None,
+        flattened_seq_lens=None,
+        flattened_row_req=None,
     )
-    metadata = SimpleNamespace(decode=decode, causal=True, num_decode_tokens=batch, num_decodes=batch, max_seq_len=1)
-    q = torch.zeros(batch, heads_per_rank * dcp, dim)  # after DCP's query gather
+    metadata = SimpleNamespace(
+        decode=decode, causal=True, num_decode_tokens=tokens, num_decodes=requests, max_seq_len=8
+    )
+    q = torch.zeros(tokens, heads_per_rank * dcp, dim)  # after DCP's query gather
     kv = torch.zeros(2, 16, dim)  # page size 16: the counters are not asked for
     mla.FlashInferMLAImpl.forward_mqa(impl, q, kv, metadata, SimpleNamespace())
     return seen
 
 
-def test_dcp_config_gives_the_dcp_rules_size(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With kimi_dcp.yaml and a vLLM config of DCP 4, forward_mqa's workspace follows the DCP rule."""
-    from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+def _dcp_vllm_config(max_num_seqs: int, speculative_tokens: int) -> Any:
+    """vLLM's own VllmConfig with DCP 4 (TP 4), 8192 batched tokens and ``speculative_tokens`` drafts per step.
 
-    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
-    wspool.reset_registry()
+    The speculative config is set as an object with vLLM's attribute: vLLM's own needs a draft model to build.
+    """
+    from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
     config = VllmConfig(
         parallel_config=ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192, is_encoder_decoder=False
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=8192, is_encoder_decoder=False
         ),
         device_config=DeviceConfig(device="cpu"),
     )
+    if speculative_tokens:
+        object.__setattr__(config, "speculative_config", SimpleNamespace(num_speculative_tokens=speculative_tokens))
+    return config
+
+
+def test_dcp_config_gives_the_dcp_rules_size(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With kimi_dcp.yaml and a vLLM config of DCP 4, forward_mqa's workspace follows the DCP rule."""
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    wspool.reset_registry()
     mla = _module(MLA)
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(_dcp_vllm_config(max_num_seqs=256, speculative_tokens=0)):
         seen = _fake_mla_call(mla, monkeypatch, dcp=4, heads_per_rank=8)
     rule = 8 * 8 * 4 * 256 * 256 + MiB + 32 * MiB  # 8 * num_heads * cp_world * batch * round_up(q_len, 256) + ...
     workspace = seen["workspace_buffer"]
     assert workspace.dtype == torch.int8 and workspace.numel() >= rule and seen["cp_world"] == 4
     assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == rule
+
+
+def test_ragged_causal_dcp_decode_is_sized_per_token(
+    vllm034: ModuleType, load: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.34 splits a causal DCP batch of uneven drafts into single-token rows; the LSE rule follows.
+
+    DCP 4 with 8 heads per rank, 256 sequences, 3 speculative tokens, 8192 batched tokens. Two
+    requests with 4 and 2 query tokens reach the kernel as 6 rows of 1 token. The rows can be
+    min(256 * (1 + 3), 8192) = 1024, so the rule sizes 8 * 8 * 4 * 1024 * 256 B + 33 MiB = 97 MiB;
+    the configuration's 256 request rows give 49 MiB, a softmax slab of 16 MiB: 4 times too small.
+    """
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    load()
+    with set_current_vllm_config(_dcp_vllm_config(max_num_seqs=256, speculative_tokens=3)):
+        uniform = _fake_mla_call(_module(MLA), monkeypatch, dcp=4, heads_per_rank=8, query_lens=(4, 4))
+        stats = wspool.get_registry().stats("flashinfer_mla", "cpu")
+        assert tuple(uniform["query"].shape) == (2, 4, 32, 8) and stats.peak_request_bytes == 49 * MiB
+        ragged = _fake_mla_call(_module(MLA), monkeypatch, dcp=4, heads_per_rank=8, query_lens=(4, 2))
+    assert tuple(ragged["query"].shape) == (6, 1, 32, 8)  # vLLM's own split: a row per token
+    stats = wspool.get_registry().stats("flashinfer_mla", "cpu")
+    assert stats.peak_request_bytes == 8 * 8 * 4 * 1024 * 256 + 33 * MiB == 97 * MiB
+    assert ragged["workspace_buffer"].numel() >= 97 * MiB and ragged["workspace_buffer"].dtype == torch.int8
 
 
 def test_dcp_rule_without_its_facts_is_a_clear_error(

@@ -206,3 +206,52 @@ def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatc
         ws.get_mla_workspace_buffer(True)
     ws.wrap_forward_mqa(forward_mqa)(SimpleNamespace(dcp_world_size=2), torch.zeros(8, 16, 4), None, None, None)
     assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 2 * 8 * 256 + 33 * MiB
+
+
+def _dcp_config(*, seqs: int, speculative: int, batched: int, heads: int, dcp: int) -> SimpleNamespace:
+    """An object with the attributes of a VllmConfig the facts read."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
+        scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=batched),
+        model_config=SimpleNamespace(get_num_attention_heads=lambda parallel: heads, dtype=torch.bfloat16),
+        speculative_config=SimpleNamespace(num_speculative_tokens=speculative),
+    )
+
+
+def _use_kimi_dcp(monkeypatch: pytest.MonkeyPatch, config: SimpleNamespace) -> wspool.PoolRegistry:
+    """configs/kimi_dcp.yaml's DCP rule, a registry that allocates nothing, and ``config`` as vLLM's configuration."""
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    wspool.reset_registry()
+    meta = wspool.PoolRegistry(allocator=lambda n, d: torch.empty(n, dtype=torch.uint8, device="meta"))
+    wspool.set_registry(meta)
+    ws.configure(device="cpu", get_config=lambda: config)
+    return meta
+
+
+def test_ragged_dcp_call_is_sized_for_a_row_per_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged causal DCP step gets the LSE workspace of min(seqs * (1 + k), batched tokens) single-token rows.
+
+    DCP 4 with 8 heads per rank, 256 sequences, 3 speculative tokens, 8192 batched tokens: the
+    kernel sees up to 1024 rows of 32 heads, 8 * 32 * 1024 * 256 B = 64 MiB of softmax slab
+    (+ 33 MiB), where the configuration's 256 request rows would give 16 MiB.
+    """
+    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
+
+    def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> torch.Tensor:
+        return ws.get_mla_workspace_buffer(True)
+
+    wrapped = ws.wrap_forward_mqa(forward_mqa)
+    impl = SimpleNamespace(dcp_world_size=4)
+    uniform = SimpleNamespace(num_decodes=5, num_decode_tokens=20, causal=True, decode=SimpleNamespace(max_query_len=4))
+    wrapped(impl, torch.zeros(20, 32, 8, device="meta"), None, uniform, None)
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 32 * 256 * 256 + 33 * MiB
+    ragged = SimpleNamespace(num_decodes=5, num_decode_tokens=11, causal=True, decode=SimpleNamespace(max_query_len=4))
+    wrapped(impl, torch.zeros(11, 32, 8, device="meta"), None, ragged, None)
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 32 * 1024 * 256 + 33 * MiB == 97 * MiB
+
+
+def test_a_call_from_no_wrapped_site_gets_the_widest_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside forward_mqa, the LSE workspace is sized for the most rows any layout has at the full q_len."""
+    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
+    ws.get_mla_workspace_buffer(True)
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 4 * 1024 * 256 + 33 * MiB

@@ -8,7 +8,7 @@ callers look them up at call time, in groups (:data:`GROUPS`):
 
 - the MLA decode workspace: ``flashinfer_mla._get_workspace_buffer`` (a module
   global ``forward_mqa`` reads at each call) and ``FlashInferMLAImpl.forward_mqa``
-  (wrapped so the rules see the call's heads and DCP size);
+  (wrapped so the rules see the shape of the query the kernel gets);
 - trtllm-gen's MLA counters, ``flashinfer_mla._get_multi_ctas_kv_counter_buffer``;
 - the sparse MLA workspace, ``flashinfer_mla_sparse._get_workspace_buffer`` and
   its copy imported by name into ``flashinfer_mla_sparse_sm120``;
@@ -162,7 +162,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                 "FlashInferMLAImpl.forward_mqa",
                 ("self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
                 ws.wrap_forward_mqa,
-                "call-time facts num_heads, cp_world",
+                "the kernel's facts (rows, q_len, heads, cp_world)",
             ),
         ),
     ),

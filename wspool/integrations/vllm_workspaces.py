@@ -1,4 +1,4 @@
-"""Pool-backed replacements for vLLM 0.33's FlashInfer workspace functions.
+"""Pool-backed replacements for vLLM's FlashInfer workspace functions.
 
 Each function has the signature, dtype and semantics of the vLLM function it
 replaces (:mod:`wspool.integrations.vllm` installs them) and draws its buffer
@@ -19,7 +19,10 @@ vLLM function                                               pool, rule          
 ``min_bytes, device)``                                      ``counters``
 ==========================================================  ===========================  ======================
 
-The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`).
+The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`):
+:func:`wrap_forward_mqa` records the shape of the query the kernel receives,
+and a call from elsewhere gets the widest facts the configuration allows, so
+the MLA workspace is never sized for fewer rows than the kernel gets.
 
 Device semantics: the device vLLM names (``"cuda"`` for the MLA workspace: the
 current CUDA device at each call), unless :data:`DEVICE_ENV_VAR` names
@@ -43,7 +46,13 @@ import torch
 
 import wspool
 from wspool.errors import ConfigError, RuleError
-from wspool.integrations.vllm_facts import FACT_NAMES, ConfigFacts, call_facts, set_call_facts
+from wspool.integrations.vllm_facts import (
+    FACT_NAMES,
+    ConfigFacts,
+    call_facts,
+    decode_kernel_shape,
+    set_call_facts,
+)
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
@@ -178,11 +187,11 @@ def _int8(state: _RegistryState, pool: str, device: object, lane: str, buffer: t
 
 
 def _facts() -> Mapping[str, int]:
-    configured = _hooks.config_facts.get()
+    """The facts of this call: the wrapped call site's (the kernel's shape), else the widest configured."""
     at_call = call_facts()
-    if not at_call:
-        return configured
-    return {**at_call, **configured}  # the configuration's num_heads is the rank's own, whatever the gather
+    if at_call is not None:
+        return at_call
+    return _hooks.config_facts.widest()
 
 
 def _missing_facts(exc: RuleError, facts: Mapping[str, int]) -> RuleError:
@@ -331,26 +340,38 @@ def _prefill_floor(builder: Any, bytes_per_elem: int | None) -> int:
 
 
 def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``FlashInferMLAImpl.forward_mqa`` so the MLA rules see the call's heads and DCP size.
+    """Wrap ``FlashInferMLAImpl.forward_mqa`` so the MLA rules see the shape of the query the kernel gets.
 
     Args:
         original: vLLM's ``forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)``.
 
     Returns:
-        A method that records, for the calling thread, ``q_heads``
-        (``q.shape[-2]``: the heads the kernel sees, after DCP's query gather),
-        ``cp_world`` (``self.dcp_world_size``) and ``num_heads`` (``q_heads //
-        cp_world``; the configuration's value wins where it has one), then
-        calls ``original``.
+        A method that records, for the calling thread and the duration of the
+        call, the facts of the kernel call vLLM's branches make from ``q`` and
+        ``attn_metadata`` (:func:`~wspool.integrations.vllm_facts.decode_kernel_shape`:
+        one row per request, or per token in a ragged causal DCP batch or a
+        non-causal block), at the configured maximum of that layout, then calls
+        ``original``. Metadata the branches cannot read gives the widest facts.
     """
 
-    def forward_mqa(self: Any, q: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward_mqa(self: Any, q: Any, kv_c_and_k_pe_cache: Any, attn_metadata: Any, layer: Any) -> Any:
         query = q[0] if isinstance(q, tuple) else q
         cp_world = getattr(self, "dcp_world_size", 1) or 1
-        heads = query.shape[-2]
-        previous = set_call_facts({"q_heads": heads, "num_heads": heads // cp_world, "cp_world": cp_world})
+        tokens, heads = query.shape[0], query.shape[-2]
+        config_facts = _hooks.config_facts
+        shape = decode_kernel_shape(tokens, heads, cp_world, attn_metadata)
+        if shape is None:
+            facts: Mapping[str, int] = {
+                **config_facts.widest(),
+                "q_heads": heads,
+                "num_heads": max(1, heads // cp_world),
+                "cp_world": cp_world,
+            }
+        else:
+            facts = config_facts.for_kernel(shape)
+        previous = set_call_facts(facts)
         try:
-            return original(self, q, *args, **kwargs)
+            return original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)
         finally:
             set_call_facts(previous)
 
