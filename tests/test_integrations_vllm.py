@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import sys
 from collections.abc import Iterator
 from importlib.metadata import entry_points, version
 from pathlib import Path
@@ -32,6 +33,7 @@ SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 PAGED = "vllm.v1.attention.backends.flashinfer"
 SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 WORKSPACE = "vllm.v1.worker.workspace"
+DRAFTER = "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 VLLM_VERSION = version("vllm") if HAS_VLLM else None
 
@@ -94,6 +96,28 @@ def loaded(load: Any) -> None:
 
 def _module(name: str) -> Any:
     return importlib.import_module(name)
+
+
+def _present(target: plugin.Target) -> bool:
+    """Whether this vLLM has the target's attribute (the optional ones exist in one version only)."""
+    try:
+        owner: Any = importlib.import_module(target.module)
+    except ModuleNotFoundError:
+        return False
+    for part in target.path.split("."):
+        owner = getattr(owner, part, None)
+    return owner is not None
+
+
+def _present_targets() -> list[str]:
+    return sorted(target.name for target in plugin.TARGETS if _present(target))
+
+
+def _pool_ptr(pool: str) -> int:
+    """The address of the CPU buffer pool ``pool`` draws from (its own, or its shared_with host's)."""
+    buffer = wspool.get_registry().pool(pool, "cpu").buffer
+    assert buffer is not None, pool
+    return int(buffer.data_ptr())
 
 
 def _builder(**attrs: Any) -> SimpleNamespace:
@@ -160,7 +184,7 @@ def test_load_general_plugins_patches_each_function(loaded: None) -> None:
     assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == plugin.__name__
     assert workspace.WorkspaceManager.lock.__module__ == plugin.__name__
     assert workspace.WorkspaceManager.unlock.__module__ == plugin.__name__
-    assert sorted(plugin.patched()) == sorted(t.name for t in plugin.TARGETS)
+    assert sorted(plugin.patched()) == _present_targets()
 
 
 def test_loading_twice_is_harmless(loaded: None, load: Any) -> None:
@@ -170,7 +194,7 @@ def test_loading_twice_is_harmless(loaded: None, load: Any) -> None:
     load()
     plugin.register()
     assert mla.FlashInferMLAImpl.forward_mqa is forward and forward.__wrapped__.__module__ == MLA
-    assert len(plugin.patched()) == len(plugin.TARGETS)
+    assert sorted(plugin.patched()) == _present_targets()
 
 
 def test_unregister_restores_vllms_functions(load: Any) -> None:
@@ -219,22 +243,20 @@ def test_paged_counters_have_their_own_buffer(loaded: None) -> None:
 
 
 def test_no_module_keeps_a_stale_copy(load: Any) -> None:
-    """After loading, no imported vLLM module holds vLLM's original of a replaced function under its name."""
-    import sys
-
+    """After loading, no imported vLLM module holds vLLM's original of a replaced function, under any name."""
     originals = {}
     for target in plugin.TARGETS:
-        if "." not in target.path:  # methods are looked up on their class at each call
+        if "." not in target.path and _present(target):  # methods are looked up on their class at each call
             originals[id(getattr(_module(target.module), target.path))] = target.name
     load()
     stale = [
         f"{name}.{attr}"
         for name, module in list(sys.modules.items())
         if name.startswith("vllm.") and module is not None
-        for attr in ("_get_workspace_buffer", "_get_multi_ctas_kv_counter_buffer")
-        if id(getattr(module, attr, None)) in originals
+        for attr, value in list(vars(module).items())
+        if id(value) in originals
     ]
-    assert stale == [] and len(originals) == 4  # the sparse function and its by-name copy are one object
+    assert stale == [] and originals
 
 
 def test_sparse_workspace_has_the_vllm_size_and_floor(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -568,3 +590,80 @@ def test_a_patch_that_cannot_be_undone_is_reported(
     (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
     assert f"undoing its patches failed for {MLA}._get_workspace_buffer (AttributeError: cannot restore)" in error
     assert "which stay wspool's" in error and "every other patch was undone" in error
+
+
+def test_an_optional_target_of_another_shape_leaves_its_group_alone(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """A Kimi K3 drafter whose folded_decode differs keeps the whole MLA group vLLM's: never half-patched.
+
+    Patching the MLA workspace without the drafter's wrapper would size the drafter's folded
+    kernel from the configuration alone, possibly too small; vLLM's fixed buffer is kept instead.
+    """
+    mla = _module(MLA)
+    original = mla._get_workspace_buffer
+    drafter = ModuleType(DRAFTER)
+
+    def folded_decode(q: Any, workspace: Any) -> None:
+        return None
+
+    drafter.folded_decode = folded_decode  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, DRAFTER, drafter)
+    load()
+    assert mla._get_workspace_buffer is original and mla.FlashInferMLAImpl.forward_mqa.__module__ == MLA
+    assert mla._get_multi_ctas_kv_counter_buffer is ws.get_multi_ctas_kv_counter_buffer  # another group
+    assert f"the MLA decode workspace ({DRAFTER}.folded_decode takes (q, workspace)" in warnings_seen.text
+
+
+def test_kimi_k3_draft_decode_gets_a_pool_buffer_for_its_folded_query(
+    vllm034: ModuleType, load: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kimi K3's folded drafter (a forward_mqa override) under DCP gets the pool's workspace, sized for its fold.
+
+    DCP 4, 8 heads per rank (32 after the gather), 64 sequences, 3 speculative tokens, 4-token
+    draft blocks: vLLM folds the 4 tokens of a request into 128 heads, so the kernel sees at
+    most min(64 * 4, 8192) / 4 = 64 rows of 128 heads: 8 * 128 * 64 * 256 B + 33 MiB = 49 MiB.
+    """
+    import flashinfer.decode
+    from vllm.config import set_current_vllm_config
+    from vllm.models.kimi_k3.nvidia.specialized_decode.drafter import attention as drafter
+    from vllm.models.kimi_k3.nvidia.specialized_decode.drafter.model import _folded_impl
+
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    load()
+    mla = _module(MLA)
+    seen: dict[str, Any] = {}
+
+    def kernel(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.update(kwargs)
+        rows, _, heads, _ = kwargs["query"].shape
+        return torch.zeros(rows, 1, heads, 512), torch.zeros(rows, heads)
+
+    monkeypatch.setattr(flashinfer.decode, "trtllm_batch_decode_with_kv_cache_mla", kernel)
+    monkeypatch.setattr(drafter, "balanced_tiers", lambda device, rows: ())  # it reads the GPU's SM count
+    impl = object.__new__(_folded_impl(mla.FlashInferMLAImpl))
+    vars(impl).update(
+        bmm1_scale=1.0, bmm2_scale=1.0, need_to_return_lse_for_decode=True, dcp_world_size=4, dcp_rank=0,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_cache_dtype="auto", _mla_counter_max_batch=64,
+    )  # fmt: skip
+    requests, k = 3, 4
+    decode = SimpleNamespace(
+        block_table=torch.zeros(requests, 1, dtype=torch.int32),
+        seq_lens=torch.full((requests,), 8, dtype=torch.int32),
+        dcp_tot_seq_lens=torch.full((requests,), 32, dtype=torch.int32),
+        max_query_len=k,
+    )
+    metadata = SimpleNamespace(
+        decode=decode, causal=False, num_decodes=requests, num_decode_tokens=requests * k, max_seq_len=8
+    )
+    q = torch.zeros(requests * k, 32, 576)
+    with set_current_vllm_config(_dcp_vllm_config(max_num_seqs=64, speculative_tokens=3)):
+        out, lse = impl.forward_mqa(q, torch.zeros(2, 64, 576), metadata, SimpleNamespace())
+    assert tuple(seen["query"].shape) == (3, 1, 128, 576) and seen["backend"] == "cute-dsl"  # vLLM's fold
+    assert (tuple(out.shape), tuple(lse.shape)) == ((12, 32, 512), (12, 32))
+    workspace = seen["workspace_buffer"]
+    assert workspace.dtype == torch.int8 and workspace.data_ptr() == _pool_ptr("flashinfer_mla")
+    stats = wspool.get_registry().stats("flashinfer_mla", "cpu")
+    assert stats.peak_request_bytes == 8 * 128 * 64 * 256 + 33 * MiB == 49 * MiB
+    assert workspace.numel() >= stats.peak_request_bytes
+    assert drafter.folded_decode.__wspool__

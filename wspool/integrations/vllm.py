@@ -1,4 +1,4 @@
-"""The vLLM plugin: vLLM 0.33's FlashInfer workspaces drawn from wspool's pools.
+"""The vLLM plugin: vLLM's FlashInfer workspaces drawn from wspool's pools (vLLM 0.33 and 0.34).
 
 vLLM calls :func:`register` in every process it starts (engine core, workers)
 through the ``vllm.general_plugins`` entry point ``wspool`` that wspool's
@@ -7,8 +7,9 @@ package declares; ``VLLM_PLUGINS`` (a comma-separated allowlist) must name
 callers look them up at call time, in groups (:data:`GROUPS`):
 
 - the MLA decode workspace: ``flashinfer_mla._get_workspace_buffer`` (a module
-  global ``forward_mqa`` reads at each call) and ``FlashInferMLAImpl.forward_mqa``
-  (wrapped so the rules see the shape of the query the kernel gets);
+  global ``forward_mqa`` reads at each call), ``FlashInferMLAImpl.forward_mqa``
+  (wrapped so the rules see the shape of the query the kernel gets) and, in
+  vLLM 0.34, Kimi K3's ``drafter.attention.folded_decode`` (wrapped likewise);
 - trtllm-gen's MLA counters, ``flashinfer_mla._get_multi_ctas_kv_counter_buffer``;
 - the sparse MLA workspace, ``flashinfer_mla_sparse._get_workspace_buffer`` and
   its copy imported by name into ``flashinfer_mla_sparse_sm120``;
@@ -19,10 +20,10 @@ callers look them up at call time, in groups (:data:`GROUPS`):
   its unlock unfreezes it.
 
 A group is patched whole or not at all: its targets only work together (the
-MLA workspace's rules need the wrapped call site's facts; a lock that freezes
-needs the unlock that unfreezes). A target marked optional may be absent (a
-copy in a module some builds lack): where its module or attribute is absent
-it is skipped and the rest of its group is patched; where it is present with other parameters, its
+MLA workspace's rules need the wrapped call sites' facts; a lock that freezes
+needs the unlock that unfreezes). A target marked optional may be absent (it
+exists only in some vLLM versions): where its module or attribute is absent it
+is skipped and the rest of its group is patched; where it is present with other parameters, its
 group is not patched. A group that is not patched keeps vLLM's own behaviour,
 named in one warning. Registration is all or nothing: an exception while
 patching undoes every patch made, and the log says so. Loading never raises;
@@ -63,6 +64,7 @@ _SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 _SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 _PAGED = "vllm.v1.attention.backends.flashinfer"
 _WORKSPACE = "vllm.v1.worker.workspace"
+_DRAFTER = "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention"
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ class Target:
         parameters: vLLM's parameter names; another signature is not patched.
         make: Builds the replacement from vLLM's original.
         what: What it becomes, for the log line.
-        optional: It may be absent from a vLLM build: absent, it is skipped.
+        optional: It may be absent from the vLLM in use (a function of one version, or a
+            by-name copy in a module some builds lack): absent, it is skipped.
     """
 
     module: str
@@ -146,6 +149,28 @@ def _replace_with(replacement: Callable[..., Any]) -> Callable[[Callable[..., An
     return make
 
 
+_FOLDED_DECODE_PARAMETERS = (
+    "q",
+    "kv_cache",
+    "block_table",
+    "seq_lens",
+    "max_seq_len",
+    "tokens_per_request",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "bmm1_scale",
+    "bmm2_scale",
+    "workspace",
+    "return_lse",
+    "dcp_world_size",
+    "dcp_rank",
+    "dcp_tot_seq_lens",
+    "max_reqs",
+    "backend",
+    "table_cache",
+)
+
 _MLA_POOL = "pool flashinfer_mla (int8)"
 _SPARSE_POOL = "pool flashinfer_mla_sparse (int8)"
 
@@ -163,6 +188,14 @@ GROUPS: tuple[TargetGroup, ...] = (
                 ("self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
                 ws.wrap_forward_mqa,
                 "the kernel's facts (rows, q_len, heads, cp_world)",
+            ),
+            Target(
+                _DRAFTER,
+                "folded_decode",
+                _FOLDED_DECODE_PARAMETERS,
+                ws.wrap_folded_decode,
+                "the folded kernel's facts",
+                optional=True,
             ),
         ),
     ),
@@ -316,6 +349,12 @@ def _hooks_from_vllm() -> list[str]:
     return missing
 
 
+def _short(module: str) -> str:
+    """A module's name for the log line: a model's path under ``vllm.models``, else its last part."""
+    models = "vllm.models."
+    return module[len(models) :] if module.startswith(models) else module.rsplit(".", 1)[-1]
+
+
 class _PartialUndo(RuntimeError):
     """Registration failed and some of its patches could not be undone."""
 
@@ -412,7 +451,7 @@ def _register() -> None:
             ) from exc
         for name, owner, attr, original, replacement in applied:
             _patches[name] = (owner, attr, original, replacement)
-    done = [f"{target.module.rsplit('.', 1)[-1]}.{target.path} -> {target.what}" for target, *_ in plan]
+    done = [f"{_short(target.module)}.{target.path} -> {target.what}" for target, *_ in plan]
     if done:
         logger.info("wspool: vLLM plugin loaded; patched %s", "; ".join(done))
     if absent:

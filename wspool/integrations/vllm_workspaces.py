@@ -1,4 +1,4 @@
-"""Pool-backed replacements for vLLM's FlashInfer workspace functions.
+"""Pool-backed replacements for vLLM's FlashInfer workspace functions (vLLM 0.33 and 0.34).
 
 Each function has the signature, dtype and semantics of the vLLM function it
 replaces (:mod:`wspool.integrations.vllm` installs them) and draws its buffer
@@ -20,9 +20,10 @@ vLLM function                                               pool, rule          
 ==========================================================  ===========================  ======================
 
 The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`):
-:func:`wrap_forward_mqa` records the shape of the query the kernel receives,
-and a call from elsewhere gets the widest facts the configuration allows, so
-the MLA workspace is never sized for fewer rows than the kernel gets.
+:func:`wrap_forward_mqa` and :func:`wrap_folded_decode` record the shape of the
+query the kernel receives, and a call from elsewhere gets the widest facts the
+configuration allows, so the MLA workspace is never sized for fewer rows than
+the kernel gets.
 
 Device semantics: the device vLLM names (``"cuda"`` for the MLA workspace: the
 current CUDA device at each call), unless :data:`DEVICE_ENV_VAR` names
@@ -51,6 +52,7 @@ from wspool.integrations.vllm_facts import (
     ConfigFacts,
     call_facts,
     decode_kernel_shape,
+    folded_kernel_shape,
     set_call_facts,
 )
 from wspool.registry import PoolRegistry, get_registry
@@ -69,6 +71,7 @@ __all__ = [
     "get_paged_multi_ctas_kv_counter_buffer",
     "get_paged_workspace_buffer",
     "get_sparse_workspace_buffer",
+    "wrap_folded_decode",
     "wrap_forward_mqa",
 ]
 
@@ -379,3 +382,85 @@ def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
     forward_mqa.__doc__ = original.__doc__
     forward_mqa.__wspool__ = True  # type: ignore[attr-defined]
     return forward_mqa
+
+
+def _is_mla_view(workspace: object) -> bool:
+    """Whether ``workspace`` is a view :func:`get_mla_workspace_buffer` returned (not a buffer of vLLM's own)."""
+    state = get_registry().op_state.get(_STATE_KEY)
+    if state is None:
+        return False
+    return any(key[0] == POOL_MLA and view is workspace for key, (_, view) in state.views.items())
+
+
+def wrap_folded_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Kimi K3's draft decode so its MLA workspace is sized for the folded query the kernel gets.
+
+    ``vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention.folded_decode``
+    (vLLM 0.34) takes a workspace its callers fetched with
+    ``_get_workspace_buffer(return_lse)`` outside ``forward_mqa`` (a subclass's
+    override, and the drafter's DCP path), then folds ``fold`` query tokens of
+    a request into each row's heads: ``[tokens, heads, dim] -> [tokens / fold,
+    1, fold * heads, dim]``, ``fold`` from vLLM's own ``fold_plan`` (all ``k``
+    tokens without an LSE; with one, the most that keep ``fold * heads <= 128``).
+
+    Args:
+        original: vLLM's ``folded_decode(q, kv_cache, block_table, seq_lens,
+            max_seq_len, tokens_per_request, *, ..., workspace, return_lse,
+            dcp_world_size, ...)``.
+
+    Returns:
+        A function that, when ``workspace`` is the ``flashinfer_mla`` pool's,
+        asks the pool again with the folded kernel's facts (its rows at their
+        configured maximum) and passes that buffer on; a buffer of vLLM's own
+        (the CAKE kernel's) goes through unchanged.
+    """
+    fold_plan = getattr(original, "__globals__", {}).get("fold_plan")
+
+    def _fold(tokens_per_request: int, heads: int, need_lse: bool) -> int:
+        if not need_lse:
+            return tokens_per_request
+        try:
+            return int(fold_plan(tokens_per_request, heads, True, False)[0])  # type: ignore[misc]
+        except Exception:  # no plan vLLM could use either: one token per row is never smaller for the rules
+            return 1
+
+    def folded_decode(
+        q: Any,
+        kv_cache: Any,
+        block_table: Any,
+        seq_lens: Any,
+        max_seq_len: Any,
+        tokens_per_request: int,
+        *,
+        workspace: Any,
+        return_lse: bool = False,
+        dcp_world_size: int = 1,
+        **kwargs: Any,
+    ) -> Any:
+        if _is_mla_view(workspace):
+            cp_world = dcp_world_size or 1
+            tokens, heads = q.shape[0], q.shape[-2]
+            fold = _fold(tokens_per_request, heads, return_lse or cp_world > 1)
+            shape = folded_kernel_shape(tokens, heads, cp_world, fold)
+            previous = set_call_facts(_hooks.config_facts.for_kernel(shape))
+            try:
+                workspace = get_mla_workspace_buffer(return_lse)
+            finally:
+                set_call_facts(previous)
+        return original(
+            q,
+            kv_cache,
+            block_table,
+            seq_lens,
+            max_seq_len,
+            tokens_per_request,
+            workspace=workspace,
+            return_lse=return_lse,
+            dcp_world_size=dcp_world_size,
+            **kwargs,
+        )
+
+    folded_decode.__wrapped__ = original  # type: ignore[attr-defined]
+    folded_decode.__doc__ = original.__doc__
+    folded_decode.__wspool__ = True  # type: ignore[attr-defined]
+    return folded_decode
