@@ -34,6 +34,10 @@ PAGED = "vllm.v1.attention.backends.flashinfer"
 SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 WORKSPACE = "vllm.v1.worker.workspace"
 DRAFTER = "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention"
+DSV4 = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
+DSV41 = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
+DSV41_SPARSE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.sparse_mla"
+DASH = "vllm.v1.attention.ops.dash_attention"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 VLLM_VERSION = version("vllm") if HAS_VLLM else None
 
@@ -65,6 +69,14 @@ def vllm034(vllm: ModuleType) -> ModuleType:
     """The real vLLM 0.34; skips on another version."""
     if not (VLLM_VERSION or "").startswith("0.34."):
         pytest.skip(f"a vLLM 0.34 path; this is vLLM {VLLM_VERSION}")
+    return vllm
+
+
+@pytest.fixture
+def vllm033(vllm: ModuleType) -> ModuleType:
+    """The real vLLM 0.33; skips on another version."""
+    if not (VLLM_VERSION or "").startswith("0.33."):
+        pytest.skip(f"a vLLM 0.33 path; this is vLLM {VLLM_VERSION}")
     return vllm
 
 
@@ -138,6 +150,7 @@ def test_register_without_vllm_warns_and_patches_nothing(warnings_seen: pytest.L
     assert "did not patch" in warning
     required = {group.name for group in plugin.GROUPS if any(not t.optional for t in group.targets)}
     assert all(f"{name} (module " in warning for name in required)
+    assert "DeepSeek V4" not in warning  # only optional targets: absent, not a failure
 
 
 def test_disabled_by_environment_patches_nothing(
@@ -667,3 +680,60 @@ def test_kimi_k3_draft_decode_gets_a_pool_buffer_for_its_folded_query(
     assert stats.peak_request_bytes == 8 * 128 * 64 * 256 + 33 * MiB == 49 * MiB
     assert workspace.numel() >= stats.peak_request_bytes
     assert drafter.folded_decode.__wspool__
+
+
+_SMALL_RULES = {
+    "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT": "1MiB",
+    "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE": "2MiB",
+    "WSPOOL_POOLS__FLASHINFER_MLA_SPARSE__RULES__DEFAULT": "3MiB",
+    "WSPOOL_POOLS__FLASHINFER__RULES__VLLM": "4MiB",
+    "WSPOOL_POOLS__FLASHINFER_DSV4__RULES__DEFAULT": "5MiB",
+    "WSPOOL_POOLS__FLASHINFER_DASH__RULES__DEFAULT": "6MiB",
+}
+
+
+@pytest.fixture
+def small_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small sizes for every pool the plugin fills (the real ones are hundreds of MiB on the CPU)."""
+    for name, value in _SMALL_RULES.items():
+        monkeypatch.setenv(name, value)
+    wspool.reset_registry()
+
+
+def test_vllm_034_workspaces_come_from_pools(vllm034: ModuleType, small_pools: None, load: Any) -> None:
+    """After vLLM 0.34's own plugin loader runs, every FlashInfer workspace it hands out is a pool's buffer.
+
+    Both MLA buffers (workspace and counters), the sparse MLA workspace (and its by-name copy), the
+    FlashInfer attention builder's, every binding of get_flashinfer_dsv4_workspace (and the SM120
+    attention's _get_workspace, which calls it), and DASH attention's.
+    """
+    load()
+    cpu = torch.device("cpu")
+    mla, sparse, paged = _module(MLA), _module(SPARSE), _module(PAGED)
+    lse = mla._get_workspace_buffer(True)
+    assert (lse.dtype, lse.data_ptr()) == (torch.int8, _pool_ptr("flashinfer_mla"))
+    counters = mla._get_multi_ctas_kv_counter_buffer(4096, cpu)
+    assert counters.data_ptr() == _pool_ptr("flashinfer_mla_counters")
+    for module in (sparse, _module(SPARSE_SM120)):
+        buffer = module._get_workspace_buffer(cpu)
+        assert (buffer.dtype, buffer.data_ptr()) == (torch.int8, _pool_ptr("flashinfer_mla_sparse"))
+    builder = paged.FlashInferMetadataBuilder._get_workspace_buffer(_builder())
+    assert (builder.dtype, builder.data_ptr()) == (torch.uint8, _pool_ptr("flashinfer"))
+    bindings = [_module(name).get_flashinfer_dsv4_workspace for name in (DSV4, DSV41, DSV41_SPARSE)]
+    assert all(binding is ws.get_dsv4_workspace for binding in bindings)
+    dsv4 = bindings[0](cpu)
+    assert (dsv4.dtype, dsv4.numel(), dsv4.data_ptr()) == (torch.uint8, 5 * MiB, _pool_ptr("flashinfer_dsv4"))
+    assert all(binding(cpu) is dsv4 for binding in bindings)
+    assert _module(DSV4).DeepseekV4FlashInferSM120Attention._get_workspace(cpu) is dsv4
+    dash = _module(DASH)._workspace(cpu)
+    assert (dash.dtype, dash.numel(), dash.data_ptr()) == (torch.uint8, 6 * MiB, _pool_ptr("flashinfer_dash"))
+    assert wspool.get_registry().buffer_pool("flashinfer_dsv4") == "flashinfer_dsv4"
+
+
+def test_vllm_033_dsv4_workspaces_come_from_one_pool(vllm033: ModuleType, small_pools: None, load: Any) -> None:
+    """vLLM 0.33's two private DeepSeek V4 workspace functions and their by-name copy all draw from flashinfer_dsv4."""
+    load()
+    cpu = torch.device("cpu")
+    bindings = [_module(name)._get_flashinfer_dsv4_workspace for name in (DSV4, DSV41, DSV41_SPARSE)]
+    assert all(binding is ws.get_dsv4_workspace for binding in bindings)
+    assert {binding(cpu).data_ptr() for binding in bindings} == {_pool_ptr("flashinfer_dsv4")}

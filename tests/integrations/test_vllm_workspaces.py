@@ -337,3 +337,31 @@ def test_folded_draft_decode_sizes_from_the_folded_heads(monkeypatch: pytest.Mon
     )
     # 64 rows of 4 * 32 = 128 heads: 8 MiB.
     assert got.numel() == 128 * 64 * 1024 == wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes
+
+
+def test_dsv4_workspace_is_its_own_zeroed_uint8_buffer() -> None:
+    """DeepSeek V4's sparse workspace: uint8, zeroed, 128 MiB by default, the same tensor while it suffices."""
+    reg = _small(flashinfer_dsv4={"rules": {"default": "2MiB"}})
+    buffer = ws.get_dsv4_workspace(CPU)
+    assert (buffer.dtype, buffer.numel(), int(buffer.count_nonzero())) == (torch.uint8, 2 * MiB, 0)
+    buffer[0] = 7  # a kernel's counter: wspool never clears it
+    assert ws.get_dsv4_workspace(CPU) is buffer and int(buffer[0]) == 7
+    assert reg.buffer_pool("flashinfer_dsv4") == "flashinfer_dsv4"
+    fresh = _small()
+    ws.get_dsv4_workspace(CPU)
+    assert fresh.resolve("flashinfer_dsv4", "default") == 128 * MiB
+
+
+def test_dsv4_workspace_refuses_to_share_a_buffer() -> None:
+    """The DSv4 pool configured to share another pool's buffer is refused, naming the setting."""
+    _small(flashinfer_dsv4={"shared_with": "flashinfer_mla_counters"}, flashinfer_mla_counters={"rules": {"c": "1"}})
+    with pytest.raises(ConfigError, match=r"pool 'flashinfer_dsv4' must have its own buffer.*FLASHINFER_DSV4__SHARED"):
+        ws.get_dsv4_workspace(CPU)
+
+
+def test_dash_workspace_is_a_pool_buffer() -> None:
+    """DASH attention's FlashInfer workspace: uint8 of the rule's size, one per device and lane."""
+    reg = _small(flashinfer_dash={"rules": {"default": "3MiB"}})
+    buffer = ws.get_dash_workspace(CPU)
+    assert (buffer.dtype, buffer.numel()) == (torch.uint8, 3 * MiB) and ws.get_dash_workspace(CPU) is buffer
+    assert dict(reg.stats("flashinfer_dash", "cpu").requests_by_rule) == {"default": 2}

@@ -15,6 +15,9 @@ callers look them up at call time, in groups (:data:`GROUPS`):
   its copy imported by name into ``flashinfer_mla_sparse_sm120``;
 - the FlashInfer attention builder's ``_get_workspace_buffer`` (a method) and
   trtllm-gen's paged-attention counters;
+- DeepSeek V4's sparse MLA workspace: vLLM 0.34's ``get_flashinfer_dsv4_workspace``
+  and its two copies imported by name, vLLM 0.33's ``_get_flashinfer_dsv4_workspace``;
+- DASH attention's FlashInfer workspace (vLLM 0.34), ``dash_attention._workspace``;
 - ``WorkspaceManager.lock`` / ``.unlock`` (which ``lock_workspace()`` /
   ``unlock_workspace()`` call): vLLM's lock also freezes wspool's registry,
   its unlock unfreezes it.
@@ -65,6 +68,10 @@ _SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 _PAGED = "vllm.v1.attention.backends.flashinfer"
 _WORKSPACE = "vllm.v1.worker.workspace"
 _DRAFTER = "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention"
+_DSV4 = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
+_DSV41 = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
+_DSV41_SPARSE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.sparse_mla"
+_DASH = "vllm.v1.attention.ops.dash_attention"
 
 
 @dataclass(frozen=True)
@@ -173,6 +180,7 @@ _FOLDED_DECODE_PARAMETERS = (
 
 _MLA_POOL = "pool flashinfer_mla (int8)"
 _SPARSE_POOL = "pool flashinfer_mla_sparse (int8)"
+_DSV4_POOL = "pool flashinfer_dsv4"
 
 #: What :func:`register` patches: groups in order, each all or none.
 GROUPS: tuple[TargetGroup, ...] = (
@@ -248,6 +256,48 @@ GROUPS: tuple[TargetGroup, ...] = (
                 ("min_bytes", "device"),
                 _replace_with(ws.get_paged_multi_ctas_kv_counter_buffer),
                 "pool flashinfer_counters",
+            ),
+        ),
+    ),
+    TargetGroup(
+        "DeepSeek V4's sparse MLA workspace",
+        (
+            # vLLM 0.34: one function, two copies imported by name.
+            *(
+                Target(
+                    module,
+                    "get_flashinfer_dsv4_workspace",
+                    ("device",),
+                    _replace_with(ws.get_dsv4_workspace),
+                    _DSV4_POOL,
+                    optional=True,
+                )
+                for module in (_DSV4, _DSV41, _DSV41_SPARSE)
+            ),
+            # vLLM 0.33: a function in each model's module, the second imported by name.
+            *(
+                Target(
+                    module,
+                    "_get_flashinfer_dsv4_workspace",
+                    ("device",),
+                    _replace_with(ws.get_dsv4_workspace),
+                    _DSV4_POOL,
+                    optional=True,
+                )
+                for module in (_DSV4, _DSV41, _DSV41_SPARSE)
+            ),
+        ),
+    ),
+    TargetGroup(
+        "DASH attention's FlashInfer workspace",
+        (
+            Target(
+                _DASH,
+                "_workspace",
+                ("device",),
+                _replace_with(ws.get_dash_workspace),
+                "pool flashinfer_dash",
+                optional=True,
             ),
         ),
     ),

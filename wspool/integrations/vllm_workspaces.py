@@ -17,6 +17,10 @@ vLLM function                                               pool, rule          
                                                             ``vllm_batch_invariant``     ``self``
 ``flashinfer._get_multi_ctas_kv_counter_buffer(``           ``flashinfer_counters``,     as the MLA counters
 ``min_bytes, device)``                                      ``counters``
+``deepseek_v4...get_flashinfer_dsv4_workspace(device)``     ``flashinfer_dsv4``,         ``uint8``, zeroed once,
+(0.34; ``_get_flashinfer_dsv4_workspace`` in 0.33)          ``default``                  its own buffer
+``dash_attention._workspace(device)`` (0.34)                ``flashinfer_dash``,         ``uint8``, kept by the
+                                                            ``default``                  FlashInfer wrappers
 ==========================================================  ===========================  ======================
 
 The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`):
@@ -59,13 +63,18 @@ from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
     "DEVICE_ENV_VAR",
+    "OWN_BUFFER_POOLS",
     "POOL_COUNTERS",
+    "POOL_DASH",
+    "POOL_DSV4",
     "POOL_MLA",
     "POOL_PAGED",
     "POOL_PAGED_COUNTERS",
     "POOL_SPARSE",
     "VLLM_POOLS",
     "configure",
+    "get_dash_workspace",
+    "get_dsv4_workspace",
     "get_mla_workspace_buffer",
     "get_multi_ctas_kv_counter_buffer",
     "get_paged_multi_ctas_kv_counter_buffer",
@@ -80,6 +89,13 @@ POOL_COUNTERS = "flashinfer_mla_counters"
 POOL_PAGED_COUNTERS = "flashinfer_counters"
 POOL_SPARSE = "flashinfer_mla_sparse"
 POOL_PAGED = "flashinfer"
+POOL_DSV4 = "flashinfer_dsv4"
+POOL_DASH = "flashinfer_dash"
+
+#: Pools whose buffer must be their own: their kernels keep counters in it between launches
+#: (trtllm-gen's multi-CTA-KV semaphores; the DeepSeek V4 sparse kernels' split-merge counters,
+#: zeroed at a workspace's first use), which another pool's kernel would overwrite.
+OWN_BUFFER_POOLS = (POOL_COUNTERS, POOL_PAGED_COUNTERS, POOL_DSV4)
 
 #: Names the device every replacement allocates on (``cpu`` in tests); read when the plugin loads.
 DEVICE_ENV_VAR = "WSPOOL_VLLM_DEVICE"
@@ -94,6 +110,10 @@ VLLM_POOLS: dict[str, dict[str, str]] = {
     # What vLLM asks for its largest batch; the kernel resets the counters after each launch.
     POOL_COUNTERS: {"counters": "min_bytes"},
     POOL_PAGED_COUNTERS: {"counters": "min_bytes"},
+    # vLLM 0.34's constants: DeepSeek V4's sparse MLA workspace (FlashInfer: "a fixed 128 MiB buffer
+    # admits every row count on every route") and DASH attention's FlashInfer prefill workspace.
+    POOL_DSV4: {"default": "128MiB"},
+    POOL_DASH: {"default": "128MiB"},
 }
 
 _STATE_KEY = "vllm"
@@ -143,14 +163,14 @@ class _RegistryState:
     def __init__(self, registry: PoolRegistry) -> None:
         for pool, rules in VLLM_POOLS.items():
             registry.declare_pool(pool, rules)
-        for counters in (POOL_COUNTERS, POOL_PAGED_COUNTERS):
-            host = registry.buffer_pool(counters)
-            if host != counters:
+        for own in OWN_BUFFER_POOLS:
+            host = registry.buffer_pool(own)
+            if host != own:
                 raise ConfigError(
-                    f"pool {counters!r} must have its own buffer: its counters persist between kernel "
-                    f"launches, and pool {host!r} would overwrite them; set pools.{counters}.shared_with "
-                    f"/ WSPOOL_POOLS__{counters.upper()}__SHARED_WITH empty",
-                    path=("pools", counters, "shared_with"),
+                    f"pool {own!r} must have its own buffer: its kernels' counters persist between "
+                    f"launches, and pool {host!r} would overwrite them; set pools.{own}.shared_with "
+                    f"/ WSPOOL_POOLS__{own.upper()}__SHARED_WITH empty",
+                    path=("pools", own, "shared_with"),
                 )
         self.views: dict[tuple[str, object, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -340,6 +360,54 @@ def _prefill_floor(builder: Any, bytes_per_elem: int | None) -> int:
         return int(builder.max_num_batched_tokens * builder.num_qo_heads * builder.head_dim * bytes_per_elem)
     except (AttributeError, TypeError):  # a builder without these attributes: the rule alone
         return 0
+
+
+def get_dsv4_workspace(device: torch.device) -> torch.Tensor:
+    """Return DeepSeek V4's FlashInfer sparse MLA workspace: pool ``flashinfer_dsv4``, rule ``default``.
+
+    Replaces ``vllm.models.deepseek_v4.nvidia.flashinfer_sparse.get_flashinfer_dsv4_workspace``
+    and every copy imported by name (vLLM 0.34), and vLLM 0.33's two
+    ``_get_flashinfer_dsv4_workspace``. The kernels keep their split-merge
+    counters in it and zero them at a workspace's first use, so the buffer is
+    the pool's own (:data:`OWN_BUFFER_POOLS`), zeroed once when allocated, and
+    the same tensor on later calls while it suffices.
+
+    Args:
+        device: Where (the query's device).
+
+    Returns:
+        A ``uint8`` buffer of the rule's size (vLLM's 128 MiB by default).
+
+    Raises:
+        ConfigError: The pool is configured to share another pool's buffer.
+        WorkspaceFrozenError: It would have to grow while locked or capturing.
+    """
+    registry = get_registry()
+    _state(registry)
+    return registry.workspace(POOL_DSV4, _hooks.device or device, rule="default", lane=_lane())
+
+
+def get_dash_workspace(device: torch.device) -> torch.Tensor:
+    """Return DASH attention's FlashInfer prefill workspace: pool ``flashinfer_dash``, rule ``default``.
+
+    Replaces ``vllm.v1.attention.ops.dash_attention._workspace`` (vLLM 0.34),
+    which vLLM caches per device and hands to up to eight
+    ``BatchPrefillWithRaggedKVCacheWrapper`` plans (``use_cuda_graph=True``),
+    run one after another on one stream. Each wrapper keeps the tensor it was
+    built with, so the memory stays valid for its captured graphs even if the
+    pool grows later.
+
+    Args:
+        device: Where.
+
+    Returns:
+        A ``uint8`` buffer of the rule's size (vLLM's 128 MiB by default),
+        zero-filled when allocated (vLLM's is uninitialised; FlashInfer writes
+        before it reads).
+    """
+    registry = get_registry()
+    _state(registry)
+    return registry.workspace(POOL_DASH, _hooks.device or device, rule="default", lane=_lane())
 
 
 def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
