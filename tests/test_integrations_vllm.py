@@ -1,8 +1,14 @@
-"""Tests for wspool.integrations.vllm: the plugin loaded by the real vLLM 0.33, and its behaviour without vLLM.
+"""Tests for wspool.integrations.vllm: the plugin loaded by the real vLLM (0.33.0 or 0.34.0), and without vLLM.
 
-The tests that need vLLM skip, with the reason, only where it is not installed;
-``bash .ci/run`` installs it in ``.venv-vllm`` and runs them there. The device
-hook ``WSPOOL_VLLM_DEVICE=cpu`` points every replacement at the CPU.
+The tests that need vLLM skip, with the reason, where it is not installed;
+those of one vLLM version's paths skip, with the reason, on the other. One
+command runs them in each engine environment (``.ci/engine-envs`` builds both)::
+
+    .venv-vllm/bin/python -m pytest -q tests/test_integrations_vllm.py      # vLLM 0.33.0
+    .venv-vllm034/bin/python -m pytest -q tests/test_integrations_vllm.py   # vLLM 0.34.0
+
+The device hook ``WSPOOL_VLLM_DEVICE=cpu`` points every replacement at the CPU;
+FlashInfer's kernels are replaced by recorders (there is no GPU).
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ DSV41_SPARSE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.spa
 DASH = "vllm.v1.attention.ops.dash_attention"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 VLLM_VERSION = version("vllm") if HAS_VLLM else None
+#: The FlashInfer each tested vLLM runs with: 0.33.0's pin, and 0.34.0's pin (0.7.3) or the
+#: override its documented install uses where the package index lacks 0.7.3 (docs/vllm.md).
+FLASHINFER_OF_VLLM = {"0.33.0": ("0.7.2.post1",), "0.34.0": ("0.7.3", "0.7.4")}
 
 
 @pytest.fixture
@@ -178,11 +187,12 @@ def test_entry_point_is_installed(vllm: ModuleType) -> None:
     assert found.value == "wspool.integrations.vllm:register"
 
 
-def test_vllm_is_the_version_the_plugin_knows(vllm: ModuleType) -> None:
-    """The vLLM tested against is 0.33.0 with FlashInfer 0.7.2.post1."""
+def test_vllm_is_a_version_the_plugin_knows(vllm: ModuleType) -> None:
+    """The vLLM tested against is 0.33.0 or 0.34.0, with the FlashInfer its install gives."""
     import flashinfer
 
-    assert vllm.__version__.startswith("0.33.0") and flashinfer.__version__ == "0.7.2.post1"
+    assert vllm.__version__ in FLASHINFER_OF_VLLM, vllm.__version__
+    assert flashinfer.__version__ in FLASHINFER_OF_VLLM[vllm.__version__]
 
 
 def test_load_general_plugins_patches_each_function(loaded: None) -> None:
@@ -198,6 +208,18 @@ def test_load_general_plugins_patches_each_function(loaded: None) -> None:
     assert workspace.WorkspaceManager.lock.__module__ == plugin.__name__
     assert workspace.WorkspaceManager.unlock.__module__ == plugin.__name__
     assert sorted(plugin.patched()) == _present_targets()
+
+
+def test_each_version_has_its_own_optional_targets(loaded: None) -> None:
+    """vLLM 0.34's new paths are patched on 0.34, vLLM 0.33's old names on 0.33, and no target is missed."""
+    patched = set(plugin.patched())
+    new_in_034 = {f"{DRAFTER}.folded_decode", f"{DASH}._workspace", f"{DSV4}.get_flashinfer_dsv4_workspace"}
+    only_033 = {f"{DSV4}._get_flashinfer_dsv4_workspace", f"{DSV41}._get_flashinfer_dsv4_workspace"}
+    if VLLM_VERSION == "0.34.0":
+        assert new_in_034 <= patched and not only_033 & patched
+    else:
+        assert only_033 <= patched and not new_in_034 & patched
+    assert {t.name for t in plugin.TARGETS if not t.optional} <= patched
 
 
 def test_loading_twice_is_harmless(loaded: None, load: Any) -> None:
@@ -737,3 +759,28 @@ def test_vllm_033_dsv4_workspaces_come_from_one_pool(vllm033: ModuleType, small_
     bindings = [_module(name)._get_flashinfer_dsv4_workspace for name in (DSV4, DSV41, DSV41_SPARSE)]
     assert all(binding is ws.get_dsv4_workspace for binding in bindings)
     assert {binding(cpu).data_ptr() for binding in bindings} == {_pool_ptr("flashinfer_dsv4")}
+
+
+def test_get_retained_composes_with_the_lock(vllm034: ModuleType, small_pools: None, loaded: None) -> None:
+    """vLLM 0.34's tail span keeps its semantics under the patched lock, and the lock still freezes wspool."""
+    workspace = _module(WORKSPACE)
+    workspace.init_workspace_manager(torch.device("cpu"))
+    manager = workspace.current_workspace_manager()
+    mla = _module(MLA)
+    mla._get_workspace_buffer(False)
+    span, intact = manager.get_retained("mine", (1024,), torch.uint8)
+    assert not intact
+    workspace.lock_workspace()
+    assert manager.is_locked() and wspool.get_registry().is_frozen
+    again, intact = manager.get_retained("mine", (1024,), torch.uint8)
+    assert intact and again.data_ptr() == span.data_ptr()  # the same span, its contents kept
+    with pytest.raises(AssertionError, match="Workspace growth is not allowed after locking"):
+        manager.get_retained("mine", (1 << 20,), torch.uint8)
+    with pytest.raises(WorkspaceFrozenError):
+        mla._get_workspace_buffer(True)  # wspool refuses to grow under vLLM's lock as well
+    assert manager.is_locked() and wspool.get_registry().is_frozen  # a refused growth unlocks neither
+    workspace.unlock_workspace()
+    assert not manager.is_locked() and not wspool.get_registry().is_frozen
+    grown, intact = manager.get_retained("mine", (1 << 20,), torch.uint8)
+    assert grown.numel() == 1 << 20 and not intact
+    assert mla._get_workspace_buffer(True).numel() == 2 * MiB
