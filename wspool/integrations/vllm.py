@@ -485,6 +485,8 @@ def _register() -> None:
         applied: list[tuple[str, Any, str, Any, Any]] = []
         try:
             plan, not_patched, absent = _plan()
+            # The log line is built first: once everything is patched, nothing here can fail.
+            done = [f"{_short(target.module)}.{target.path} -> {target.what}" for target, *_ in plan]
             missing_hooks = _hooks_from_vllm() if plan else []
             for target, owner, attr, original in plan:
                 replacement = target.make(original)
@@ -501,7 +503,6 @@ def _register() -> None:
             ) from exc
         for name, owner, attr, original, replacement in applied:
             _patches[name] = (owner, attr, original, replacement)
-    done = [f"{_short(target.module)}.{target.path} -> {target.what}" for target, *_ in plan]
     if done:
         logger.info("wspool: vLLM plugin loaded; patched %s", "; ".join(done))
     if absent:
