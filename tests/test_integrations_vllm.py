@@ -1,8 +1,14 @@
-"""Tests for wspool.integrations.vllm: the plugin loaded by the real vLLM 0.33, and its behaviour without vLLM.
+"""Tests for wspool.integrations.vllm: the plugin loaded by the real vLLM (0.33.0 or 0.34.0), and without vLLM.
 
-The tests that need vLLM skip, with the reason, only where it is not installed;
-``bash .ci/run`` installs it in ``.venv-vllm`` and runs them there. The device
-hook ``WSPOOL_VLLM_DEVICE=cpu`` points every replacement at the CPU.
+The tests that need vLLM skip, with the reason, where it is not installed;
+those of one vLLM version's paths skip, with the reason, on the other. One
+command runs them in each engine environment (``.ci/engine-envs`` builds both)::
+
+    .venv-vllm/bin/python -m pytest -q tests/test_integrations_vllm.py      # vLLM 0.33.0
+    .venv-vllm034/bin/python -m pytest -q tests/test_integrations_vllm.py   # vLLM 0.34.0
+
+The device hook ``WSPOOL_VLLM_DEVICE=cpu`` points every replacement at the CPU;
+FlashInfer's kernels are replaced by recorders (there is no GPU).
 """
 
 from __future__ import annotations
@@ -10,10 +16,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import sys
 from collections.abc import Iterator
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import MethodType, ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,7 +39,16 @@ SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 PAGED = "vllm.v1.attention.backends.flashinfer"
 SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 WORKSPACE = "vllm.v1.worker.workspace"
+DRAFTER = "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention"
+DSV4 = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
+DSV41 = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
+DSV41_SPARSE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.sparse_mla"
+DASH = "vllm.v1.attention.ops.dash_attention"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_VERSION = version("vllm") if HAS_VLLM else None
+#: The FlashInfer each tested vLLM runs with: 0.33.0's pin, and 0.34.0's pin (0.7.3) or the
+#: override its documented install uses where the package index lacks 0.7.3 (docs/vllm.md).
+FLASHINFER_OF_VLLM = {"0.33.0": ("0.7.2.post1",), "0.34.0": ("0.7.3", "0.7.4")}
 
 
 @pytest.fixture
@@ -53,8 +69,24 @@ def warnings_seen(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptur
 def vllm() -> ModuleType:
     """The real vLLM package; skips where it is not installed."""
     return pytest.importorskip(
-        "vllm", reason="vLLM is not installed here; `bash .ci/run` installs vllm==0.33.0 in .venv-vllm"
+        "vllm", reason="vLLM is not installed here; `.ci/engine-envs` builds .venv-vllm (0.33.0) and .venv-vllm034"
     )
+
+
+@pytest.fixture
+def vllm034(vllm: ModuleType) -> ModuleType:
+    """The real vLLM 0.34; skips on another version."""
+    if not (VLLM_VERSION or "").startswith("0.34."):
+        pytest.skip(f"a vLLM 0.34 path; this is vLLM {VLLM_VERSION}")
+    return vllm
+
+
+@pytest.fixture
+def vllm033(vllm: ModuleType) -> ModuleType:
+    """The real vLLM 0.33; skips on another version."""
+    if not (VLLM_VERSION or "").startswith("0.33."):
+        pytest.skip(f"a vLLM 0.33 path; this is vLLM {VLLM_VERSION}")
+    return vllm
 
 
 @pytest.fixture
@@ -87,6 +119,28 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
+def _present(target: plugin.Target) -> bool:
+    """Whether this vLLM has the target's attribute (the optional ones exist in one version only)."""
+    try:
+        owner: Any = importlib.import_module(target.module)
+    except ModuleNotFoundError:
+        return False
+    for part in target.path.split("."):
+        owner = getattr(owner, part, None)
+    return owner is not None
+
+
+def _present_targets() -> list[str]:
+    return sorted(target.name for target in plugin.TARGETS if _present(target))
+
+
+def _pool_ptr(pool: str) -> int:
+    """The address of the CPU buffer pool ``pool`` draws from (its own, or its shared_with host's)."""
+    buffer = wspool.get_registry().pool(pool, "cpu").buffer
+    assert buffer is not None, pool
+    return int(buffer.data_ptr())
+
+
 def _builder(**attrs: Any) -> SimpleNamespace:
     """An object with the attributes vLLM's FlashInferMetadataBuilder._get_workspace_buffer reads."""
     base = {"_workspace_buffer": None, "device": torch.device("cpu"), "max_num_batched_tokens": 8}
@@ -103,7 +157,9 @@ def test_register_without_vllm_warns_and_patches_nothing(warnings_seen: pytest.L
     assert plugin.patched() == []
     (warning,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING}
     assert "did not patch" in warning
-    assert all(target.name in warning for target in plugin.TARGETS)
+    required = {group.name for group in plugin.GROUPS if any(not t.optional for t in group.targets)}
+    assert all(f"{name} (module " in warning for name in required)
+    assert "DeepSeek V4" not in warning  # only optional targets: absent, not a failure
 
 
 def test_disabled_by_environment_patches_nothing(
@@ -131,11 +187,12 @@ def test_entry_point_is_installed(vllm: ModuleType) -> None:
     assert found.value == "wspool.integrations.vllm:register"
 
 
-def test_vllm_is_the_version_the_plugin_knows(vllm: ModuleType) -> None:
-    """The vLLM tested against is 0.33.0 with FlashInfer 0.7.2.post1."""
+def test_vllm_is_a_version_the_plugin_knows(vllm: ModuleType) -> None:
+    """The vLLM tested against is 0.33.0 or 0.34.0, with the FlashInfer its install gives."""
     import flashinfer
 
-    assert vllm.__version__.startswith("0.33.0") and flashinfer.__version__ == "0.7.2.post1"
+    assert vllm.__version__ in FLASHINFER_OF_VLLM, vllm.__version__
+    assert flashinfer.__version__ in FLASHINFER_OF_VLLM[vllm.__version__]
 
 
 def test_load_general_plugins_patches_each_function(loaded: None) -> None:
@@ -150,7 +207,19 @@ def test_load_general_plugins_patches_each_function(loaded: None) -> None:
     assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == plugin.__name__
     assert workspace.WorkspaceManager.lock.__module__ == plugin.__name__
     assert workspace.WorkspaceManager.unlock.__module__ == plugin.__name__
-    assert sorted(plugin.patched()) == sorted(t.name for t in plugin.TARGETS)
+    assert sorted(plugin.patched()) == _present_targets()
+
+
+def test_each_version_has_its_own_optional_targets(loaded: None) -> None:
+    """vLLM 0.34's new paths are patched on 0.34, vLLM 0.33's old names on 0.33, and no target is missed."""
+    patched = set(plugin.patched())
+    new_in_034 = {f"{DRAFTER}.folded_decode", f"{DASH}._workspace", f"{DSV4}.get_flashinfer_dsv4_workspace"}
+    only_033 = {f"{DSV4}._get_flashinfer_dsv4_workspace", f"{DSV41}._get_flashinfer_dsv4_workspace"}
+    if VLLM_VERSION == "0.34.0":
+        assert new_in_034 <= patched and not only_033 & patched
+    else:
+        assert only_033 <= patched and not new_in_034 & patched
+    assert {t.name for t in plugin.TARGETS if not t.optional} <= patched
 
 
 def test_loading_twice_is_harmless(loaded: None, load: Any) -> None:
@@ -160,7 +229,7 @@ def test_loading_twice_is_harmless(loaded: None, load: Any) -> None:
     load()
     plugin.register()
     assert mla.FlashInferMLAImpl.forward_mqa is forward and forward.__wrapped__.__module__ == MLA
-    assert len(plugin.patched()) == len(plugin.TARGETS)
+    assert sorted(plugin.patched()) == _present_targets()
 
 
 def test_unregister_restores_vllms_functions(load: Any) -> None:
@@ -209,22 +278,20 @@ def test_paged_counters_have_their_own_buffer(loaded: None) -> None:
 
 
 def test_no_module_keeps_a_stale_copy(load: Any) -> None:
-    """After loading, no imported vLLM module holds vLLM's original of a replaced function under its name."""
-    import sys
-
+    """After loading, no imported vLLM module holds vLLM's original of a replaced function, under any name."""
     originals = {}
     for target in plugin.TARGETS:
-        if "." not in target.path:  # methods are looked up on their class at each call
+        if "." not in target.path and _present(target):  # methods are looked up on their class at each call
             originals[id(getattr(_module(target.module), target.path))] = target.name
     load()
     stale = [
         f"{name}.{attr}"
         for name, module in list(sys.modules.items())
         if name.startswith("vllm.") and module is not None
-        for attr in ("_get_workspace_buffer", "_get_multi_ctas_kv_counter_buffer")
-        if id(getattr(module, attr, None)) in originals
+        for attr, value in list(vars(module).items())
+        if id(value) in originals
     ]
-    assert stale == [] and len(originals) == 4  # the sparse function and its by-name copy are one object
+    assert stale == [] and originals
 
 
 def test_sparse_workspace_has_the_vllm_size_and_floor(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -317,10 +384,15 @@ def test_vllm_lanes_map_to_wspool_lanes(loaded: None) -> None:
     assert lanes == {"main", "vllm-u0-l1"}
 
 
-def _fake_mla_call(mla: Any, monkeypatch: pytest.MonkeyPatch, dcp: int, heads_per_rank: int) -> dict[str, Any]:
-    """Run vLLM's real FlashInferMLAImpl.forward_mqa with the kernel replaced by a recorder (no GPU here)."""
+def _fake_mla_call(
+    mla: Any, monkeypatch: pytest.MonkeyPatch, dcp: int, heads_per_rank: int, query_lens: tuple[int, ...] = (1, 1, 1, 1)
+) -> dict[str, Any]:
+    """Run vLLM's real FlashInferMLAImpl.forward_mqa with the kernel replaced by a recorder (no GPU here).
+
+    ``query_lens``: each decode request's query tokens (1 + its drafts); uneven lengths make a ragged batch.
+    """
     seen: dict[str, Any] = {}
-    batch, dim = 4, 8
+    requests, tokens, dim = len(query_lens), sum(query_lens), 8
 
     def kernel(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         seen.update(kwargs)
@@ -339,40 +411,88 @@ def _fake_mla_call(mla: Any, monkeypatch: pytest.MonkeyPatch, dcp: int, heads_pe
         qk_rope_head_dim=4,
         kv_cache_dtype="auto",
     )
+    # vLLM's own row split, bound to the stand-in (0.34's ragged DCP branch calls it).
+    impl._flattened_decode_metadata = MethodType(mla.FlashInferMLAImpl._flattened_decode_metadata, impl)
+    starts = [0]
+    for length in query_lens:
+        starts.append(starts[-1] + length)
     decode = SimpleNamespace(
-        block_table=torch.zeros(batch, 1, dtype=torch.int32),
-        seq_lens=torch.ones(batch, dtype=torch.int32),
-        max_query_len=1,
-        dcp_tot_seq_lens=torch.ones(batch, dtype=torch.int32),
-        query_start_loc=None,
+        block_table=torch.zeros(requests, 1, dtype=torch.int32),
+        seq_lens=torch.full((requests,), 8, dtype=torch.int32),
+        max_query_len=max(query_lens),
+        dcp_tot_seq_lens=torch.full((requests,), 32, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        query_len=0,
+        flattened_block_table=None,
+        flattened_seq_lens=None,
+        flattened_row_req=None,
     )
-    metadata = SimpleNamespace(decode=decode, causal=True, num_decode_tokens=batch, num_decodes=batch, max_seq_len=1)
-    q = torch.zeros(batch, heads_per_rank * dcp, dim)  # after DCP's query gather
+    metadata = SimpleNamespace(
+        decode=decode, causal=True, num_decode_tokens=tokens, num_decodes=requests, max_seq_len=8
+    )
+    q = torch.zeros(tokens, heads_per_rank * dcp, dim)  # after DCP's query gather
     kv = torch.zeros(2, 16, dim)  # page size 16: the counters are not asked for
     mla.FlashInferMLAImpl.forward_mqa(impl, q, kv, metadata, SimpleNamespace())
     return seen
 
 
-def test_dcp_config_gives_the_dcp_rules_size(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With kimi_dcp.yaml and a vLLM config of DCP 4, forward_mqa's workspace follows the DCP rule."""
-    from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+def _dcp_vllm_config(max_num_seqs: int, speculative_tokens: int) -> Any:
+    """vLLM's own VllmConfig with DCP 4 (TP 4), 8192 batched tokens and ``speculative_tokens`` drafts per step.
 
-    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
-    wspool.reset_registry()
+    The speculative config is set as an object with vLLM's attribute: vLLM's own needs a draft model to build.
+    """
+    from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
     config = VllmConfig(
         parallel_config=ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192, is_encoder_decoder=False
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=8192, is_encoder_decoder=False
         ),
         device_config=DeviceConfig(device="cpu"),
     )
+    if speculative_tokens:
+        object.__setattr__(config, "speculative_config", SimpleNamespace(num_speculative_tokens=speculative_tokens))
+    return config
+
+
+def test_dcp_config_gives_the_dcp_rules_size(loaded: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With kimi_dcp.yaml and a vLLM config of DCP 4, forward_mqa's workspace follows the DCP rule."""
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    wspool.reset_registry()
     mla = _module(MLA)
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(_dcp_vllm_config(max_num_seqs=256, speculative_tokens=0)):
         seen = _fake_mla_call(mla, monkeypatch, dcp=4, heads_per_rank=8)
     rule = 8 * 8 * 4 * 256 * 256 + MiB + 32 * MiB  # 8 * num_heads * cp_world * batch * round_up(q_len, 256) + ...
     workspace = seen["workspace_buffer"]
     assert workspace.dtype == torch.int8 and workspace.numel() >= rule and seen["cp_world"] == 4
     assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == rule
+
+
+def test_ragged_causal_dcp_decode_is_sized_per_token(
+    vllm034: ModuleType, load: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.34 splits a causal DCP batch of uneven drafts into single-token rows; the LSE rule follows.
+
+    DCP 4 with 8 heads per rank, 256 sequences, 3 speculative tokens, 8192 batched tokens. Two
+    requests with 4 and 2 query tokens reach the kernel as 6 rows of 1 token. The rows can be
+    min(256 * (1 + 3), 8192) = 1024, so the rule sizes 8 * 8 * 4 * 1024 * 256 B + 33 MiB = 97 MiB;
+    the configuration's 256 request rows give 49 MiB, a softmax slab of 16 MiB: 4 times too small.
+    """
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    load()
+    with set_current_vllm_config(_dcp_vllm_config(max_num_seqs=256, speculative_tokens=3)):
+        uniform = _fake_mla_call(_module(MLA), monkeypatch, dcp=4, heads_per_rank=8, query_lens=(4, 4))
+        stats = wspool.get_registry().stats("flashinfer_mla", "cpu")
+        assert tuple(uniform["query"].shape) == (2, 4, 32, 8) and stats.peak_request_bytes == 49 * MiB
+        ragged = _fake_mla_call(_module(MLA), monkeypatch, dcp=4, heads_per_rank=8, query_lens=(4, 2))
+    assert tuple(ragged["query"].shape) == (6, 1, 32, 8)  # vLLM's own split: a row per token
+    stats = wspool.get_registry().stats("flashinfer_mla", "cpu")
+    assert stats.peak_request_bytes == 8 * 8 * 4 * 1024 * 256 + 33 * MiB == 97 * MiB
+    assert ragged["workspace_buffer"].numel() >= 97 * MiB and ragged["workspace_buffer"].dtype == torch.int8
 
 
 def test_dcp_rule_without_its_facts_is_a_clear_error(
@@ -409,7 +529,7 @@ def test_wspool_vllm_zero_patches_nothing(load: Any, monkeypatch: pytest.MonkeyP
 def test_missing_or_changed_function_is_a_warning(
     load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
 ) -> None:
-    """A missing function and one with other parameters keep vLLM's behaviour, named in one warning."""
+    """A missing function and one with other parameters keep vLLM's behaviour for their groups, in one warning."""
     mla, sparse = _module(MLA), _module(SPARSE)
     monkeypatch.delattr(mla, "_get_multi_ctas_kv_counter_buffer")
 
@@ -419,9 +539,248 @@ def test_missing_or_changed_function_is_a_warning(
     monkeypatch.setattr(sparse, "_get_workspace_buffer", changed)
     load()
     assert sparse._get_workspace_buffer is changed
+    # The by-name copy belongs to the same group: it keeps vLLM's function too.
+    assert _module(SPARSE_SM120)._get_workspace_buffer is not ws.get_sparse_workspace_buffer
     assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
     (warning,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING}
-    assert f"{MLA}._get_multi_ctas_kv_counter_buffer is missing" in warning
+    assert f"trtllm-gen's MLA counters ({MLA}._get_multi_ctas_kv_counter_buffer is missing)" in warning
     assert f"{SPARSE}._get_workspace_buffer takes (device), not (device, min_bytes)" in warning
     assert "vLLM's own behaviour stays" in warning
     assert "patched" in warnings_seen.text and "pool flashinfer_mla (int8)" in warnings_seen.text
+
+
+def test_lock_and_unlock_are_patched_together(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """An unlock the plugin cannot patch leaves the lock unpatched too: vLLM's unlock never leaves wspool frozen."""
+    workspace = _module(WORKSPACE)
+    vllms_lock = workspace.WorkspaceManager.__dict__["lock"]
+
+    def unlock(self: Any, reason: str = "") -> None:  # another signature, as a later vLLM might have
+        self._locked = False
+
+    monkeypatch.setattr(workspace.WorkspaceManager, "unlock", unlock)
+    load()
+    assert workspace.WorkspaceManager.__dict__["lock"] is vllms_lock
+    workspace.init_workspace_manager(torch.device("cpu"))
+    workspace.lock_workspace()
+    workspace.unlock_workspace()
+    assert not wspool.get_registry().is_frozen
+    assert _module(MLA)._get_multi_ctas_kv_counter_buffer(4096, torch.device("cpu")).numel() == 4096  # grows
+    assert "vLLM's workspace lock (vllm.v1.worker.workspace.WorkspaceManager.unlock takes (self, reason)" in (
+        warnings_seen.text
+    )
+
+
+def test_an_exception_while_registering_undoes_every_patch(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """A target that cannot be set after others were undoes them all, and the log says nothing stayed patched."""
+    mla, paged = _module(MLA), _module(PAGED)
+    originals = (mla._get_workspace_buffer, mla.FlashInferMLAImpl.__dict__["forward_mqa"])
+
+    class ReadOnlyCounters(ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "_get_multi_ctas_kv_counter_buffer":
+                raise AttributeError(f"{name} is read-only here")
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(paged, "__class__", ReadOnlyCounters)
+    load()
+    assert plugin.patched() == []
+    assert (mla._get_workspace_buffer, mla.FlashInferMLAImpl.__dict__["forward_mqa"]) == originals
+    assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == PAGED
+    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    assert "failed to load and patched nothing; vLLM's own workspaces stay in use" in error
+    assert "is read-only here" in warnings_seen.text  # the traceback of the cause
+    assert "vLLM plugin loaded" not in warnings_seen.text
+
+
+def test_a_patch_that_cannot_be_undone_is_reported(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """Where undoing fails too, the error names what stays wspool's, and patched() lists it."""
+    mla, paged = _module(MLA), _module(PAGED)
+    refusals = [1]
+
+    class ReadOnlyCounters(ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "_get_multi_ctas_kv_counter_buffer":
+                raise AttributeError(f"{name} is read-only here")
+            super().__setattr__(name, value)
+
+    class StickyWorkspace(ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "_get_workspace_buffer" and value is not ws.get_mla_workspace_buffer and refusals:
+                refusals.pop()  # refuses the first undo only, so the test's teardown can restore it
+                raise AttributeError("cannot restore")
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(paged, "__class__", ReadOnlyCounters)
+    monkeypatch.setattr(mla, "__class__", StickyWorkspace)
+    load()
+    assert plugin.patched() == [f"{MLA}._get_workspace_buffer"]
+    assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
+    assert mla.FlashInferMLAImpl.forward_mqa.__module__ == MLA  # undone
+    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    assert f"undoing its patches failed for {MLA}._get_workspace_buffer (AttributeError: cannot restore)" in error
+    assert "which stay wspool's" in error and "every other patch was undone" in error
+
+
+def test_an_optional_target_of_another_shape_leaves_its_group_alone(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """A Kimi K3 drafter whose folded_decode differs keeps the whole MLA group vLLM's: never half-patched.
+
+    Patching the MLA workspace without the drafter's wrapper would size the drafter's folded
+    kernel from the configuration alone, possibly too small; vLLM's fixed buffer is kept instead.
+    """
+    mla = _module(MLA)
+    original = mla._get_workspace_buffer
+    drafter = ModuleType(DRAFTER)
+
+    def folded_decode(q: Any, workspace: Any) -> None:
+        return None
+
+    drafter.folded_decode = folded_decode  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, DRAFTER, drafter)
+    load()
+    assert mla._get_workspace_buffer is original and mla.FlashInferMLAImpl.forward_mqa.__module__ == MLA
+    assert mla._get_multi_ctas_kv_counter_buffer is ws.get_multi_ctas_kv_counter_buffer  # another group
+    assert f"the MLA decode workspace ({DRAFTER}.folded_decode takes (q, workspace)" in warnings_seen.text
+
+
+def test_kimi_k3_draft_decode_gets_a_pool_buffer_for_its_folded_query(
+    vllm034: ModuleType, load: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kimi K3's folded drafter (a forward_mqa override) under DCP gets the pool's workspace, sized for its fold.
+
+    DCP 4, 8 heads per rank (32 after the gather), 64 sequences, 3 speculative tokens, 4-token
+    draft blocks: vLLM folds the 4 tokens of a request into 128 heads, so the kernel sees at
+    most min(64 * 4, 8192) / 4 = 64 rows of 128 heads: 8 * 128 * 64 * 256 B + 33 MiB = 49 MiB.
+    """
+    import flashinfer.decode
+    from vllm.config import set_current_vllm_config
+    from vllm.models.kimi_k3.nvidia.specialized_decode.drafter import attention as drafter
+    from vllm.models.kimi_k3.nvidia.specialized_decode.drafter.model import _folded_impl
+
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    load()
+    mla = _module(MLA)
+    seen: dict[str, Any] = {}
+
+    def kernel(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.update(kwargs)
+        rows, _, heads, _ = kwargs["query"].shape
+        return torch.zeros(rows, 1, heads, 512), torch.zeros(rows, heads)
+
+    monkeypatch.setattr(flashinfer.decode, "trtllm_batch_decode_with_kv_cache_mla", kernel)
+    monkeypatch.setattr(drafter, "balanced_tiers", lambda device, rows: ())  # it reads the GPU's SM count
+    impl = object.__new__(_folded_impl(mla.FlashInferMLAImpl))
+    vars(impl).update(
+        bmm1_scale=1.0, bmm2_scale=1.0, need_to_return_lse_for_decode=True, dcp_world_size=4, dcp_rank=0,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_cache_dtype="auto", _mla_counter_max_batch=64,
+    )  # fmt: skip
+    requests, k = 3, 4
+    decode = SimpleNamespace(
+        block_table=torch.zeros(requests, 1, dtype=torch.int32),
+        seq_lens=torch.full((requests,), 8, dtype=torch.int32),
+        dcp_tot_seq_lens=torch.full((requests,), 32, dtype=torch.int32),
+        max_query_len=k,
+    )
+    metadata = SimpleNamespace(
+        decode=decode, causal=False, num_decodes=requests, num_decode_tokens=requests * k, max_seq_len=8
+    )
+    q = torch.zeros(requests * k, 32, 576)
+    with set_current_vllm_config(_dcp_vllm_config(max_num_seqs=64, speculative_tokens=3)):
+        out, lse = impl.forward_mqa(q, torch.zeros(2, 64, 576), metadata, SimpleNamespace())
+    assert tuple(seen["query"].shape) == (3, 1, 128, 576) and seen["backend"] == "cute-dsl"  # vLLM's fold
+    assert (tuple(out.shape), tuple(lse.shape)) == ((12, 32, 512), (12, 32))
+    workspace = seen["workspace_buffer"]
+    assert workspace.dtype == torch.int8 and workspace.data_ptr() == _pool_ptr("flashinfer_mla")
+    stats = wspool.get_registry().stats("flashinfer_mla", "cpu")
+    assert stats.peak_request_bytes == 8 * 128 * 64 * 256 + 33 * MiB == 49 * MiB
+    assert workspace.numel() >= stats.peak_request_bytes
+    assert drafter.folded_decode.__wspool__
+
+
+_SMALL_RULES = {
+    "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT": "1MiB",
+    "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE": "2MiB",
+    "WSPOOL_POOLS__FLASHINFER_MLA_SPARSE__RULES__DEFAULT": "3MiB",
+    "WSPOOL_POOLS__FLASHINFER__RULES__VLLM": "4MiB",
+    "WSPOOL_POOLS__FLASHINFER_DSV4__RULES__DEFAULT": "5MiB",
+    "WSPOOL_POOLS__FLASHINFER_DASH__RULES__DEFAULT": "6MiB",
+}
+
+
+@pytest.fixture
+def small_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small sizes for every pool the plugin fills (the real ones are hundreds of MiB on the CPU)."""
+    for name, value in _SMALL_RULES.items():
+        monkeypatch.setenv(name, value)
+    wspool.reset_registry()
+
+
+def test_vllm_034_workspaces_come_from_pools(vllm034: ModuleType, small_pools: None, load: Any) -> None:
+    """After vLLM 0.34's own plugin loader runs, every FlashInfer workspace it hands out is a pool's buffer.
+
+    Both MLA buffers (workspace and counters), the sparse MLA workspace (and its by-name copy), the
+    FlashInfer attention builder's, every binding of get_flashinfer_dsv4_workspace (and the SM120
+    attention's _get_workspace, which calls it), and DASH attention's.
+    """
+    load()
+    cpu = torch.device("cpu")
+    mla, sparse, paged = _module(MLA), _module(SPARSE), _module(PAGED)
+    lse = mla._get_workspace_buffer(True)
+    assert (lse.dtype, lse.data_ptr()) == (torch.int8, _pool_ptr("flashinfer_mla"))
+    counters = mla._get_multi_ctas_kv_counter_buffer(4096, cpu)
+    assert counters.data_ptr() == _pool_ptr("flashinfer_mla_counters")
+    for module in (sparse, _module(SPARSE_SM120)):
+        buffer = module._get_workspace_buffer(cpu)
+        assert (buffer.dtype, buffer.data_ptr()) == (torch.int8, _pool_ptr("flashinfer_mla_sparse"))
+    builder = paged.FlashInferMetadataBuilder._get_workspace_buffer(_builder())
+    assert (builder.dtype, builder.data_ptr()) == (torch.uint8, _pool_ptr("flashinfer"))
+    bindings = [_module(name).get_flashinfer_dsv4_workspace for name in (DSV4, DSV41, DSV41_SPARSE)]
+    assert all(binding is ws.get_dsv4_workspace for binding in bindings)
+    dsv4 = bindings[0](cpu)
+    assert (dsv4.dtype, dsv4.numel(), dsv4.data_ptr()) == (torch.uint8, 5 * MiB, _pool_ptr("flashinfer_dsv4"))
+    assert all(binding(cpu) is dsv4 for binding in bindings)
+    assert _module(DSV4).DeepseekV4FlashInferSM120Attention._get_workspace(cpu) is dsv4
+    dash = _module(DASH)._workspace(cpu)
+    assert (dash.dtype, dash.numel(), dash.data_ptr()) == (torch.uint8, 6 * MiB, _pool_ptr("flashinfer_dash"))
+    assert wspool.get_registry().buffer_pool("flashinfer_dsv4") == "flashinfer_dsv4"
+
+
+def test_vllm_033_dsv4_workspaces_come_from_one_pool(vllm033: ModuleType, small_pools: None, load: Any) -> None:
+    """vLLM 0.33's two private DeepSeek V4 workspace functions and their by-name copy all draw from flashinfer_dsv4."""
+    load()
+    cpu = torch.device("cpu")
+    bindings = [_module(name)._get_flashinfer_dsv4_workspace for name in (DSV4, DSV41, DSV41_SPARSE)]
+    assert all(binding is ws.get_dsv4_workspace for binding in bindings)
+    assert {binding(cpu).data_ptr() for binding in bindings} == {_pool_ptr("flashinfer_dsv4")}
+
+
+def test_get_retained_composes_with_the_lock(vllm034: ModuleType, small_pools: None, loaded: None) -> None:
+    """vLLM 0.34's tail span keeps its semantics under the patched lock, and the lock still freezes wspool."""
+    workspace = _module(WORKSPACE)
+    workspace.init_workspace_manager(torch.device("cpu"))
+    manager = workspace.current_workspace_manager()
+    mla = _module(MLA)
+    mla._get_workspace_buffer(False)
+    span, intact = manager.get_retained("mine", (1024,), torch.uint8)
+    assert not intact
+    workspace.lock_workspace()
+    assert manager.is_locked() and wspool.get_registry().is_frozen
+    again, intact = manager.get_retained("mine", (1024,), torch.uint8)
+    assert intact and again.data_ptr() == span.data_ptr()  # the same span, its contents kept
+    with pytest.raises(AssertionError, match="Workspace growth is not allowed after locking"):
+        manager.get_retained("mine", (1 << 20,), torch.uint8)
+    with pytest.raises(WorkspaceFrozenError):
+        mla._get_workspace_buffer(True)  # wspool refuses to grow under vLLM's lock as well
+    assert manager.is_locked() and wspool.get_registry().is_frozen  # a refused growth unlocks neither
+    workspace.unlock_workspace()
+    assert not manager.is_locked() and not wspool.get_registry().is_frozen
+    grown, intact = manager.get_retained("mine", (1 << 20,), torch.uint8)
+    assert grown.numel() == 1 << 20 and not intact
+    assert mla._get_workspace_buffer(True).numel() == 2 * MiB

@@ -206,3 +206,162 @@ def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatc
         ws.get_mla_workspace_buffer(True)
     ws.wrap_forward_mqa(forward_mqa)(SimpleNamespace(dcp_world_size=2), torch.zeros(8, 16, 4), None, None, None)
     assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 2 * 8 * 256 + 33 * MiB
+
+
+def _dcp_config(*, seqs: int, speculative: int, batched: int, heads: int, dcp: int) -> SimpleNamespace:
+    """An object with the attributes of a VllmConfig the facts read."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
+        scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=batched),
+        model_config=SimpleNamespace(get_num_attention_heads=lambda parallel: heads, dtype=torch.bfloat16),
+        speculative_config=SimpleNamespace(num_speculative_tokens=speculative),
+    )
+
+
+def _use_kimi_dcp(monkeypatch: pytest.MonkeyPatch, config: SimpleNamespace) -> wspool.PoolRegistry:
+    """configs/kimi_dcp.yaml's DCP rule, a registry that allocates nothing, and ``config`` as vLLM's configuration."""
+    monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
+    wspool.reset_registry()
+    meta = wspool.PoolRegistry(allocator=lambda n, d: torch.empty(n, dtype=torch.uint8, device="meta"))
+    wspool.set_registry(meta)
+    ws.configure(device="cpu", get_config=lambda: config)
+    return meta
+
+
+def test_ragged_dcp_call_is_sized_for_a_row_per_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged causal DCP step gets the LSE workspace of min(seqs * (1 + k), batched tokens) single-token rows.
+
+    DCP 4 with 8 heads per rank, 256 sequences, 3 speculative tokens, 8192 batched tokens: the
+    kernel sees up to 1024 rows of 32 heads, 8 * 32 * 1024 * 256 B = 64 MiB of softmax slab
+    (+ 33 MiB), where the configuration's 256 request rows would give 16 MiB.
+    """
+    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
+
+    def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> torch.Tensor:
+        return ws.get_mla_workspace_buffer(True)
+
+    wrapped = ws.wrap_forward_mqa(forward_mqa)
+    impl = SimpleNamespace(dcp_world_size=4)
+    uniform = SimpleNamespace(num_decodes=5, num_decode_tokens=20, causal=True, decode=SimpleNamespace(max_query_len=4))
+    wrapped(impl, torch.zeros(20, 32, 8, device="meta"), None, uniform, None)
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 32 * 256 * 256 + 33 * MiB
+    ragged = SimpleNamespace(num_decodes=5, num_decode_tokens=11, causal=True, decode=SimpleNamespace(max_query_len=4))
+    wrapped(impl, torch.zeros(11, 32, 8, device="meta"), None, ragged, None)
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 32 * 1024 * 256 + 33 * MiB == 97 * MiB
+
+
+def test_a_call_from_no_wrapped_site_gets_the_widest_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside forward_mqa, the LSE workspace is sized for the most rows any layout has at the full q_len."""
+    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
+    ws.get_mla_workspace_buffer(True)
+    assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 4 * 1024 * 256 + 33 * MiB
+
+
+def fold_plan(k: int, heads: int, need_lse: bool, cake_ok: bool) -> tuple[int, str]:
+    """vLLM 0.34's drafter rule: all k tokens without an LSE, else the most with fold * heads <= 128.
+
+    wrap_folded_decode reads ``fold_plan`` from the wrapped function's module, as in vLLM.
+    """
+    if not need_lse:
+        return k, "cake" if cake_ok else "auto"
+    return max(d for d in range(1, k + 1) if k % d == 0 and d * heads <= 128), "cute-dsl"
+
+
+def folded_decode(
+    q: Any,
+    kv_cache: Any,
+    block_table: Any,
+    seq_lens: Any,
+    max_seq_len: int,
+    tokens_per_request: int,
+    *,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    bmm1_scale: float,
+    bmm2_scale: float,
+    workspace: torch.Tensor,
+    return_lse: bool = False,
+    dcp_world_size: int = 1,
+    dcp_rank: int = 0,
+    dcp_tot_seq_lens: Any = None,
+    max_reqs: int = 0,
+    backend: str | None = None,
+    table_cache: Any = None,
+) -> torch.Tensor:
+    """A stand-in for vLLM 0.34's drafter folded_decode (its parameters): returns the workspace it got."""
+    return workspace
+
+
+_SCALES = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "bmm1_scale": 1.0, "bmm2_scale": 1.0}
+
+
+def test_folded_draft_decode_gets_a_workspace_for_the_folded_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kimi K3's draft decode under DCP folds 4 tokens into 128 heads: the pool's buffer follows that shape.
+
+    DCP 4, 8 heads per rank (32 after the gather), 64 sequences, 4-token draft blocks: fold_plan
+    folds 4 tokens (4 * 32 = 128 heads), so at most min(64 * 4, 8192) / 4 = 64 rows of 128 heads.
+    """
+    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=64, speculative=3, batched=8192, heads=8, dcp=4))
+    wrapped = ws.wrap_folded_decode(folded_decode)
+    q = torch.zeros(12, 32, 576, device="meta")  # 3 requests x 4 draft tokens, 32 heads after the gather
+    args = (q, None, None, None, 1024, 4)
+    # A buffer of vLLM's own (the CAKE workspace) passes through untouched.
+    mine = torch.zeros(16, dtype=torch.int8)
+    assert wrapped(*args, workspace=mine, return_lse=True, dcp_world_size=4, **_SCALES) is mine
+    assert list(reg.pools()) == []
+    # The pool's view, fetched before the fold, is asked for again with the folded kernel's facts.
+    before = ws.get_mla_workspace_buffer(True)
+    got = wrapped(*args, workspace=before, return_lse=True, dcp_world_size=4, **_SCALES)
+    assert got is ws.get_mla_workspace_buffer(True) and got.dtype == torch.int8
+    folded = 8 * 32 * 4 * 64 * 256 + 33 * MiB  # 8 * num_heads * cp_world * rows * round_up(1, 256) + ...
+    seen = reg.stats("flashinfer_mla", "cpu")
+    assert dict(seen.requests_by_rule) == {"lse": 3} and seen.peak_request_bytes == folded == 49 * MiB
+    # Without an LSE every token of a request folds, under the default rule.
+    plain = ws.get_mla_workspace_buffer(False)
+    assert wrapped(*args, workspace=plain, **_SCALES) is ws.get_mla_workspace_buffer(False)
+
+
+def test_folded_draft_decode_sizes_from_the_folded_heads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A rule that reads the kernel's heads sees fold * heads over rows / fold, not a token's own heads."""
+    use_lse_rule_without_facts(monkeypatch, tmp_path, "q_heads * batch_size * 1KiB")
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT", "1KiB")
+    wspool.reset_registry()
+    ws.configure(device="cpu", get_config=lambda: _dcp_config(seqs=64, speculative=3, batched=8192, heads=8, dcp=4))
+    with pytest.raises(RuleError, match=r"needs fact\(s\) q_heads"):
+        ws.get_mla_workspace_buffer(True)  # outside a call site nobody knows the kernel's heads
+    q = torch.zeros(12, 32, 576, device="meta")
+    plain = ws.get_mla_workspace_buffer(False)
+    got = ws.wrap_folded_decode(folded_decode)(
+        q, None, None, None, 1024, 4, workspace=plain, return_lse=True, dcp_world_size=4, **_SCALES
+    )
+    # 64 rows of 4 * 32 = 128 heads: 8 MiB.
+    assert got.numel() == 128 * 64 * 1024 == wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes
+
+
+def test_dsv4_workspace_is_its_own_zeroed_uint8_buffer() -> None:
+    """DeepSeek V4's sparse workspace: uint8, zeroed, 128 MiB by default, the same tensor while it suffices."""
+    reg = _small(flashinfer_dsv4={"rules": {"default": "2MiB"}})
+    buffer = ws.get_dsv4_workspace(CPU)
+    assert (buffer.dtype, buffer.numel(), int(buffer.count_nonzero())) == (torch.uint8, 2 * MiB, 0)
+    buffer[0] = 7  # a kernel's counter: wspool never clears it
+    assert ws.get_dsv4_workspace(CPU) is buffer and int(buffer[0]) == 7
+    assert reg.buffer_pool("flashinfer_dsv4") == "flashinfer_dsv4"
+    fresh = _small()
+    ws.get_dsv4_workspace(CPU)
+    assert fresh.resolve("flashinfer_dsv4", "default") == 128 * MiB
+
+
+def test_dsv4_workspace_refuses_to_share_a_buffer() -> None:
+    """The DSv4 pool configured to share another pool's buffer is refused, naming the setting."""
+    _small(flashinfer_dsv4={"shared_with": "flashinfer_mla_counters"}, flashinfer_mla_counters={"rules": {"c": "1"}})
+    with pytest.raises(ConfigError, match=r"pool 'flashinfer_dsv4' must have its own buffer.*FLASHINFER_DSV4__SHARED"):
+        ws.get_dsv4_workspace(CPU)
+
+
+def test_dash_workspace_is_a_pool_buffer() -> None:
+    """DASH attention's FlashInfer workspace: uint8 of the rule's size, one per device and lane."""
+    reg = _small(flashinfer_dash={"rules": {"default": "3MiB"}})
+    buffer = ws.get_dash_workspace(CPU)
+    assert (buffer.dtype, buffer.numel()) == (torch.uint8, 3 * MiB) and ws.get_dash_workspace(CPU) is buffer
+    assert dict(reg.stats("flashinfer_dash", "cpu").requests_by_rule) == {"default": 2}

@@ -1,29 +1,38 @@
-"""The vLLM plugin: vLLM 0.33's FlashInfer workspaces drawn from wspool's pools.
+"""The vLLM plugin: vLLM's FlashInfer workspaces drawn from wspool's pools (vLLM 0.33 and 0.34).
 
 vLLM calls :func:`register` in every process it starts (engine core, workers)
 through the ``vllm.general_plugins`` entry point ``wspool`` that wspool's
 package declares; ``VLLM_PLUGINS`` (a comma-separated allowlist) must name
-``wspool`` when it is set. :func:`register` replaces, where vLLM's callers look
-them up at call time:
+``wspool`` when it is set. :func:`register` replaces attributes where vLLM's
+callers look them up at call time, in groups (:data:`GROUPS`):
 
-- ``vllm.v1.attention.backends.mla.flashinfer_mla._get_workspace_buffer`` and
-  ``._get_multi_ctas_kv_counter_buffer`` (module globals that ``forward_mqa``
-  reads at each call), and wraps ``FlashInferMLAImpl.forward_mqa`` so the rules
-  see the call's heads and DCP size;
-- ``vllm.v1.attention.backends.mla.flashinfer_mla_sparse._get_workspace_buffer``, and
-  the copy ``flashinfer_mla_sparse_sm120`` imported by name;
-- ``vllm.v1.attention.backends.flashinfer.FlashInferMetadataBuilder._get_workspace_buffer``
-  (a method: its callers look it up on the builder) and that module's
-  ``_get_multi_ctas_kv_counter_buffer`` (trtllm-gen's paged-attention counters);
-- ``vllm.v1.worker.workspace.WorkspaceManager.lock`` / ``.unlock`` (which
-  ``lock_workspace()`` / ``unlock_workspace()`` call): vLLM's lock also freezes
-  wspool's registry, its unlock unfreezes it.
+- the MLA decode workspace: ``flashinfer_mla._get_workspace_buffer`` (a module
+  global ``forward_mqa`` reads at each call), ``FlashInferMLAImpl.forward_mqa``
+  (wrapped so the rules see the shape of the query the kernel gets) and, in
+  vLLM 0.34, Kimi K3's ``drafter.attention.folded_decode`` (wrapped likewise);
+- trtllm-gen's MLA counters, ``flashinfer_mla._get_multi_ctas_kv_counter_buffer``;
+- the sparse MLA workspace, ``flashinfer_mla_sparse._get_workspace_buffer`` and
+  its copy imported by name into ``flashinfer_mla_sparse_sm120``;
+- the FlashInfer attention builder's ``_get_workspace_buffer`` (a method) and
+  trtllm-gen's paged-attention counters;
+- DeepSeek V4's sparse MLA workspace: vLLM 0.34's ``get_flashinfer_dsv4_workspace``
+  and its two copies imported by name, vLLM 0.33's ``_get_flashinfer_dsv4_workspace``;
+- DASH attention's FlashInfer workspace (vLLM 0.34), ``dash_attention._workspace``;
+- ``WorkspaceManager.lock`` / ``.unlock`` (which ``lock_workspace()`` /
+  ``unlock_workspace()`` call): vLLM's lock also freezes wspool's registry,
+  its unlock unfreezes it.
+
+A group is patched whole or not at all: its targets only work together (the
+MLA workspace's rules need the wrapped call sites' facts; a lock that freezes
+needs the unlock that unfreezes). A target marked optional may be absent (it
+exists only in some vLLM versions): where its module or attribute is absent it
+is skipped and the rest of its group is patched; where it is present with other parameters, its
+group is not patched. A group that is not patched keeps vLLM's own behaviour,
+named in one warning. Registration is all or nothing: an exception while
+patching undoes every patch made, and the log says so. Loading never raises;
+loading twice patches once. ``WSPOOL_VLLM=0`` leaves vLLM untouched.
 
 See :mod:`wspool.integrations.vllm_workspaces` for the pools and semantics.
-``WSPOOL_VLLM=0`` leaves vLLM untouched. A vLLM whose functions differ from
-what this module knows (missing, other parameters) keeps its own behaviour for
-them, with one warning naming each; loading never raises. Loading twice
-patches once. One log line says what was patched.
 
 Thread semantics: call :func:`register` and :func:`unregister` before serving
 (vLLM does, at start-up); they are not meant to race with the calls they patch.
@@ -44,7 +53,7 @@ from typing import Any
 from wspool.integrations import vllm_workspaces as ws
 from wspool.registry import get_registry
 
-__all__ = ["ENABLE_ENV_VAR", "TARGETS", "Target", "patched", "register", "unregister"]
+__all__ = ["ENABLE_ENV_VAR", "GROUPS", "TARGETS", "Target", "TargetGroup", "patched", "register", "unregister"]
 
 #: ``0`` (or ``false``, ``off``, ``no``) leaves vLLM untouched although the plugin loads.
 ENABLE_ENV_VAR = "WSPOOL_VLLM"
@@ -58,6 +67,11 @@ _SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 _SPARSE_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 _PAGED = "vllm.v1.attention.backends.flashinfer"
 _WORKSPACE = "vllm.v1.worker.workspace"
+_DRAFTER = "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention"
+_DSV4 = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
+_DSV41 = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
+_DSV41_SPARSE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.sparse_mla"
+_DASH = "vllm.v1.attention.ops.dash_attention"
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,8 @@ class Target:
         parameters: vLLM's parameter names; another signature is not patched.
         make: Builds the replacement from vLLM's original.
         what: What it becomes, for the log line.
+        optional: It may be absent from the vLLM in use (a function of one version, or a
+            by-name copy in a module some builds lack): absent, it is skipped.
     """
 
     module: str
@@ -77,11 +93,33 @@ class Target:
     parameters: tuple[str, ...]
     make: Callable[[Callable[..., Any]], Callable[..., Any]]
     what: str
+    optional: bool = False
 
     @property
     def name(self) -> str:
         """The dotted name: the module, then the path in it."""
         return f"{self.module}.{self.path}"
+
+
+@dataclass(frozen=True)
+class TargetGroup:
+    """Targets patched all or none: each needs the others to be safe.
+
+    Attributes:
+        name: What the group serves, for the log lines.
+        targets: Its targets, in the order they are patched.
+    """
+
+    name: str
+    targets: tuple[Target, ...]
+
+
+class _Absent(LookupError):
+    """The target's module or attribute is not in this vLLM."""
+
+
+class _Changed(LookupError):
+    """The target is in this vLLM but not as the plugin knows it (or its module fails to import)."""
 
 
 def _paged_method(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -111,54 +149,171 @@ def _locking(original: Callable[..., Any], frozen: bool) -> Callable[..., Any]:
     return wrapper
 
 
-#: What :func:`register` patches, in order.
-TARGETS: tuple[Target, ...] = (
-    Target(
-        _MLA,
-        "_get_workspace_buffer",
-        ("return_lse",),
-        lambda _: ws.get_mla_workspace_buffer,
-        "pool flashinfer_mla (int8)",
-    ),
-    Target(
-        _MLA,
-        "_get_multi_ctas_kv_counter_buffer",
-        ("min_bytes", "device"),
-        lambda _: ws.get_multi_ctas_kv_counter_buffer,
-        "pool flashinfer_mla_counters",
-    ),
-    Target(
-        _MLA,
-        "FlashInferMLAImpl.forward_mqa",
-        ("self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
-        ws.wrap_forward_mqa,
-        "call-time facts num_heads, cp_world",
-    ),
-    Target(
-        _SPARSE,
-        "_get_workspace_buffer",
-        ("device", "min_bytes"),
-        lambda _: ws.get_sparse_workspace_buffer,
-        "pool flashinfer_mla_sparse (int8)",
-    ),
-    Target(
-        _SPARSE_SM120,
-        "_get_workspace_buffer",
-        ("device", "min_bytes"),
-        lambda _: ws.get_sparse_workspace_buffer,
-        "pool flashinfer_mla_sparse (int8)",
-    ),
-    Target(_PAGED, "FlashInferMetadataBuilder._get_workspace_buffer", ("self",), _paged_method, "pool flashinfer"),
-    Target(
-        _PAGED,
-        "_get_multi_ctas_kv_counter_buffer",
-        ("min_bytes", "device"),
-        lambda _: ws.get_paged_multi_ctas_kv_counter_buffer,
-        "pool flashinfer_counters",
-    ),
-    Target(_WORKSPACE, "WorkspaceManager.lock", ("self",), lambda f: _locking(f, True), "also freezes wspool"),
-    Target(_WORKSPACE, "WorkspaceManager.unlock", ("self",), lambda f: _locking(f, False), "also unfreezes wspool"),
+def _replace_with(replacement: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(_original: Callable[..., Any]) -> Callable[..., Any]:
+        return replacement
+
+    return make
+
+
+_FOLDED_DECODE_PARAMETERS = (
+    "q",
+    "kv_cache",
+    "block_table",
+    "seq_lens",
+    "max_seq_len",
+    "tokens_per_request",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "bmm1_scale",
+    "bmm2_scale",
+    "workspace",
+    "return_lse",
+    "dcp_world_size",
+    "dcp_rank",
+    "dcp_tot_seq_lens",
+    "max_reqs",
+    "backend",
+    "table_cache",
 )
+
+_MLA_POOL = "pool flashinfer_mla (int8)"
+_SPARSE_POOL = "pool flashinfer_mla_sparse (int8)"
+_DSV4_POOL = "pool flashinfer_dsv4"
+
+#: What :func:`register` patches: groups in order, each all or none.
+GROUPS: tuple[TargetGroup, ...] = (
+    TargetGroup(
+        "the MLA decode workspace",
+        (
+            Target(
+                _MLA, "_get_workspace_buffer", ("return_lse",), _replace_with(ws.get_mla_workspace_buffer), _MLA_POOL
+            ),
+            Target(
+                _MLA,
+                "FlashInferMLAImpl.forward_mqa",
+                ("self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
+                ws.wrap_forward_mqa,
+                "the kernel's facts (rows, q_len, heads, cp_world)",
+            ),
+            Target(
+                _DRAFTER,
+                "folded_decode",
+                _FOLDED_DECODE_PARAMETERS,
+                ws.wrap_folded_decode,
+                "the folded kernel's facts",
+                optional=True,
+            ),
+        ),
+    ),
+    TargetGroup(
+        "trtllm-gen's MLA counters",
+        (
+            Target(
+                _MLA,
+                "_get_multi_ctas_kv_counter_buffer",
+                ("min_bytes", "device"),
+                _replace_with(ws.get_multi_ctas_kv_counter_buffer),
+                "pool flashinfer_mla_counters",
+            ),
+        ),
+    ),
+    TargetGroup(
+        "the sparse MLA workspace",
+        (
+            Target(
+                _SPARSE,
+                "_get_workspace_buffer",
+                ("device", "min_bytes"),
+                _replace_with(ws.get_sparse_workspace_buffer),
+                _SPARSE_POOL,
+            ),
+            Target(
+                _SPARSE_SM120,
+                "_get_workspace_buffer",
+                ("device", "min_bytes"),
+                _replace_with(ws.get_sparse_workspace_buffer),
+                _SPARSE_POOL,
+                optional=True,
+            ),
+        ),
+    ),
+    TargetGroup(
+        "the FlashInfer attention workspace",
+        (
+            Target(
+                _PAGED, "FlashInferMetadataBuilder._get_workspace_buffer", ("self",), _paged_method, "pool flashinfer"
+            ),
+        ),
+    ),
+    TargetGroup(
+        "trtllm-gen's paged-attention counters",
+        (
+            Target(
+                _PAGED,
+                "_get_multi_ctas_kv_counter_buffer",
+                ("min_bytes", "device"),
+                _replace_with(ws.get_paged_multi_ctas_kv_counter_buffer),
+                "pool flashinfer_counters",
+            ),
+        ),
+    ),
+    TargetGroup(
+        "DeepSeek V4's sparse MLA workspace",
+        (
+            # vLLM 0.34: one function, two copies imported by name.
+            *(
+                Target(
+                    module,
+                    "get_flashinfer_dsv4_workspace",
+                    ("device",),
+                    _replace_with(ws.get_dsv4_workspace),
+                    _DSV4_POOL,
+                    optional=True,
+                )
+                for module in (_DSV4, _DSV41, _DSV41_SPARSE)
+            ),
+            # vLLM 0.33: a function in each model's module, the second imported by name.
+            *(
+                Target(
+                    module,
+                    "_get_flashinfer_dsv4_workspace",
+                    ("device",),
+                    _replace_with(ws.get_dsv4_workspace),
+                    _DSV4_POOL,
+                    optional=True,
+                )
+                for module in (_DSV4, _DSV41, _DSV41_SPARSE)
+            ),
+        ),
+    ),
+    TargetGroup(
+        "DASH attention's FlashInfer workspace",
+        (
+            Target(
+                _DASH,
+                "_workspace",
+                ("device",),
+                _replace_with(ws.get_dash_workspace),
+                "pool flashinfer_dash",
+                optional=True,
+            ),
+        ),
+    ),
+    TargetGroup(
+        "vLLM's workspace lock",
+        (
+            Target(_WORKSPACE, "WorkspaceManager.lock", ("self",), lambda f: _locking(f, True), "also freezes wspool"),
+            Target(
+                _WORKSPACE, "WorkspaceManager.unlock", ("self",), lambda f: _locking(f, False), "also unfreezes wspool"
+            ),
+        ),
+    ),
+)
+
+#: Every target of :data:`GROUPS`, in order.
+TARGETS: tuple[Target, ...] = tuple(target for group in GROUPS for target in group.targets)
 
 _lock = threading.Lock()
 # Target name -> (the object patched, the attribute, vLLM's original, the replacement).
@@ -169,27 +324,41 @@ def _enabled() -> bool:
     return os.environ.get(ENABLE_ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def _locate(target: Target) -> tuple[Any, str, Any]:
-    """Return (owner, attribute, current value) of a target, or raise LookupError saying what is missing."""
+def _import(module: str) -> Any:
+    """Import a target's module; raise _Absent where it (or a package above it) does not exist."""
     try:
-        owner: Any = importlib.import_module(target.module)
-    except Exception as exc:  # vLLM's own import error (e.g. a missing dependency): keep its behaviour
-        raise LookupError(f"module {target.module} does not import ({type(exc).__name__}: {exc})") from None
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+            raise _Absent(f"module {module} is not in this vLLM") from None
+        raise _Changed(f"module {module} does not import ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # vLLM's own import error (e.g. a missing dependency)
+        raise _Changed(f"module {module} does not import ({type(exc).__name__}: {exc})") from None
+
+
+def _locate(target: Target) -> tuple[Any, str, Any]:
+    """Return (owner, attribute, current value) of a target.
+
+    Raises:
+        _Absent: Its module or attribute is not in this vLLM.
+        _Changed: It is there, but with other parameters or without a signature, or its module fails to import.
+    """
+    owner: Any = _import(target.module)
     *classes, attr = target.path.split(".")
     for part in classes:
         owner = getattr(owner, part, None)
         if owner is None:
-            raise LookupError(f"{target.module} has no {part}")
+            raise _Absent(f"{target.module} has no {part}")
     # A class attribute as stored (not bound), so a wrapper sees the plain function.
     current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
     if current is None:
-        raise LookupError(f"{target.name} is missing")
+        raise _Absent(f"{target.name} is missing")
     try:
         parameters = tuple(inspect.signature(current).parameters)
     except (TypeError, ValueError):
-        raise LookupError(f"{target.name} has no signature to check") from None
+        raise _Changed(f"{target.name} has no signature to check") from None
     if parameters != target.parameters:
-        raise LookupError(
+        raise _Changed(
             f"{target.name} takes ({', '.join(parameters)}), not ({', '.join(target.parameters)}) as the plugin knows"
         )
     return owner, attr, current
@@ -230,20 +399,76 @@ def _hooks_from_vllm() -> list[str]:
     return missing
 
 
+def _short(module: str) -> str:
+    """A module's name for the log line: a model's path under ``vllm.models``, else its last part."""
+    models = "vllm.models."
+    return module[len(models) :] if module.startswith(models) else module.rsplit(".", 1)[-1]
+
+
+class _PartialUndo(RuntimeError):
+    """Registration failed and some of its patches could not be undone."""
+
+
 def register() -> None:
     """Install wspool's workspaces into vLLM (the ``vllm.general_plugins`` entry point); never raises.
 
     Idempotent: what is already patched stays as it is. With ``WSPOOL_VLLM=0``
-    nothing is patched. Logs one line naming what was patched and one
-    warning naming what was not (vLLM's own behaviour stays for those).
+    nothing is patched. Logs one line naming what was patched, one naming the
+    optional targets this vLLM lacks, and one warning naming the groups not
+    patched (vLLM's own behaviour stays for those). An exception while patching
+    undoes every patch this call made, and the error says so.
     """
     if not _enabled():
         logger.info("wspool: %s=0: vLLM's FlashInfer workspaces are left as they are", ENABLE_ENV_VAR)
         return
     try:
         _register()
-    except Exception:  # never break vLLM's start-up: its own behaviour stays
-        logger.exception("wspool: the vLLM plugin failed to load; vLLM's own workspaces stay in use")
+    except _PartialUndo as exc:
+        logger.error("wspool: the vLLM plugin failed to load: %s", exc, exc_info=exc.__cause__)
+    except Exception:  # never break vLLM's start-up: _register undid what it patched
+        logger.exception(
+            "wspool: the vLLM plugin failed to load and patched nothing; vLLM's own workspaces stay in use"
+        )
+
+
+def _plan() -> tuple[list[tuple[Target, Any, str, Any]], list[str], list[str]]:
+    """Locate every group's targets; return (what to patch, groups not patched and why, optional targets absent)."""
+    plan: list[tuple[Target, Any, str, Any]] = []
+    not_patched: list[str] = []
+    absent: list[str] = []
+    for group in GROUPS:
+        located: list[tuple[Target, Any, str, Any]] = []
+        skipped: list[str] = []
+        failure = None
+        for target in group.targets:
+            try:
+                located.append((target, *_locate(target)))
+            except _Absent as exc:
+                if not target.optional:
+                    failure = str(exc)
+                    break
+                skipped.append(target.name)
+            except _Changed as exc:
+                failure = str(exc)
+                break
+        if failure is not None:
+            not_patched.append(f"{group.name} ({failure})")
+        else:
+            plan.extend(located)
+            absent.extend(skipped)
+    return plan, not_patched, absent
+
+
+def _undo(applied: list[tuple[str, Any, str, Any, Any]]) -> list[str]:
+    """Put vLLM's originals back, newest first; return 'name (why)' for each that could not be."""
+    stuck = []
+    for name, owner, attr, original, replacement in reversed(applied):
+        try:
+            setattr(owner, attr, original)
+        except Exception as exc:
+            stuck.append(f"{name} ({type(exc).__name__}: {exc})")
+            _patches[name] = (owner, attr, original, replacement)
+    return stuck
 
 
 def _register() -> None:
@@ -254,25 +479,39 @@ def _register() -> None:
     for module in dict.fromkeys(target.module for target in TARGETS):
         with contextlib.suppress(Exception):  # _locate reports it
             importlib.import_module(module)
-    not_patched = _hooks_from_vllm()
-    done = []
     with _lock:
         if _patches:
             return
-        for target in TARGETS:
-            try:
-                owner, attr, original = _locate(target)
-            except LookupError as exc:
-                not_patched.append(f"{target.name} ({exc}; vLLM's own behaviour stays)")
-                continue
-            replacement = target.make(original)
-            setattr(owner, attr, replacement)
-            _patches[target.name] = (owner, attr, original, replacement)
-            done.append(f"{target.module.rsplit('.', 1)[-1]}.{target.path} -> {target.what}")
+        applied: list[tuple[str, Any, str, Any, Any]] = []
+        try:
+            plan, not_patched, absent = _plan()
+            # The log line is built first: once everything is patched, nothing here can fail.
+            done = [f"{_short(target.module)}.{target.path} -> {target.what}" for target, *_ in plan]
+            missing_hooks = _hooks_from_vllm() if plan else []
+            for target, owner, attr, original in plan:
+                replacement = target.make(original)
+                setattr(owner, attr, replacement)
+                applied.append((target.name, owner, attr, original, replacement))
+        except Exception as exc:
+            stuck = _undo(applied)
+            if not stuck:
+                ws.configure()
+                raise
+            raise _PartialUndo(
+                f"{type(exc).__name__}: {exc}; undoing its patches failed for {'; '.join(stuck)}, which stay "
+                "wspool's (wspool.integrations.vllm.patched() lists them); every other patch was undone"
+            ) from exc
+        for name, owner, attr, original, replacement in applied:
+            _patches[name] = (owner, attr, original, replacement)
     if done:
         logger.info("wspool: vLLM plugin loaded; patched %s", "; ".join(done))
-    if not_patched:
-        logger.warning("wspool: vLLM plugin did not patch: %s", "; ".join(not_patched))
+    if absent:
+        logger.info("wspool: not in this vLLM, so not patched: %s", "; ".join(absent))
+    if not_patched or missing_hooks:
+        logger.warning(
+            "wspool: vLLM plugin did not patch: %s",
+            "; ".join([*(f"{what}; vLLM's own behaviour stays" for what in not_patched), *missing_hooks]),
+        )
 
 
 def unregister() -> list[str]:

@@ -1,27 +1,43 @@
 """The facts of a vLLM engine that wspool's sizing rules read.
 
 vLLM's workspace functions take no shape (``_get_workspace_buffer(return_lse)``),
-so the rules see what vLLM's configuration says and, where vLLM's call site
-knows more, what that call site says:
+so the rules see what vLLM's configuration says and, where a wrapped call site
+knows more, the shape of the query the MLA decode kernel receives:
 
-=================  ===============================================================  =====================
-fact               from the configuration                                           at call time
-=================  ===============================================================  =====================
-``num_heads``      ``model_config.get_num_attention_heads(parallel_config)``        ``q.shape[-2] // cp_world``
-                   (this rank's query heads, before DCP's all-gather)               in ``forward_mqa``
+=================  ===============================================================  ==========================
+fact               from the configuration                                           at a wrapped call site
+=================  ===============================================================  ==========================
+``num_heads``      ``model_config.get_num_attention_heads(parallel_config)``        ``q_heads // cp_world``
+                   (this rank's query heads, before DCP's all-gather)
 ``cp_world``       ``parallel_config.decode_context_parallel_size``                 ``self.dcp_world_size``
-``batch_size``     ``scheduler_config.max_num_seqs`` (the largest batch)            (not read: see below)
-``q_len``          ``1 + speculative_config.num_speculative_tokens``                (not read)
+``batch_size``     ``scheduler_config.max_num_seqs`` (the largest batch)            the kernel's rows at most
+                                                                                    (see below)
+``q_len``          ``1 + speculative_config.num_speculative_tokens``                query tokens per row
+``batch_tokens``   ``scheduler_config.max_num_batched_tokens``                      (not read)
 ``kv_dtype_size``  ``cache_config.cache_dtype`` (``auto``: the model's dtype)       (not read)
-``q_heads``        (none)                                                           ``q.shape[-2]``: the
-                                                                                    heads the kernel sees
-=================  ===============================================================  =====================
+``q_heads``        (none)                                                           the heads the kernel sees,
+                                                                                    after DCP's query gather
+=================  ===============================================================  ==========================
 
-The batch is the configured maximum, never the step's own batch: a buffer
-sized for the largest batch is allocated once, before CUDA-graph capture, and
-never grows under a captured graph. A fact that the configuration does not
-give is left out, and a rule that reads it raises a
-:class:`~wspool.errors.RuleError` naming it.
+The rules describe the kernel's query ``[batch_size, q_len, q_heads, dim]``,
+and vLLM does not always hand the kernel one row per request:
+
+- **requests** (:data:`REQUESTS`): one row per request with all its query
+  tokens, as in plain decode and uniform speculative decode. At most
+  ``max_num_seqs`` rows of ``1 + k`` tokens.
+- **tokens** (:data:`TOKENS`): one row per ``fold`` query tokens, as in
+  vLLM 0.34's ragged causal DCP decode and non-causal blocks (every token its
+  own row, ``fold`` 1) and Kimi K3's draft decode (``fold`` tokens of a request
+  folded into the heads). At most ``min(max_num_seqs * (1 + k),
+  max_num_batched_tokens) / fold`` rows of one token.
+
+``batch_size`` is the layout's configured maximum, or the call's own rows where
+they are more, never the step's smaller batch: a buffer sized for the largest
+batch is allocated once, before CUDA-graph capture, and never grows under a
+captured graph. A call from no wrapped call site gets :meth:`ConfigFacts.widest`:
+the most rows either layout can have at the full ``q_len``, never less than
+what any layout needs. A fact that neither gives is left out, and a rule that
+reads it raises a :class:`~wspool.errors.RuleError` naming it.
 
 Thread semantics: the configuration's facts are cached per process and read
 again when ``get_current_vllm_config_or_none()`` returns another object (a
@@ -33,18 +49,33 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 __all__ = [
     "FACT_NAMES",
+    "REQUESTS",
+    "TOKENS",
     "ConfigFacts",
+    "KernelShape",
     "call_facts",
+    "decode_kernel_shape",
     "facts_from_config",
+    "folded_kernel_shape",
+    "kernel_facts",
     "set_call_facts",
+    "widest_facts",
 ]
 
 #: The facts this module can give a rule, in the order of the table above.
-FACT_NAMES = ("num_heads", "cp_world", "batch_size", "q_len", "kv_dtype_size", "q_heads")
+FACT_NAMES = ("num_heads", "cp_world", "batch_size", "q_len", "batch_tokens", "kv_dtype_size", "q_heads")
+
+Layout = Literal["requests", "tokens"]
+
+#: One kernel row per request, holding all its query tokens.
+REQUESTS: Layout = "requests"
+#: One kernel row per ``fold`` query tokens (one token in the row, ``fold`` tokens folded into the heads).
+TOKENS: Layout = "tokens"
 
 _KV_DTYPE_SIZES = {
     "fp8": 1,
@@ -59,6 +90,9 @@ _KV_DTYPE_SIZES = {
     "float": 4,
     "float32": 4,
 }
+
+# Cached kernel facts per configuration; bounded so odd shapes cannot grow it without end.
+_KERNEL_CACHE_LIMIT = 256
 
 
 def _positive_int(value: object) -> int | None:
@@ -97,12 +131,14 @@ def facts_from_config(config: Any) -> dict[str, int]:
     Returns:
         ``{fact: value}`` with positive integers only.
     """
+    scheduler = getattr(config, "scheduler_config", None)
     facts: dict[str, int | None] = {
         "num_heads": _num_heads(config),
         "cp_world": _positive_int(
             getattr(getattr(config, "parallel_config", None), "decode_context_parallel_size", None)
         ),
-        "batch_size": _positive_int(getattr(getattr(config, "scheduler_config", None), "max_num_seqs", None)),
+        "batch_size": _positive_int(getattr(scheduler, "max_num_seqs", None)),
+        "batch_tokens": _positive_int(getattr(scheduler, "max_num_batched_tokens", None)),
         "kv_dtype_size": _kv_dtype_size(config),
     }
     speculative = getattr(config, "speculative_config", None)
@@ -110,6 +146,144 @@ def facts_from_config(config: Any) -> dict[str, int]:
     if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
         facts["q_len"] = 1 + tokens
     return {name: value for name, value in facts.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """The query one MLA decode kernel call receives: ``[rows, q_len, heads, dim]``.
+
+    Attributes:
+        layout: :data:`REQUESTS` (a row per request) or :data:`TOKENS` (a row per ``fold`` tokens).
+        rows: The kernel's batch in this call.
+        q_len: Query tokens per row (1 in the :data:`TOKENS` layout).
+        heads: Query heads per row: after DCP's all-gather, and ``fold`` times a token's heads.
+        cp_world: The DCP world size (1 without DCP).
+        fold: Query tokens folded into one row's heads (1: none).
+    """
+
+    layout: Layout
+    rows: int
+    q_len: int
+    heads: int
+    cp_world: int
+    fold: int = 1
+
+
+def decode_kernel_shape(tokens: int, heads: int, cp_world: int, metadata: Any) -> KernelShape | None:
+    """Return the shape vLLM's ``FlashInferMLAImpl.forward_mqa`` hands the kernel, from its query and metadata.
+
+    Follows vLLM's branches (0.33 and 0.34): a non-causal block, and a causal
+    DCP batch whose requests have uneven query lengths (0.34), run one row per
+    token; everything else one row per request (uniform ``[requests, q_len]``,
+    or the compact ragged query of causal speculative decode without DCP,
+    tiled per request by the kernel up to ``max_query_len``). vLLM 0.33 views
+    an uneven causal DCP batch as uniform rows; one row per token is never
+    smaller for it.
+
+    Args:
+        tokens: The query's decode tokens (``q.shape[0]``).
+        heads: The query's heads (``q.shape[-2]``: after DCP's all-gather).
+        cp_world: ``self.dcp_world_size``.
+        metadata: vLLM's ``FlashInferMLAMetadata`` of the call.
+
+    Returns:
+        The kernel's shape, or ``None`` where the metadata lacks what the branches read.
+    """
+    decode = getattr(metadata, "decode", None)
+    num_decodes = _positive_int(getattr(metadata, "num_decodes", None))
+    max_query_len = _positive_int(getattr(decode, "max_query_len", None))
+    num_decode_tokens = getattr(metadata, "num_decode_tokens", tokens)
+    if decode is None or num_decodes is None or max_query_len is None or not isinstance(num_decode_tokens, int):
+        return None
+    if not getattr(metadata, "causal", True):
+        return KernelShape(TOKENS, tokens, 1, heads, cp_world)
+    if max_query_len > 1 and cp_world == 1:
+        return KernelShape(REQUESTS, num_decodes, max_query_len, heads, cp_world)
+    if num_decode_tokens != num_decodes * max_query_len:
+        return KernelShape(TOKENS, tokens, 1, heads, cp_world)
+    return KernelShape(REQUESTS, num_decodes, max(1, tokens // num_decodes), heads, cp_world)
+
+
+def folded_kernel_shape(tokens: int, heads: int, cp_world: int, fold: int) -> KernelShape:
+    """Return the shape of a decode with ``fold`` query tokens of a request folded into each row's heads.
+
+    Kimi K3's draft decode (vLLM 0.34, ``drafter.attention.folded_decode``)
+    reshapes ``[tokens, heads, dim]`` to ``[tokens / fold, 1, fold * heads, dim]``.
+    """
+    fold = max(1, fold)
+    return KernelShape(TOKENS, max(1, tokens // fold), 1, heads * fold, cp_world, fold)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _token_bound(configured: Mapping[str, int]) -> int | None:
+    """The most decode tokens a step holds: ``min(max_num_seqs * q_len, max_num_batched_tokens)``."""
+    seqs = configured.get("batch_size")
+    tokens = configured.get("batch_tokens")
+    if seqs is None:
+        return tokens
+    by_seqs = seqs * configured.get("q_len", 1)
+    return by_seqs if tokens is None else min(by_seqs, tokens)
+
+
+def _kernel_key(configured: Mapping[str, int], shape: KernelShape) -> tuple[int, int, int, int]:
+    """(batch_size, q_len, q_heads, cp_world) of a kernel call at its layout's configured maximum."""
+    if shape.layout == REQUESTS:
+        bound = configured.get("batch_size")
+        q_len = max(shape.q_len, configured.get("q_len", 1))
+    else:
+        tokens = _token_bound(configured)
+        bound = None if tokens is None else _ceil_div(tokens, shape.fold)
+        q_len = shape.q_len
+    return max(shape.rows, bound or 0), q_len, shape.heads, max(1, shape.cp_world)
+
+
+def _with_kernel(configured: Mapping[str, int], key: tuple[int, int, int, int]) -> dict[str, int]:
+    batch_size, q_len, heads, cp_world = key
+    return {
+        **configured,
+        "q_heads": heads,
+        "num_heads": max(1, heads // cp_world),
+        "cp_world": cp_world,
+        "batch_size": batch_size,
+        "q_len": q_len,
+    }
+
+
+def kernel_facts(configured: Mapping[str, int], shape: KernelShape) -> dict[str, int]:
+    """Return the facts of a kernel call at its layout's configured maximum, over the configuration's others.
+
+    Args:
+        configured: The configuration's facts (:func:`facts_from_config`).
+        shape: What the kernel receives in this call.
+
+    Returns:
+        The configuration's facts with ``q_heads``, ``num_heads`` (``q_heads //
+        cp_world``), ``cp_world``, ``q_len`` and ``batch_size`` replaced by the
+        kernel's: ``batch_size`` is the most rows the layout can have (the
+        call's own where they are more), ``q_len`` at least the configured one
+        for rows per request.
+    """
+    return _with_kernel(configured, _kernel_key(configured, shape))
+
+
+def widest_facts(configured: Mapping[str, int]) -> dict[str, int]:
+    """Return the configuration's facts for a call whose kernel shape is unknown: the most rows at the full q_len.
+
+    ``batch_size`` becomes ``max(max_num_seqs, min(max_num_seqs * q_len,
+    max_num_batched_tokens))``: at ``q_len`` per row, at least the rows of either
+    layout, so a rule that grows with rows and ``q_len`` is never sized short.
+    """
+    seqs = configured.get("batch_size")
+    tokens = _token_bound(configured)
+    if seqs is None or tokens is None:
+        return dict(configured)
+    return {**configured, "batch_size": max(seqs, tokens)}
+
+
+_Entry = tuple[Any, Mapping[str, int], Mapping[str, int], dict[tuple[int, int, int, int], Mapping[str, int]]]
 
 
 class ConfigFacts:
@@ -122,18 +296,41 @@ class ConfigFacts:
 
     def __init__(self, get_config: Callable[[], Any] | None) -> None:
         self._get_config = get_config
-        self._cached: tuple[Any, Mapping[str, int]] = (object(), {})
+        # (configuration, its facts, widest_facts of them, kernel facts by _kernel_key), replaced as one.
+        self._cached: _Entry = (object(), {}, {}, {})
+
+    def _entry(self) -> _Entry:
+        config = None if self._get_config is None else self._get_config()
+        cached = self._cached
+        if config is not cached[0]:
+            facts = {} if config is None else facts_from_config(config)
+            cached = (config, facts, widest_facts(facts), {})
+            self._cached = cached
+        return cached
 
     def get(self) -> Mapping[str, int]:
         """Return the facts of the current configuration (an empty mapping without one)."""
-        if self._get_config is None:
-            return {}
-        config = self._get_config()
-        cached_config, facts = self._cached
-        if config is not cached_config:
-            facts = {} if config is None else facts_from_config(config)
-            self._cached = (config, facts)
-        return facts
+        return self._entry()[1]
+
+    def widest(self) -> Mapping[str, int]:
+        """Return :func:`widest_facts` of the current configuration (for calls from no wrapped call site)."""
+        return self._entry()[2]
+
+    def for_kernel(self, shape: KernelShape) -> Mapping[str, int]:
+        """Return :func:`kernel_facts` of the current configuration and ``shape``.
+
+        The same mapping is returned for every call that resolves to the same
+        facts (in the steady state, every call of a layout), so the per-call
+        path builds nothing new.
+        """
+        _, facts, _, by_key = self._entry()
+        key = _kernel_key(facts, shape)
+        found = by_key.get(key)
+        if found is None:
+            if len(by_key) >= _KERNEL_CACHE_LIMIT:
+                by_key.clear()
+            found = by_key.setdefault(key, _with_kernel(facts, key))
+        return found
 
 
 _CALL = threading.local()

@@ -1,4 +1,4 @@
-"""Pool-backed replacements for vLLM 0.33's FlashInfer workspace functions.
+"""Pool-backed replacements for vLLM's FlashInfer workspace functions (vLLM 0.33 and 0.34).
 
 Each function has the signature, dtype and semantics of the vLLM function it
 replaces (:mod:`wspool.integrations.vllm` installs them) and draws its buffer
@@ -17,9 +17,17 @@ vLLM function                                               pool, rule          
                                                             ``vllm_batch_invariant``     ``self``
 ``flashinfer._get_multi_ctas_kv_counter_buffer(``           ``flashinfer_counters``,     as the MLA counters
 ``min_bytes, device)``                                      ``counters``
+``deepseek_v4...get_flashinfer_dsv4_workspace(device)``     ``flashinfer_dsv4``,         ``uint8``, zeroed once,
+(0.34; ``_get_flashinfer_dsv4_workspace`` in 0.33)          ``default``                  its own buffer
+``dash_attention._workspace(device)`` (0.34)                ``flashinfer_dash``,         ``uint8``, kept by the
+                                                            ``default``                  FlashInfer wrappers
 ==========================================================  ===========================  ======================
 
-The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`).
+The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`):
+:func:`wrap_forward_mqa` and :func:`wrap_folded_decode` record the shape of the
+query the kernel receives, and a call from elsewhere gets the widest facts the
+configuration allows, so the MLA workspace is never sized for fewer rows than
+the kernel gets.
 
 Device semantics: the device vLLM names (``"cuda"`` for the MLA workspace: the
 current CUDA device at each call), unless :data:`DEVICE_ENV_VAR` names
@@ -41,25 +49,38 @@ from typing import Any
 
 import torch
 
+import wspool
 from wspool.errors import ConfigError, RuleError
-from wspool.integrations.vllm_facts import FACT_NAMES, ConfigFacts, call_facts, set_call_facts
+from wspool.integrations.vllm_facts import (
+    FACT_NAMES,
+    ConfigFacts,
+    call_facts,
+    decode_kernel_shape,
+    folded_kernel_shape,
+    set_call_facts,
+)
 from wspool.registry import PoolRegistry, get_registry
-from wspool.streams import current_lane
 
 __all__ = [
     "DEVICE_ENV_VAR",
+    "OWN_BUFFER_POOLS",
     "POOL_COUNTERS",
+    "POOL_DASH",
+    "POOL_DSV4",
     "POOL_MLA",
     "POOL_PAGED",
     "POOL_PAGED_COUNTERS",
     "POOL_SPARSE",
     "VLLM_POOLS",
     "configure",
+    "get_dash_workspace",
+    "get_dsv4_workspace",
     "get_mla_workspace_buffer",
     "get_multi_ctas_kv_counter_buffer",
     "get_paged_multi_ctas_kv_counter_buffer",
     "get_paged_workspace_buffer",
     "get_sparse_workspace_buffer",
+    "wrap_folded_decode",
     "wrap_forward_mqa",
 ]
 
@@ -68,6 +89,13 @@ POOL_COUNTERS = "flashinfer_mla_counters"
 POOL_PAGED_COUNTERS = "flashinfer_counters"
 POOL_SPARSE = "flashinfer_mla_sparse"
 POOL_PAGED = "flashinfer"
+POOL_DSV4 = "flashinfer_dsv4"
+POOL_DASH = "flashinfer_dash"
+
+#: Pools whose buffer must be their own: their kernels keep counters in it between launches
+#: (trtllm-gen's multi-CTA-KV semaphores; the DeepSeek V4 sparse kernels' split-merge counters,
+#: zeroed at a workspace's first use), which another pool's kernel would overwrite.
+OWN_BUFFER_POOLS = (POOL_COUNTERS, POOL_PAGED_COUNTERS, POOL_DSV4)
 
 #: Names the device every replacement allocates on (``cpu`` in tests); read when the plugin loads.
 DEVICE_ENV_VAR = "WSPOOL_VLLM_DEVICE"
@@ -82,6 +110,10 @@ VLLM_POOLS: dict[str, dict[str, str]] = {
     # What vLLM asks for its largest batch; the kernel resets the counters after each launch.
     POOL_COUNTERS: {"counters": "min_bytes"},
     POOL_PAGED_COUNTERS: {"counters": "min_bytes"},
+    # vLLM 0.34's constants: DeepSeek V4's sparse MLA workspace (FlashInfer: "a fixed 128 MiB buffer
+    # admits every row count on every route") and DASH attention's FlashInfer prefill workspace.
+    POOL_DSV4: {"default": "128MiB"},
+    POOL_DASH: {"default": "128MiB"},
 }
 
 _STATE_KEY = "vllm"
@@ -131,14 +163,14 @@ class _RegistryState:
     def __init__(self, registry: PoolRegistry) -> None:
         for pool, rules in VLLM_POOLS.items():
             registry.declare_pool(pool, rules)
-        for counters in (POOL_COUNTERS, POOL_PAGED_COUNTERS):
-            host = registry.buffer_pool(counters)
-            if host != counters:
+        for own in OWN_BUFFER_POOLS:
+            host = registry.buffer_pool(own)
+            if host != own:
                 raise ConfigError(
-                    f"pool {counters!r} must have its own buffer: its counters persist between kernel "
-                    f"launches, and pool {host!r} would overwrite them; set pools.{counters}.shared_with "
-                    f"/ WSPOOL_POOLS__{counters.upper()}__SHARED_WITH empty",
-                    path=("pools", counters, "shared_with"),
+                    f"pool {own!r} must have its own buffer: its kernels' counters persist between "
+                    f"launches, and pool {host!r} would overwrite them; set pools.{own}.shared_with "
+                    f"/ WSPOOL_POOLS__{own.upper()}__SHARED_WITH empty",
+                    path=("pools", own, "shared_with"),
                 )
         self.views: dict[tuple[str, object, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -156,10 +188,10 @@ _LANE_NAMES: dict[tuple[int, int], str] = {}
 def _lane() -> str:
     get = _hooks.vllm_lane
     if get is None:
-        return current_lane()
+        return wspool.current_lane()
     key = get()
     if key == (0, 0):
-        return current_lane()
+        return wspool.current_lane()
     name = _LANE_NAMES.get(key)
     if name is None:
         name = _LANE_NAMES.setdefault(key, f"vllm-u{key[0]}-l{key[1]}")
@@ -178,11 +210,11 @@ def _int8(state: _RegistryState, pool: str, device: object, lane: str, buffer: t
 
 
 def _facts() -> Mapping[str, int]:
-    configured = _hooks.config_facts.get()
+    """The facts of this call: the wrapped call site's (the kernel's shape), else the widest configured."""
     at_call = call_facts()
-    if not at_call:
-        return configured
-    return {**at_call, **configured}  # the configuration's num_heads is the rank's own, whatever the gather
+    if at_call is not None:
+        return at_call
+    return _hooks.config_facts.widest()
 
 
 def _missing_facts(exc: RuleError, facts: Mapping[str, int]) -> RuleError:
@@ -330,27 +362,87 @@ def _prefill_floor(builder: Any, bytes_per_elem: int | None) -> int:
         return 0
 
 
+def get_dsv4_workspace(device: torch.device) -> torch.Tensor:
+    """Return DeepSeek V4's FlashInfer sparse MLA workspace: pool ``flashinfer_dsv4``, rule ``default``.
+
+    Replaces ``vllm.models.deepseek_v4.nvidia.flashinfer_sparse.get_flashinfer_dsv4_workspace``
+    and every copy imported by name (vLLM 0.34), and vLLM 0.33's two
+    ``_get_flashinfer_dsv4_workspace``. The kernels keep their split-merge
+    counters in it and zero them at a workspace's first use, so the buffer is
+    the pool's own (:data:`OWN_BUFFER_POOLS`), zeroed once when allocated, and
+    the same tensor on later calls while it suffices.
+
+    Args:
+        device: Where (the query's device).
+
+    Returns:
+        A ``uint8`` buffer of the rule's size (vLLM's 128 MiB by default).
+
+    Raises:
+        ConfigError: The pool is configured to share another pool's buffer.
+        WorkspaceFrozenError: It would have to grow while locked or capturing.
+    """
+    registry = get_registry()
+    _state(registry)
+    return registry.workspace(POOL_DSV4, _hooks.device or device, rule="default", lane=_lane())
+
+
+def get_dash_workspace(device: torch.device) -> torch.Tensor:
+    """Return DASH attention's FlashInfer prefill workspace: pool ``flashinfer_dash``, rule ``default``.
+
+    Replaces ``vllm.v1.attention.ops.dash_attention._workspace`` (vLLM 0.34),
+    which vLLM caches per device and hands to up to eight
+    ``BatchPrefillWithRaggedKVCacheWrapper`` plans (``use_cuda_graph=True``),
+    run one after another on one stream. Each wrapper keeps the tensor it was
+    built with, so the memory stays valid for its captured graphs even if the
+    pool grows later.
+
+    Args:
+        device: Where.
+
+    Returns:
+        A ``uint8`` buffer of the rule's size (vLLM's 128 MiB by default),
+        zero-filled when allocated (vLLM's is uninitialised; FlashInfer writes
+        before it reads).
+    """
+    registry = get_registry()
+    _state(registry)
+    return registry.workspace(POOL_DASH, _hooks.device or device, rule="default", lane=_lane())
+
+
 def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``FlashInferMLAImpl.forward_mqa`` so the MLA rules see the call's heads and DCP size.
+    """Wrap ``FlashInferMLAImpl.forward_mqa`` so the MLA rules see the shape of the query the kernel gets.
 
     Args:
         original: vLLM's ``forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)``.
 
     Returns:
-        A method that records, for the calling thread, ``q_heads``
-        (``q.shape[-2]``: the heads the kernel sees, after DCP's query gather),
-        ``cp_world`` (``self.dcp_world_size``) and ``num_heads`` (``q_heads //
-        cp_world``; the configuration's value wins where it has one), then
-        calls ``original``.
+        A method that records, for the calling thread and the duration of the
+        call, the facts of the kernel call vLLM's branches make from ``q`` and
+        ``attn_metadata`` (:func:`~wspool.integrations.vllm_facts.decode_kernel_shape`:
+        one row per request, or per token in a ragged causal DCP batch or a
+        non-causal block), at the configured maximum of that layout, then calls
+        ``original``. Metadata the branches cannot read gives the widest facts.
     """
 
-    def forward_mqa(self: Any, q: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward_mqa(self: Any, q: Any, kv_c_and_k_pe_cache: Any, attn_metadata: Any, layer: Any) -> Any:
         query = q[0] if isinstance(q, tuple) else q
         cp_world = getattr(self, "dcp_world_size", 1) or 1
-        heads = query.shape[-2]
-        previous = set_call_facts({"q_heads": heads, "num_heads": heads // cp_world, "cp_world": cp_world})
+        tokens, heads = query.shape[0], query.shape[-2]
+        config_facts = _hooks.config_facts
+        shape = decode_kernel_shape(tokens, heads, cp_world, attn_metadata)
+        if shape is None:
+            facts: Mapping[str, int] = {
+                **config_facts.widest(),
+                "q_heads": heads,
+                "num_heads": max(1, heads // cp_world),
+                "cp_world": cp_world,
+            }
+        else:
+            facts = config_facts.for_kernel(shape)
+        previous = set_call_facts(facts)
         try:
-            return original(self, q, *args, **kwargs)
+            return original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)
         finally:
             set_call_facts(previous)
 
@@ -358,3 +450,85 @@ def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
     forward_mqa.__doc__ = original.__doc__
     forward_mqa.__wspool__ = True  # type: ignore[attr-defined]
     return forward_mqa
+
+
+def _is_mla_view(workspace: object) -> bool:
+    """Whether ``workspace`` is a view :func:`get_mla_workspace_buffer` returned (not a buffer of vLLM's own)."""
+    state = get_registry().op_state.get(_STATE_KEY)
+    if state is None:
+        return False
+    return any(key[0] == POOL_MLA and view is workspace for key, (_, view) in state.views.items())
+
+
+def wrap_folded_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Kimi K3's draft decode so its MLA workspace is sized for the folded query the kernel gets.
+
+    ``vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention.folded_decode``
+    (vLLM 0.34) takes a workspace its callers fetched with
+    ``_get_workspace_buffer(return_lse)`` outside ``forward_mqa`` (a subclass's
+    override, and the drafter's DCP path), then folds ``fold`` query tokens of
+    a request into each row's heads: ``[tokens, heads, dim] -> [tokens / fold,
+    1, fold * heads, dim]``, ``fold`` from vLLM's own ``fold_plan`` (all ``k``
+    tokens without an LSE; with one, the most that keep ``fold * heads <= 128``).
+
+    Args:
+        original: vLLM's ``folded_decode(q, kv_cache, block_table, seq_lens,
+            max_seq_len, tokens_per_request, *, ..., workspace, return_lse,
+            dcp_world_size, ...)``.
+
+    Returns:
+        A function that, when ``workspace`` is the ``flashinfer_mla`` pool's,
+        asks the pool again with the folded kernel's facts (its rows at their
+        configured maximum) and passes that buffer on; a buffer of vLLM's own
+        (the CAKE kernel's) goes through unchanged.
+    """
+    fold_plan = getattr(original, "__globals__", {}).get("fold_plan")
+
+    def _fold(tokens_per_request: int, heads: int, need_lse: bool) -> int:
+        if not need_lse:
+            return tokens_per_request
+        try:
+            return int(fold_plan(tokens_per_request, heads, True, False)[0])  # type: ignore[misc]
+        except Exception:  # no plan vLLM could use either: one token per row is never smaller for the rules
+            return 1
+
+    def folded_decode(
+        q: Any,
+        kv_cache: Any,
+        block_table: Any,
+        seq_lens: Any,
+        max_seq_len: Any,
+        tokens_per_request: int,
+        *,
+        workspace: Any,
+        return_lse: bool = False,
+        dcp_world_size: int = 1,
+        **kwargs: Any,
+    ) -> Any:
+        if _is_mla_view(workspace):
+            cp_world = dcp_world_size or 1
+            tokens, heads = q.shape[0], q.shape[-2]
+            fold = _fold(tokens_per_request, heads, return_lse or cp_world > 1)
+            shape = folded_kernel_shape(tokens, heads, cp_world, fold)
+            previous = set_call_facts(_hooks.config_facts.for_kernel(shape))
+            try:
+                workspace = get_mla_workspace_buffer(return_lse)
+            finally:
+                set_call_facts(previous)
+        return original(
+            q,
+            kv_cache,
+            block_table,
+            seq_lens,
+            max_seq_len,
+            tokens_per_request,
+            workspace=workspace,
+            return_lse=return_lse,
+            dcp_world_size=dcp_world_size,
+            **kwargs,
+        )
+
+    folded_decode.__wrapped__ = original  # type: ignore[attr-defined]
+    folded_decode.__doc__ = original.__doc__
+    folded_decode.__wspool__ = True  # type: ignore[attr-defined]
+    return folded_decode
