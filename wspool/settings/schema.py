@@ -154,7 +154,7 @@ SHAPE_FACTS = frozenset(
         "batch_size", "q_len", "num_heads", "max_seq_len", "page_size", "dtype_bytes", "cp_world",
         "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
         "num_tokens", "num_qo_heads", "num_kv_heads", "head_dim",
-        "kv_dtype_size", "q_heads", "min_bytes", "sglang_bytes",
+        "kv_dtype_size", "q_heads", "min_bytes", "sglang_bytes", "batch_tokens",
     }
 )  # fmt: skip
 #: The pools of wspool's own ops and integrations. Their callers pass :data:`SHAPE_FACTS` and
@@ -163,6 +163,7 @@ SHAPE_FACTS = frozenset(
 OWN_POOLS = frozenset(
     {
         "flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters",
+        "flashinfer_dsv4", "flashinfer_dash",
         "sglang_trtllm_mla", "sglang_trtllm_mha", "sglang_dsa_sparse_mla", "sglang_dsa_trtllm", "sglang_trtllm_dsv4",
     }
 )  # fmt: skip

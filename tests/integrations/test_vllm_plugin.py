@@ -4,8 +4,8 @@ The tests that need vLLM skip, with the reason, where it is not installed;
 those of one vLLM version's paths skip, with the reason, on the other. One
 command runs them in each engine environment (``.ci/engine-envs`` builds both)::
 
-    .venv-vllm/bin/python -m pytest -q tests/test_integrations_vllm.py      # vLLM 0.33.0
-    .venv-vllm034/bin/python -m pytest -q tests/test_integrations_vllm.py   # vLLM 0.34.0
+    .venv-vllm/bin/python -m pytest -q tests/integrations/test_vllm_plugin.py      # vLLM 0.33.0
+    .venv-vllm034/bin/python -m pytest -q tests/integrations/test_vllm_plugin.py   # vLLM 0.34.0
 
 The device hook ``WSPOOL_VLLM_DEVICE=cpu`` points every replacement at the CPU;
 FlashInfer's kernels are replaced by recorders (there is no GPU).
