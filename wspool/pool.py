@@ -36,6 +36,7 @@ from wspool.errors import (
     WorkspaceLimitError,
     WspoolError,
     describe_setting,
+    readable_int,
     unknown_rule,
 )
 from wspool.rules import LiteralRule, SizeRule, compile_rule
@@ -253,23 +254,23 @@ def _growth_refusal(
         hint = f"raise {spec.setting('max_bytes')}" if shown == limit else f"lower {setting}"
         return (
             WorkspaceLimitError(
-                f"pool {spec.name!r} on {device} (lane {lane}) needs {nbytes} bytes "
+                f"pool {spec.name!r} on {device} (lane {lane}) needs {readable_int(nbytes)} bytes "
                 f"({format_size(nbytes)}) for {reason}, above {what} = {shown} bytes "
                 f"({format_size(shown)}); {hint}"
             ),
-            "wspool: refused %s on %s lane %s: %s (%s) needs %d bytes, above %s %d",
-            (spec.name, device, lane, reason, format_size(nbytes), nbytes, what, shown),
+            "wspool: refused %s on %s lane %s: %s (%s) needs %s bytes, above %s %d",
+            (spec.name, device, lane, reason, format_size(nbytes), readable_int(nbytes), what, shown),
         )
     if frozen or capturing:
         why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
         return (
             WorkspaceFrozenError(
                 f"pool {spec.name!r} on {device} (lane {lane}) would have to grow {why}: "
-                f"{reason} needs {nbytes} bytes ({format_size(nbytes)}), {old} bytes available. "
+                f"{reason} needs {readable_int(nbytes)} bytes ({format_size(nbytes)}), {old} bytes available. "
                 f"Reserve or warm up that size before capturing/freezing, or raise {setting}"
             ),
-            "wspool: refused growth of %s on %s lane %s %s: %s needs %d bytes, %d available",
-            (spec.name, device, lane, why, reason, nbytes, old),
+            "wspool: refused growth of %s on %s lane %s %s: %s needs %s bytes, %d available",
+            (spec.name, device, lane, why, reason, readable_int(nbytes), old),
         )
     return None
 

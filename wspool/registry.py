@@ -25,6 +25,7 @@ from wspool.devices import DeviceDescription, DeviceLike, is_dynamic, resolve_de
 from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, describe_setting, unknown_pool, unknown_rule
 from wspool.pool import Allocator, FreezeState, PoolSource, PoolSpec, PoolStats, WorkspacePool
+from wspool.rules import LiteralRule
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import WspoolSettings, check_shared_pools, load_settings, profile_settings, validate_pool
 from wspool.streams import current_lane
@@ -79,16 +80,8 @@ def _build_declaration(
 ) -> _Declaration:
     """Build one profile view's spec for a declaration, validated as YAML is; change nothing.
 
-    Args:
-        name: The declared pool.
-        declared: Its ``rules``, ``growth`` and ``max_bytes`` as declared.
-        settings: The view's settings (configured values override the declared ones rule by rule).
-        specs: The view's current specs, by pool.
-        hosts: Each ``shared_with`` pool's host.
-        shared_hosts: The current spec of each shared buffer, by host.
-        host_in_use: Whether a pool instance of that host exists already.
-        spec_of: The view's spec of a pool (raises for an unknown one).
-        replay: Replaying an earlier declaration on a new view (in-use pools are no obstacle).
+    ``settings`` are the view's (configured values override declared ones rule by rule);
+    ``replay`` replays an earlier declaration on a new view (in-use pools are no obstacle).
 
     Raises:
         ConfigError: A declared rule is invalid, or the pool is in use with other rules.
@@ -144,6 +137,22 @@ def _linked_spec(
     return PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts)
 
 
+def _check_guest_literals(buffer: PoolSpec) -> None:
+    """Raise a ConfigError naming both keys for a fixed rule a guest brings to ``buffer`` above its ``max_bytes``."""
+    for rule, compiled in buffer.rules.items():
+        owner = buffer.rule_pools.get(rule, buffer.name)
+        if owner == buffer.name or buffer.max_bytes is None or not isinstance(compiled, LiteralRule):
+            continue
+        if compiled.nbytes > buffer.max_bytes:
+            raise ConfigError(
+                f"{describe_setting(('pools', owner, 'rules', rule))} = {compiled.source!r} is above "
+                f"{describe_setting(('pools', buffer.name, 'max_bytes'))} = {buffer.max_bytes}, the cap of the buffer "
+                f"it shares (pools.{owner}.shared_with = {buffer.name}), so it could never be served; lower the rule "
+                f"or raise the cap",
+                path=("pools", owner, "rules", rule),
+            )
+
+
 class _ProfileView:
     """One profile's configuration of a registry's pools: its settings, specs and shared buffers.
 
@@ -165,6 +174,7 @@ class _ProfileView:
         self.buffer_specs: dict[str, PoolSpec] = {}
         for host in sorted(set(self.hosts.values())):
             self.buffer_specs[host] = _linked_spec(host, self.specs, self.hosts, self.spec)
+            _check_guest_literals(self.buffer_specs[host])
 
     def spec(self, pool: str) -> PoolSpec:
         """Return ``pool``'s own configuration under this profile.

@@ -374,3 +374,13 @@ def test_an_allocator_that_asks_its_own_pool_to_grow_is_refused_not_deadlocked()
     assert len(errors) == 1 and isinstance(errors[0], WorkspaceLimitError)
     assert "its allocator asked the same pool for memory" in str(errors[0])
     assert pool.buffer is None
+
+
+def test_a_request_of_thousands_of_digits_is_a_readable_limit_error() -> None:
+    """A request far above any device is refused with wspool's own error, its size written readably, nothing lost."""
+    from tests.helpers.registry import make_registry
+
+    pool = make_registry({"p": {"rules": {"default": "1KiB"}}}).pool("p", "cpu")
+    with pytest.raises(WorkspaceLimitError, match=r"needs 1e\+5000 bytes"):
+        pool.request(10**5000)
+    assert pool.capacity_bytes == 0 and pool.stats().refused_count == 1

@@ -121,3 +121,13 @@ def test_warmup_agrees_on_a_shared_buffer_in_a_one_rank_group(tmp_path: Path) ->
         assert reg.stats("a", "cpu").capacity_bytes == 3 * MiB
     finally:
         dist.destroy_process_group()
+
+
+def test_a_guest_fixed_rule_above_the_hosts_cap_is_refused_at_load() -> None:
+    """A fixed rule a shared_with pool brings above the host's max_bytes is refused when the registry is built."""
+    pools = {"h": {"rules": {"x": "1MiB"}, "max_bytes": "64MiB"}, "g": {"shared_with": "h", "rules": {"y": "100MiB"}}}
+    with pytest.raises(ConfigError, match=r"pools\.g\.rules\.y / WSPOOL_POOLS__G__RULES__Y = '100MiB' is above "
+                       r"pools\.h\.max_bytes / WSPOOL_POOLS__H__MAX_BYTES = 67108864"):  # fmt: skip
+        make_registry(pools)
+    pools["g"]["rules"]["y"] = "60MiB"
+    assert make_registry(pools).workspace("g", "cpu", rule="y").numel() == 60 * MiB
