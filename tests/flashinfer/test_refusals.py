@@ -154,9 +154,9 @@ def test_a_size_beyond_any_device_is_not_a_refusal(digits: int) -> None:
 
 
 def test_the_largest_size_any_device_holds_is_still_read() -> None:
-    """MAX_SIZE_BYTES itself parses; a backend list naming an absurd need for any backend is not read at all."""
-    refusal = parse_refusal(_carve_text(str(MAX_SIZE_BYTES), "0"))
-    assert refusal is not None and refusal.size_bytes == MAX_SIZE_BYTES
+    """MAX_SIZE_BYTES and long runs of zeros parse; a list naming an absurd need for any backend is not read at all."""
+    refusal = parse_refusal(_carve_text(str(MAX_SIZE_BYTES), "0" * 5000))
+    assert refusal is not None and (refusal.size_bytes, refusal.available_bytes) == (MAX_SIZE_BYTES, 0)
     listed = (
         f"fa2 MLA needs {'9' * 400} float workspace bytes for partial outputs; "
         "fa3 MLA needs 17369088 float workspace bytes for partial outputs and LSE."
