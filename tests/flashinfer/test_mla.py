@@ -1,107 +1,34 @@
-"""Tests for wspool.flashinfer.mla on the CPU: paths, plan reuse and invalidation, overflow recovery."""
+"""Tests for wspool.flashinfer.mla on the CPU: paths, checks, replans, sizing and recovery, facts and profiles."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 import wspool
-from tests.helpers.mla_doubles import TrtllmDouble, WrapperDouble, fake_flashinfer_mla
-from tests.helpers.mla_inputs import MLAInputs, make_inputs
+from tests.helpers.devices_fake import H200, HOPPER_MLA_BYTES, meta_allocator
+from tests.helpers.mla_doubles import TrtllmDouble, WrapperDouble
+from tests.helpers.mla_inputs import make_inputs, mla_reference, run_mla_decode
+from wspool.devices import fake_device
 from wspool.errors import WorkspaceFrozenError, WorkspaceLimitError
-from wspool.flashinfer import (
-    MLADecodePlan,
-    backends,
-    mla_cache,
-    mla_decode,
-    mla_decode_plan,
-    mla_decode_reference,
-    select_path,
-)
+from wspool.flashinfer import MLADecodePlan, backends, mla_decode_plan
 from wspool.flashinfer import kernels as fi_kernels
-
-MiB = 1 << 20
-
-
-def _reference(inputs: MLAInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    return mla_decode_reference(
-        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, sm_scale=inputs.sm_scale
-    )
-
-
-def _decode(inputs: MLAInputs, **kwargs: object) -> object:
-    return mla_decode(
-        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
-        sm_scale=inputs.sm_scale, **kwargs,  # type: ignore[arg-type]
-    )  # fmt: skip
-
-
-@pytest.fixture
-def hopper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Pretend the CPU is an SM90 GPU whose FlashInfer is the wrapper double."""
-    WrapperDouble.instances.clear()
-    monkeypatch.setattr(backends, "device_arch", lambda device: (9, 0))
-    monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla())
-    yield
-
-
-@pytest.fixture
-def blackwell(monkeypatch: pytest.MonkeyPatch) -> TrtllmDouble:
-    """Pretend the CPU is an SM100 GPU whose trtllm-gen kernel is the carving double."""
-    double = TrtllmDouble()
-    monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
-    monkeypatch.setattr(fi_kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla(double))
-    return double
-
-
-def test_path_selection() -> None:
-    """CPU picks the reference; GPU kernels are never replaced by it silently; unknown backends fail."""
-    cpu = torch.device("cpu")
-    assert select_path(cpu) == "reference"
-    assert select_path(cpu, "reference") == "reference"
-    with pytest.raises(ValueError, match="backend 'fa3' needs a CUDA device"):
-        select_path(cpu, "fa3")
-    with pytest.raises(ValueError, match="unknown MLA decode backend 'flash'"):
-        select_path(cpu, "flash")
-
-
-def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """'auto' resolves to a concrete path: trtllm-gen on SM100/103/107, fa3 on SM90, fa2 elsewhere."""
-    gpu = torch.device("cuda", 0)
-    for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "fa3"), ((8, 0), "fa2"),
-                       ((8, 9), "fa2"), ((12, 0), "fa2")]:  # fmt: skip
-        monkeypatch.setattr(backends, "device_arch", lambda device, arch=arch: arch)
-        assert select_path(gpu) == path
-    assert select_path(gpu, "fa2") == "fa2"
-
-
-def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On Blackwell, DCP, 64 < heads < 128 and page sizes other than 32/64 take cute-dsl; explicit choices stay."""
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
-    assert select_path(gpu, num_heads=16, page_size=32) == "trtllm-gen"
-    assert select_path(gpu, num_heads=96) == "cute-dsl"
-    assert select_path(gpu, page_size=128) == "cute-dsl"
-    assert select_path(gpu, enable_dcp=True) == "cute-dsl"
-    assert select_path(gpu, "trtllm-gen", num_heads=96) == "trtllm-gen"  # FlashInfer says why it refuses
-
-
-def test_blackwell_kernels_elsewhere_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asking for a Blackwell kernel on Hopper is a ValueError naming the backend, before any kernel runs."""
-    monkeypatch.setattr(backends, "device_arch", lambda device: (9, 0))
-    with pytest.raises(ValueError, match=r"backend 'cute-dsl' needs Blackwell \(SM100/SM103/SM107\), this GPU is SM90"):
-        select_path(torch.device("cuda", 0), "cute-dsl")
+from wspool.flashinfer.layouts import softmax_slab_bytes
+from wspool.flashinfer.mla import COUNTER_RULE
+from wspool.rules import compile_rule
+from wspool.settings.profiles import shipped_config
+from wspool.tools.demo import run_demo
+from wspool.units import MiB
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_reference_path_draws_from_the_pool(return_lse: bool) -> None:
     """On the CPU, mla_decode computes the reference and sizes the pool by the default or lse rule."""
     inputs = make_inputs(3, 8, [70, 1, 128])
-    result = _decode(inputs, return_lse=return_lse)
-    want_out, want_lse = _reference(inputs)
+    result = run_mla_decode(inputs, return_lse=return_lse)
+    want_out, want_lse = mla_reference(inputs)
     if return_lse:
         out, lse = result  # type: ignore[misc]
         torch.testing.assert_close(lse, want_lse)
@@ -118,9 +45,9 @@ def test_out_and_lse_buffers_are_filled() -> None:
     inputs = make_inputs(2, 4, [10, 20])
     out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16)
     lse = torch.empty(2, 1, 4)
-    got_out, got_lse = _decode(inputs, return_lse=True, out=out, lse=lse)  # type: ignore[misc]
+    got_out, got_lse = run_mla_decode(inputs, return_lse=True, out=out, lse=lse)  # type: ignore[misc]
     assert got_out is out and got_lse is lse
-    torch.testing.assert_close(lse, _reference(inputs)[1])
+    torch.testing.assert_close(lse, mla_reference(inputs)[1])
 
 
 @pytest.mark.parametrize(
@@ -144,56 +71,19 @@ def test_bad_tensors_are_rejected(change: object, match: str) -> None:
         if "query" in match or "kv_cache" in match:
             plan.run(inputs.query, inputs.kv_cache)
         else:
-            _decode(inputs)
+            run_mla_decode(inputs)
 
 
 def test_wrapper_path_matches_reference(hopper: None) -> None:
     """On the Hopper path, the CSR metadata built on the device gives the reference result."""
     inputs = make_inputs(4, 8, [300, 1, 64, 65], q_len=1)
-    out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
-    want_out, want_lse = _reference(inputs)
+    out, lse = run_mla_decode(inputs, return_lse=True)  # type: ignore[misc]
+    want_out, want_lse = mla_reference(inputs)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
     (wrapper,) = WrapperDouble.instances
     assert wrapper.workspace.numel() == 256 * MiB
     assert wrapper.planned["lse_mode"] == "basee"  # type: ignore[index]
-
-
-def test_one_plan_per_step(hopper: None) -> None:
-    """Sixty-one layer calls with the same metadata plan once and share one wrapper."""
-    inputs = make_inputs(2, 8, [100, 37])
-    for layer in range(61):
-        inputs.query = make_inputs(2, 8, [100, 37], seed=layer).query
-        out = _decode(inputs)
-        torch.testing.assert_close(out, _reference(inputs)[0])
-    (wrapper,) = WrapperDouble.instances
-    assert wrapper.plan_calls == 1
-    assert wspool.get_registry().stats("flashinfer_mla", device="cpu").request_count == 61
-
-
-def test_in_place_metadata_changes_replan(hopper: None) -> None:
-    """Editing the page table or lengths in place makes the next call replan; results stay right."""
-    inputs = make_inputs(2, 4, [100, 37], page_size=16)
-    _decode(inputs)
-    inputs.seq_lens[1] = 38  # the next decode step appends a token
-    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-    inputs.block_tables[0, 0], inputs.block_tables[0, 1] = (
-        inputs.block_tables[0, 1].item(),
-        inputs.block_tables[0, 0].item(),
-    )
-    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-    assert WrapperDouble.instances[0].plan_calls == 3
-
-
-def test_new_metadata_or_batch_replans(hopper: None) -> None:
-    """New tensors, another batch size or other options plan again; wrappers are reused across steps."""
-    first = make_inputs(2, 4, [50, 60])
-    _decode(first)
-    second = make_inputs(3, 4, [5, 6, 7], seed=1)
-    torch.testing.assert_close(_decode(second), _reference(second)[0])
-    torch.testing.assert_close(_decode(second, return_lse=True)[0], _reference(second)[0])  # type: ignore[index]
-    assert sum(w.plan_calls for w in WrapperDouble.instances) == 3
-    assert len(WrapperDouble.instances) == 2  # one per LSE mode, shared across steps
 
 
 def test_pool_growth_replans_on_the_new_buffer(hopper: None) -> None:
@@ -204,7 +94,7 @@ def test_pool_growth_replans_on_the_new_buffer(hopper: None) -> None:
     )
     old = WrapperDouble.instances[-1]
     wspool.get_registry().reserve("flashinfer_mla", device="cpu", nbytes="200MiB")
-    torch.testing.assert_close(plan.run(inputs.query, inputs.kv_cache), _reference(inputs)[0])
+    torch.testing.assert_close(plan.run(inputs.query, inputs.kv_cache), mla_reference(inputs)[0])
     new = WrapperDouble.instances[-1]
     assert new is not old and new.workspace.numel() == 200 * MiB and plan.plan_calls == 2
 
@@ -216,8 +106,8 @@ def test_plan_taken_over_by_another_plan_replans(hopper: None) -> None:
     kwargs = {"num_heads": 4, "sm_scale": a.sm_scale, "page_size": 64}
     plan_a = mla_decode_plan(a.block_tables, a.seq_lens, a.max_seq_len, **kwargs)  # type: ignore[arg-type]
     plan_b = mla_decode_plan(b.block_tables, b.seq_lens, b.max_seq_len, **kwargs)  # type: ignore[arg-type]
-    torch.testing.assert_close(plan_a.run(a.query, a.kv_cache), _reference(a)[0])
-    torch.testing.assert_close(plan_b.run(b.query, b.kv_cache), _reference(b)[0])
+    torch.testing.assert_close(plan_a.run(a.query, a.kv_cache), mla_reference(a)[0])
+    torch.testing.assert_close(plan_b.run(b.query, b.kv_cache), mla_reference(b)[0])
     assert len(WrapperDouble.instances) == 1
 
 
@@ -240,15 +130,15 @@ def test_undersized_rule_recovers_once_with_a_warning(hopper: None, caplog: pyte
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
     inputs = make_inputs(2, 4, [50, 60])
     with caplog.at_level(logging.WARNING, logger="wspool"):
-        out = _decode(inputs, registry=registry)
-    torch.testing.assert_close(out, _reference(inputs)[0])
+        out = run_mla_decode(inputs, registry=registry)
+    torch.testing.assert_close(out, mla_reference(inputs)[0])
     stats = registry.stats("flashinfer_mla", device="cpu")
     assert stats.grow_count == 2 and stats.capacity_bytes >= WrapperDouble.partial_bytes
     assert stats.last_grow_reason.startswith("overflow recovery (mla_partial_o)")  # type: ignore[union-attr]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0].getMessage()
-    _decode(inputs, registry=registry)
+    run_mla_decode(inputs, registry=registry)
     assert registry.stats("flashinfer_mla", device="cpu").grow_count == 2
 
 
@@ -263,15 +153,15 @@ def test_overflow_while_frozen_raises_with_the_key(hopper: None) -> None:
             WorkspaceFrozenError, match=r"overflow recovery \(mla_partial_o\) needs \d+ bytes.*RULES__DEFAULT"
         ),
     ):
-        _decode(inputs, registry=registry)
+        run_mla_decode(inputs, registry=registry)
     assert registry.stats("flashinfer_mla", device="cpu").capacity_bytes == 8 * MiB
 
 
 def test_trtllm_path_uses_pool_buffers(blackwell: TrtllmDouble) -> None:
     """On Blackwell, the kernel gets the pool's workspace, the counter pool's buffer and basee LSE."""
     inputs = make_inputs(2, 16, [50, 60])
-    _out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
-    torch.testing.assert_close(lse, _reference(inputs)[1])
+    _out, lse = run_mla_decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(lse, mla_reference(inputs)[1])
     call = blackwell.calls[-1]
     registry = wspool.get_registry()
     assert call["workspace_buffer"].data_ptr() == registry.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
@@ -279,22 +169,22 @@ def test_trtllm_path_uses_pool_buffers(blackwell: TrtllmDouble) -> None:
     assert call["return_lse_base"] == "basee" and call["backend"] == "trtllm-gen"
 
 
-def test_seed_regression_128mib_fails_and_default_serves(blackwell: TrtllmDouble) -> None:
-    """The seed's crash: an LSE call at 128 heads x 512 requests needs more than 128MiB; the default serves it."""
+def test_vllms_fixed_128mib_fails_and_the_default_serves(blackwell: TrtllmDouble) -> None:
+    """vLLM's fixed 128 MiB crashes an LSE call at 128 heads x 512 requests; the default configuration serves it."""
     inputs = make_inputs(512, 128, [1] * 512, page_size=64)
-    seed_fixed_size = wspool.PoolRegistry.from_config(
+    vllm_fixed_size = wspool.PoolRegistry.from_config(
         pools={"flashinfer_mla": {"rules": {"default": "128MiB", "lse": "128MiB"}, "max_bytes": "128MiB"}}
     )
-    # The path's need (the seed's 129MiB slab and the scratch) is known before the kernel runs.
+    # The path's need (a 129MiB slab and the scratch) is known before the kernel runs.
     with pytest.raises(
         WorkspaceLimitError,
         match=r"for the trtllm-gen kernel path.*above max_bytes = 134217728 bytes \(128MiB\); "
         r"raise pools\.flashinfer_mla\.max_bytes",
     ):
-        _decode(inputs, return_lse=True, registry=seed_fixed_size)
-    assert blackwell.calls == [] and seed_fixed_size.stats("flashinfer_mla", "cpu").capacity_bytes == 0
-    _out, lse = _decode(inputs, return_lse=True)  # type: ignore[misc]
-    torch.testing.assert_close(lse, _reference(inputs)[1])
+        run_mla_decode(inputs, return_lse=True, registry=vllm_fixed_size)
+    assert blackwell.calls == [] and vllm_fixed_size.stats("flashinfer_mla", "cpu").capacity_bytes == 0
+    _out, lse = run_mla_decode(inputs, return_lse=True)  # type: ignore[misc]
+    torch.testing.assert_close(lse, mla_reference(inputs)[1])
     stats = wspool.get_registry().stats("flashinfer_mla", device="cpu")
     assert (stats.capacity_bytes, stats.grow_count) == (256 * MiB, 1)
 
@@ -309,7 +199,7 @@ def test_plan_object_is_the_explicit_form(hopper: None) -> None:
     assert isinstance(plan, MLADecodePlan) and plan.rule == "lse" and plan.facts["batch_size"] == 3
     for _ in range(5):
         _out, lse = plan.run(inputs.query, inputs.kv_cache)  # type: ignore[misc]
-    torch.testing.assert_close(lse, _reference(inputs)[1])
+    torch.testing.assert_close(lse, mla_reference(inputs)[1])
     assert plan.plan_calls == 1
 
 
@@ -325,7 +215,7 @@ def test_packed_query_form(path: str, request: pytest.FixtureRequest) -> None:
     )  # fmt: skip
     out = torch.empty(3, 4, 512, dtype=torch.bfloat16)
     got_out, got_lse = plan.run(inputs.query.view(3, 4, 576), inputs.kv_cache, out=out)  # type: ignore[misc]
-    want_out, want_lse = _reference(inputs)
+    want_out, want_lse = mla_reference(inputs)
     assert got_out is out and got_lse.shape == (3, 4)
     torch.testing.assert_close(got_out, want_out.view(3, 4, 512))
     torch.testing.assert_close(got_lse, want_lse.view(3, 4))
@@ -345,124 +235,23 @@ def test_bad_kv_cache_on_the_fast_path(hopper: None) -> None:
             plan.run(packed, bad)
 
 
-def test_mla_decode_returns_the_callers_buffers(hopper: None) -> None:
-    """On the wrapper path, mla_decode fills and returns the caller's 4-D out and lse."""
-    inputs = make_inputs(2, 4, [10, 20])
-    out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16)
-    lse = torch.empty(2, 1, 4)
-    for _ in range(2):  # the first call plans, the second takes the reuse path
-        got_out, got_lse = _decode(inputs, return_lse=True, out=out, lse=lse)  # type: ignore[misc]
-        assert got_out is out and got_lse is lse
-        torch.testing.assert_close(lse, _reference(inputs)[1])
-
-
-def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
-    """Tensors resized in place (another batch) get a new plan, never a replan of the old shapes."""
-    inputs = make_inputs(3, 4, [10, 20, 30])
-    _decode(inputs)
-    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
-    inputs.seq_lens.resize_(2)
-    inputs.block_tables.resize_(2, inputs.block_tables.shape[1])
-    inputs.query = inputs.query[:2].clone()
-    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
-    assert second is not first and second.step.batch_size == 2
-
-
-def test_reset_forgets_the_plans(hopper: None) -> None:
-    """registry.reset() drops mla_decode's remembered plans with the pools."""
-    inputs = make_inputs(2, 4, [10, 20])
-    _decode(inputs)
-    registry = wspool.get_registry()
-    assert registry.op_state["mla_decode"]
-    registry.reset()
-    assert registry.op_state == {}
-    torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-
-
-@pytest.mark.parametrize("path", ["hopper", "reference"])
-def test_mla_decode_takes_packed_queries(path: str, request: pytest.FixtureRequest) -> None:
-    """mla_decode accepts [batch * q_len, heads, dim] and answers in that form, sharing the 4-D call's plan."""
-    if path == "hopper":
-        request.getfixturevalue("hopper")
-    inputs = make_inputs(3, 4, [20, 30, 140], q_len=2)
-    want_out, want_lse = _reference(inputs)
-    packed = inputs.query.view(6, 4, 576)
-    got_out, got_lse = mla_decode(  # type: ignore[misc]
-        packed, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
-        sm_scale=inputs.sm_scale, return_lse=True,
-    )  # fmt: skip
-    torch.testing.assert_close(got_out, want_out.view(6, 4, 512))
-    torch.testing.assert_close(got_lse, want_lse.view(6, 4))
-    plans = wspool.get_registry().op_state["mla_decode"]
-    (plan,) = plans.values()
-    assert plan.step.q_len == 2
-    four_d_out, _ = _decode(inputs, return_lse=True)  # type: ignore[misc]
-    torch.testing.assert_close(four_d_out, want_out)
-    assert list(plans.values()) == [plan]  # the same plan serves both forms
-    if path == "hopper":
-        assert plan.plan_calls == 1
-
-
-def test_packed_query_must_split_evenly_over_the_batch(hopper: None) -> None:
-    """A packed query whose tokens do not divide over the batch is refused before anything is allocated."""
-    inputs = make_inputs(2, 4, [10, 20])
-    registry = wspool.PoolRegistry.from_config()
-    with pytest.raises(ValueError, match=r"packed query has 3 tokens for a batch of 2 \(seq_lens\)"):
-        mla_decode(
-            torch.zeros(3, 4, 576, dtype=torch.bfloat16), inputs.kv_cache, inputs.block_tables, inputs.seq_lens,
-            inputs.max_seq_len, sm_scale=inputs.sm_scale, registry=registry,
-        )  # fmt: skip
-    with pytest.raises(ValueError, match=r"query must be \[batch, q_len, heads, dim\] or packed"):
-        mla_decode(
-            inputs.query[0, 0], inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
-            sm_scale=inputs.sm_scale, registry=registry,
-        )  # fmt: skip
-    assert all(s.capacity_bytes == 0 for s in registry.all_stats())
-    assert WrapperDouble.instances == []
-
-
 def test_overflow_on_a_steady_state_replan_recovers(hopper: None, caplog: pytest.LogCaptureFixture) -> None:
     """A later step whose plan() overflows the buffer it has run on grows the pool once and replans on the new one."""
     inputs = make_inputs(2, 4, [50, 60])
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "20MiB"}}})
-    _decode(inputs, registry=registry)
+    run_mla_decode(inputs, registry=registry)
     (first,) = WrapperDouble.instances
     first.partial_bytes = 24 * MiB  # this step's metadata needs more than the rule gave
     inputs.seq_lens[0] = 51
     with caplog.at_level(logging.WARNING, logger="wspool"):
-        out = _decode(inputs, registry=registry)
-    torch.testing.assert_close(out, _reference(inputs)[0])
+        out = run_mla_decode(inputs, registry=registry)
+    torch.testing.assert_close(out, mla_reference(inputs)[0])
     stats = registry.stats("flashinfer_mla", device="cpu")
     assert stats.grow_count == 2 and stats.capacity_bytes >= 24 * MiB
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
     second = WrapperDouble.instances[-1]
     assert second is not first and second.workspace.numel() == stats.capacity_bytes
     assert first.plan_calls == 2 and second.plan_calls == 1
-
-
-def test_inference_tensor_metadata_plans_every_call(
-    hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Metadata made under inference_mode has no write counter: each call replans (right results) and warns once."""
-    monkeypatch.setattr(mla_cache, "_warned_unversioned", False)
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="wspool"):
-        inputs = make_inputs(2, 4, [50, 60])
-        assert inputs.seq_lens.is_inference()
-        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-        inputs.seq_lens[1] = 61  # an edit torch cannot report
-        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-        torch.testing.assert_close(_decode(inputs), _reference(inputs)[0])
-        plan = mla_decode_plan(
-            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=4, sm_scale=inputs.sm_scale,
-            page_size=64,
-        )  # fmt: skip
-        assert not plan.is_current_for(inputs.block_tables, inputs.seq_lens)
-        torch.testing.assert_close(plan.run(inputs.query, inputs.kv_cache), _reference(inputs)[0])
-    (wrapper,) = WrapperDouble.instances
-    assert wrapper.plan_calls == 4  # three mla_decode calls, one explicit plan
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "inference_mode" in warnings[0] and "mla_decode_plan" in warnings[0]
 
 
 def test_explicit_replan_refuses_resized_metadata(hopper: None) -> None:
@@ -475,9 +264,6 @@ def test_explicit_replan_refuses_resized_metadata(hopper: None) -> None:
     with pytest.raises(ValueError, match=r"resized to \(3, 1\)/\(2,\) after planning for \(3, 1\)/\(3,\)"):
         plan.replan()
     assert plan.plan_calls == 1
-
-
-# -- the path first, then its size ------------------------------------------------
 
 
 def test_plan_reports_the_concrete_path_and_flashinfer_gets_it(hopper: None) -> None:
@@ -498,9 +284,9 @@ def test_undersized_rule_is_raised_to_the_paths_need_up_front(
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
     inputs = make_inputs(2, 4, [50, 60])
     with caplog.at_level(logging.WARNING, logger="wspool"):
-        out = _decode(inputs, registry=registry)
-        _decode(make_inputs(2, 4, [70, 80], seed=1), registry=registry)  # the next step: no second warning
-    torch.testing.assert_close(out, _reference(inputs)[0])
+        out = run_mla_decode(inputs, registry=registry)
+        run_mla_decode(make_inputs(2, 4, [70, 80], seed=1), registry=registry)  # the next step: no second warning
+    torch.testing.assert_close(out, mla_reference(inputs)[0])
     stats = registry.stats("flashinfer_mla", device="cpu")
     assert stats.grow_count == 1 and stats.capacity_bytes >= 17369088
     assert stats.last_grow_reason.startswith("the fa3 kernel path")  # type: ignore[union-attr]
@@ -522,7 +308,7 @@ def test_cute_dsl_dcp_plan_calls_as_vllm_does(blackwell: TrtllmDouble) -> None:
         page_size=64, return_lse=True, enable_dcp=True, cp_world=4, cp_rank=2, causal_seqlens_kv_global=global_lengths,
     )  # fmt: skip
     _out, lse = plan.run(inputs.query, inputs.kv_cache)  # type: ignore[misc]
-    torch.testing.assert_close(lse, _reference(inputs)[1])
+    torch.testing.assert_close(lse, mla_reference(inputs)[1])
     call = blackwell.calls[-1]
     assert plan.path == call["backend"] == "cute-dsl"
     assert call["workspace_buffer"].dtype is torch.int8 and call["multi_ctas_kv_counter_buffer"] is None
@@ -567,8 +353,8 @@ def test_a_074_refusal_recovers_on_the_same_backend(
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer_mla": {"rules": {"default": "8MiB"}}})
     inputs = make_inputs(2, 4, [50, 60])
     with caplog.at_level(logging.WARNING, logger="wspool"):
-        out = _decode(inputs, registry=registry)
-    torch.testing.assert_close(out, _reference(inputs)[0])
+        out = run_mla_decode(inputs, registry=registry)
+    torch.testing.assert_close(out, mla_reference(inputs)[0])
     stats = registry.stats("flashinfer_mla", device="cpu")
     assert stats.grow_count == 2 and stats.capacity_bytes >= WrapperDouble.partial_bytes
     assert stats.last_grow_reason.startswith("overflow recovery (fa3)")  # type: ignore[union-attr]
@@ -577,15 +363,58 @@ def test_a_074_refusal_recovers_on_the_same_backend(
     assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
 
 
-def test_the_plan_cache_is_keyed_by_the_lane_in_effect() -> None:
-    """The same metadata under wspool.lane("b") plans again and draws lane b's buffer, not lane a's."""
-    reg = wspool.get_registry()
-    inputs = make_inputs(2, 8, [70, 1])
-    with wspool.lane("a"):
-        _decode(inputs)
-    with wspool.lane("b"):
-        _decode(inputs)
-    lanes = {s.lane: s.request_count for s in reg.all_stats() if s.pool == "flashinfer_mla"}
-    assert lanes == {"a": 1, "b": 1}
-    plans = reg.op_state["mla_decode"]
-    assert {key[1] for key in plans} == {"a", "b"}
+# -- the plan's facts: the device's, the pool's defaults, the profile's rules ------------
+
+
+def test_a_plan_on_a_faked_h200_sizes_with_the_hopper_profile() -> None:
+    """The plan reads sm_count from the device and kv_lora_rank from its geometry: 17369088 bytes."""
+    inputs = make_inputs(4, 16, [100, 200, 300, 400])
+    with fake_device("cpu", H200):
+        registry = wspool.PoolRegistry(allocator=meta_allocator)
+        plan = mla_decode_plan(
+            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=16, sm_scale=inputs.sm_scale,
+            page_size=64, return_lse=True, registry=registry,
+        )  # fmt: skip
+        assert plan.facts["sm_count"] == 132
+        assert registry.stats("flashinfer_mla", "cpu").capacity_bytes == HOPPER_MLA_BYTES
+
+
+def test_a_plan_takes_cp_world_from_the_default_facts() -> None:
+    """Without cp_world in the call, configs/kimi_dcp.yaml's default (8) sizes the LSE slab; a call's own wins."""
+    inputs = make_inputs(4, 8, [64, 64, 64, 64])
+    registry = wspool.PoolRegistry(wspool.load_settings(shipped_config("kimi_dcp")), allocator=meta_allocator)
+    kwargs = {"num_heads": 8, "sm_scale": inputs.sm_scale, "page_size": 64, "return_lse": True, "registry": registry}
+    plan = mla_decode_plan(inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, **kwargs)  # type: ignore[arg-type]
+    assert plan.facts["cp_world"] == 8  # the file's default fact, merged into the plan's
+    nbytes = registry.resolve("flashinfer_mla", "lse", device="cpu", **plan.facts)
+    assert nbytes == softmax_slab_bytes(8 * 8, 4, 1) + 32 * MiB
+    assert registry.stats("flashinfer_mla", "cpu").capacity_bytes >= nbytes
+    own = mla_decode_plan(
+        inputs.block_tables,
+        inputs.seq_lens,
+        inputs.max_seq_len,
+        facts={"cp_world": 2},
+        **kwargs,  # type: ignore[arg-type]
+    )
+    nbytes = registry.resolve("flashinfer_mla", "lse", device="cpu", **own.facts)
+    assert nbytes == softmax_slab_bytes(8 * 2, 4, 1) + 32 * MiB
+
+
+def test_demo_on_a_faked_h200_reports_the_hopper_size() -> None:
+    """wspool demo on the embedded default, on a CPU standing in for an H200, reports 16.56MiB through hopper."""
+    lines: list[str] = []
+    with fake_device("cpu", H200):
+        registry = wspool.PoolRegistry()
+        assert run_demo(registry, "cpu", batch=2, heads=4, max_len=128, layers=1, echo=lines.append)
+    assert "profile hopper on cpu: auto: compute capability 9.0 (NVIDIA H200) is hopper's" in lines
+    assert sum("workspace 16.56MiB" in line for line in lines) == 2, lines
+
+
+def test_counter_rule_matches_flashinfer() -> None:
+    """The counter pool's rule gives exactly FlashInfer's counter size."""
+    utils = pytest.importorskip("flashinfer.utils", reason="flashinfer-python is not installed")
+    get_trtllm_gen_multi_ctas_kv_counter_bytes = utils.get_trtllm_gen_multi_ctas_kv_counter_bytes
+    rule = compile_rule(COUNTER_RULE)
+    for batch, heads, sms in [(1, 16, 148), (512, 128, 148), (3, 5, 132), (64, 128, 160)]:
+        want = get_trtllm_gen_multi_ctas_kv_counter_bytes(batch, heads, sms)
+        assert rule.resolve({"batch_size": batch, "num_heads": heads, "sm_count": sms}) == want

@@ -13,11 +13,9 @@ from wspool.errors import WorkspaceFrozenError
 from wspool.flashinfer import mla as mla_module
 from wspool.flashinfer import mla_decode, mla_decode_plan, mla_decode_reference
 from wspool.flashinfer.backends import BLACKWELL_ARCHS, device_arch
-from wspool.units import format_size
+from wspool.units import MiB, format_size
 
 pytestmark = pytest.mark.gpu
-
-MiB = 1 << 20
 
 # (batch, heads, lengths): batch 1, 32 and 128; heads 16 and 128; ragged lengths up to 8192.
 SHAPES = [
@@ -135,20 +133,6 @@ def test_refusal_recovery_keeps_the_path(monkeypatch: pytest.MonkeyPatch, caplog
     assert stats.grow_count == 2 and plan.plan_calls == 2  # the 8MiB buffer, then one recovery
     assert stats.last_grow_reason.startswith("overflow recovery (")  # type: ignore[union-attr]
     assert len(warnings) == 1 and "WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT" in warnings[0]
-
-
-def test_plan_reuse_is_never_stale() -> None:
-    """In-place edits of lengths and pages, a new batch and a grown pool all give reference results."""
-    inputs = _inputs(8, 16, [1000 + 10 * i for i in range(8)])
-    _decode(inputs)
-    inputs.seq_lens[3] -= 500
-    assert _rel_err(_decode(inputs), _reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
-    inputs.block_tables[0] = inputs.block_tables[0].flip(0)
-    assert _rel_err(_decode(inputs), _reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
-    wspool.get_registry().reserve("flashinfer_mla", device="cuda", nbytes="300MiB")
-    assert _rel_err(_decode(inputs), _reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
-    other = _inputs(3, 16, [5, 600, 70], seed=3)
-    assert _rel_err(_decode(other), _reference(other)[0]) < 1e-2  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("return_lse", [False, True], ids=["plain", "lse"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ from wspool.flashinfer import (
 )
 from wspool.flashinfer import kernels as fi_kernels
 from wspool.flashinfer import paged as paged_module
+from wspool.flashinfer.paged import FLOAT_CARVES
+from wspool.units import MiB
 
-MiB = 1 << 20
 LENGTHS = [37, 1, 64, 100]
 
 
@@ -61,7 +63,7 @@ def _prefill_inputs(seed: int = 0) -> PagedInputs:
 
 
 @pytest.fixture
-def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def h200_wrapper_doubles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Pretend the CPU is an H200 (132 SMs) whose FlashInfer is the wrapper doubles."""
     DecodeWrapperDouble.instances.clear()
     PrefillWrapperDouble.instances.clear()
@@ -148,7 +150,7 @@ def test_run_rejects_what_the_plan_was_not_made_for() -> None:
         plan.run(inputs.query, inputs.kv_cache.transpose(1, 2))
 
 
-def test_wrapper_decode_converts_the_lse_to_natural_log(gpu: None) -> None:
+def test_wrapper_decode_converts_the_lse_to_natural_log(h200_wrapper_doubles: None) -> None:
     """FlashInfer's decode LSE is base 2; the plan returns the natural log, in the caller's buffer too."""
     inputs = make_paged_inputs(LENGTHS)
     plan = _decode_plan(inputs)
@@ -163,7 +165,7 @@ def test_wrapper_decode_converts_the_lse_to_natural_log(gpu: None) -> None:
     assert wrapper.workspace.data_ptr() == wspool.get_registry().pool("flashinfer", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
 
 
-def test_wrapper_prefill_asks_for_natural_log(gpu: None) -> None:
+def test_wrapper_prefill_asks_for_natural_log(h200_wrapper_doubles: None) -> None:
     """Prefill plans causal CSR metadata and asks FlashInfer for lse_base='ln'."""
     inputs = _prefill_inputs()
     out, lse = _prefill_plan(inputs).run(inputs.query, inputs.kv_cache, return_lse=True)  # type: ignore[misc]
@@ -174,7 +176,7 @@ def test_wrapper_prefill_asks_for_natural_log(gpu: None) -> None:
     assert wrapper.planned["causal"] is True and wrapper.planned["head_dim_qk"] == 64  # type: ignore[index]
 
 
-def test_large_gqa_groups_use_tensor_cores(gpu: None) -> None:
+def test_large_gqa_groups_use_tensor_cores(h200_wrapper_doubles: None) -> None:
     """GQA groups above 4 default to FlashInfer's tensor-core decode; the caller can choose either."""
     inputs = make_paged_inputs(LENGTHS, num_qo_heads=16, num_kv_heads=2)
     assert _decode_plan(inputs).use_tensor_cores is True
@@ -182,7 +184,7 @@ def test_large_gqa_groups_use_tensor_cores(gpu: None) -> None:
     assert [w.init_kwargs["use_tensor_cores"] for w in DecodeWrapperDouble.instances] == [True, False]
 
 
-def test_one_plan_per_step_and_one_wrapper_across_steps(gpu: None) -> None:
+def test_one_plan_per_step_and_one_wrapper_across_steps(h200_wrapper_doubles: None) -> None:
     """Thirty-two layer runs plan once; the next step's plan reuses the wrapper and plans it again."""
     inputs = make_paged_inputs(LENGTHS)
     plan = _decode_plan(inputs)
@@ -197,7 +199,7 @@ def test_one_plan_per_step_and_one_wrapper_across_steps(gpu: None) -> None:
     assert wspool.get_registry().stats("flashinfer", "cpu").requests_by_rule["decode"] == 33
 
 
-def test_plan_taken_over_by_another_plan_replans(gpu: None) -> None:
+def test_plan_taken_over_by_another_plan_replans(h200_wrapper_doubles: None) -> None:
     """Two live plans sharing a wrapper never run on each other's metadata."""
     a = make_paged_inputs(LENGTHS, seed=1)
     b = make_paged_inputs([90, 3, 17, 2], seed=2)
@@ -207,7 +209,7 @@ def test_plan_taken_over_by_another_plan_replans(gpu: None) -> None:
     assert len(DecodeWrapperDouble.instances) == 1 and (plan_a.plan_calls, plan_b.plan_calls) == (2, 2)
 
 
-def test_no_attribute_is_set_on_flashinfers_wrappers(gpu: None) -> None:
+def test_no_attribute_is_set_on_flashinfers_wrappers(h200_wrapper_doubles: None) -> None:
     """Which plan owns a cached wrapper is recorded beside it: FlashInfer's object gains no wspool attribute."""
     a = make_paged_inputs(LENGTHS, seed=1)
     b = make_paged_inputs([90, 3, 17, 2], seed=2)
@@ -219,7 +221,7 @@ def test_no_attribute_is_set_on_flashinfers_wrappers(gpu: None) -> None:
     assert plan_b.plan_calls == 1 and plan_a.plan_calls == 2  # plan_b took the wrapper; plan_a took it back
 
 
-def test_no_cached_wrapper_outlives_its_buffer(gpu: None) -> None:
+def test_no_cached_wrapper_outlives_its_buffer(h200_wrapper_doubles: None) -> None:
     """When the pool grows, its cached wrappers go with the old buffer; the plan replans on the new one."""
     inputs = make_paged_inputs(LENGTHS)
     registry = wspool.get_registry()
@@ -234,7 +236,9 @@ def test_no_cached_wrapper_outlives_its_buffer(gpu: None) -> None:
     assert new is not old and new.workspace.numel() == 300 * MiB and list(pool.buffer_cache.values()) == [new]
 
 
-def test_undersized_rule_recovers_once_with_a_warning(gpu: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_undersized_rule_recovers_once_with_a_warning(
+    h200_wrapper_doubles: None, caplog: pytest.LogCaptureFixture
+) -> None:
     """A 1MiB decode rule overflows the plan; the shared buffer grows once, the warning names the key."""
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer": {"rules": {"decode": "1MiB"}}})
     inputs = make_paged_inputs(LENGTHS)
@@ -249,7 +253,7 @@ def test_undersized_rule_recovers_once_with_a_warning(gpu: None, caplog: pytest.
     assert "WSPOOL_POOLS__FLASHINFER__RULES__DECODE" in warning.getMessage()
 
 
-def test_int_workspace_overflow_is_not_the_pools(gpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int_workspace_overflow_is_not_the_pools(h200_wrapper_doubles: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """An overflow of FlashInfer's own int workspace is raised as it is; the pool does not grow for it."""
     monkeypatch.setattr(PrefillWrapperDouble, "int_overflow", True)
     inputs = _prefill_inputs()
@@ -258,7 +262,7 @@ def test_int_workspace_overflow_is_not_the_pools(gpu: None, monkeypatch: pytest.
     assert wspool.get_registry().stats("flashinfer", "cpu").grow_count == 1
 
 
-def test_overflow_while_frozen_names_the_key(gpu: None) -> None:
+def test_overflow_while_frozen_names_the_key(h200_wrapper_doubles: None) -> None:
     """A frozen registry does not grow on overflow: the error names the bytes needed and the key."""
     registry = wspool.PoolRegistry.from_config(pools={"flashinfer": {"rules": {"prefill": "1MiB"}}})
     inputs = _prefill_inputs()
@@ -304,3 +308,14 @@ def test_separate_buffer_and_lanes_when_asked() -> None:
     assert sorted((s.pool, s.lane) for s in registry.all_stats()) == [
         ("flashinfer", "main"), ("flashinfer", "ubatch1"), ("flashinfer_mla", "main"),
     ]  # fmt: skip
+
+
+def test_paged_float_carves_are_flashinfers() -> None:
+    """The carve names wspool recovers from are the float-workspace carves in FlashInfer's scheduler."""
+    flashinfer = pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    scheduler = Path(flashinfer.__file__).parent / "data" / "include" / "flashinfer" / "attention" / "scheduler.cuh"
+    if not scheduler.is_file():
+        pytest.skip("this FlashInfer build ships no scheduler source")
+    text = scheduler.read_text()
+    for name in FLOAT_CARVES:
+        assert f'"{name}"' in text

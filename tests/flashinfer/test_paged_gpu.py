@@ -15,11 +15,10 @@ from wspool.flashinfer import (
     paged_decode_plan,
     paged_prefill_plan,
 )
-from wspool.units import format_size
+from wspool.units import MiB, format_size
 
 pytestmark = pytest.mark.gpu
 
-MiB = 1 << 20
 # Llama-3-8B-like GQA: 32 query heads over 8 KV heads, head_dim 128, bf16, 16-token pages.
 HEADS = {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 16}
 DECODE_LENGTHS = [1, 17, 300, 4096, 1000, 63, 64, 2048]

@@ -1,18 +1,21 @@
-"""Tests for wspool.flashinfer.refusals: every refusal text of the supported FlashInfer versions parses."""
+"""Tests for wspool.flashinfer.refusals: every refusal text of the supported FlashInfer versions, and recovery."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
-from wspool.flashinfer.refusals import REFUSAL_FORMS, parse_refusal
-from wspool.units import MAX_SIZE_BYTES
+import wspool
+from tests.helpers.paged_doubles import overflow_message
+from wspool.errors import WorkspaceOverflowError
+from wspool.flashinfer.refusals import MAX_RECOVERIES, REFUSAL_FORMS, grow_after_overflow, parse_refusal
+from wspool.units import MAX_SIZE_BYTES, MiB, round_up
 
-MiB = 1 << 20
-
-SEED = (
+#: trtllm-gen's overflow at vLLM's fixed 128 MiB (8 MiB carved before the softmax slab).
+VLLM_128MIB_OVERFLOW = (
     "RuntimeError: Error in function 'aligned_alloc' at /workspace/include/flashinfer/allocator.h:49: "
     "Buffer overflow when allocating memory for trtllm_gen_softmax_workspace with size 135266304 and "
     "alignment 16, but only 125829120 bytes available in AlignedAllocator. Increase the workspace buffer size."
@@ -57,9 +60,9 @@ def test_every_example_parses_to_its_form(form: object) -> None:
     assert refusal.sized is (form.sized != "none")  # type: ignore[attr-defined]
 
 
-def test_the_seed_carve() -> None:
-    """The seed's trtllm-gen overflow: 8 MiB used before the slab, so the need is used + slab + alignment."""
-    refusal = parse_refusal(RuntimeError(SEED))
+def test_the_trtllm_gen_carve_at_vllms_fixed_128mib() -> None:
+    """trtllm-gen's overflow at vLLM's fixed 128 MiB: 8 MiB used before the slab, so the need is used + slab + 16."""
+    refusal = parse_refusal(RuntimeError(VLLM_128MIB_OVERFLOW))
     assert refusal is not None
     assert (refusal.form, refusal.name, refusal.size_bytes, refusal.alignment, refusal.available_bytes) == (
         "aligned-allocator", "trtllm_gen_softmax_workspace", 135266304, 16, 125829120,
@@ -151,11 +154,86 @@ def test_a_size_beyond_any_device_is_not_a_refusal(digits: int) -> None:
 
 
 def test_the_largest_size_any_device_holds_is_still_read() -> None:
-    """MAX_SIZE_BYTES itself parses; a backend list naming an absurd need for any backend is not read at all."""
-    refusal = parse_refusal(_carve_text(str(MAX_SIZE_BYTES), "0"))
-    assert refusal is not None and refusal.size_bytes == MAX_SIZE_BYTES
+    """MAX_SIZE_BYTES and long runs of zeros parse; a list naming an absurd need for any backend is not read at all."""
+    refusal = parse_refusal(_carve_text(str(MAX_SIZE_BYTES), "0" * 5000))
+    assert refusal is not None and (refusal.size_bytes, refusal.available_bytes) == (MAX_SIZE_BYTES, 0)
     listed = (
         f"fa2 MLA needs {'9' * 400} float workspace bytes for partial outputs; "
         "fa3 MLA needs 17369088 float workspace bytes for partial outputs and LSE."
     )
     assert parse_refusal(listed, "fa3") is None and parse_refusal(listed, "fa2") is None
+
+
+# -- recovery: growth past an overflow, other errors untouched, giving up -------------------
+
+SETTING = "pools.p.rules.default / WSPOOL_POOLS__P__RULES__DEFAULT"
+
+
+def _pool() -> wspool.WorkspacePool:
+    registry = wspool.PoolRegistry.from_config(pools={"p": {"rules": {"default": "4MiB"}}})
+    pool = registry.pool("p", "cpu")
+    pool.workspace("default", {})
+    return pool
+
+
+def _grow(pool: wspool.WorkspacePool, exc: RuntimeError, attempt: int = 0, **kwargs: object) -> object:
+    return grow_after_overflow(
+        exc, pool=pool, capacity=pool.capacity_bytes, attempt=attempt, op="test op", rule="default",
+        setting=SETTING, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_grows_past_the_need_with_headroom() -> None:
+    """The pool grows to the capacity the carve needed plus an eighth (at least 1MiB), rounded to MiB."""
+    pool = _pool()
+    grown = _grow(pool, RuntimeError(overflow_message("tmp_v", 10 * MiB, 3 * MiB)))
+    needed = 4 * MiB - 3 * MiB + 10 * MiB + 16
+    assert grown is pool.buffer and pool.capacity_bytes == round_up(needed + needed // 8, MiB)
+    assert pool.stats().last_grow_reason.startswith("overflow recovery (tmp_v)")  # type: ignore[union-attr]
+
+
+def test_other_errors_and_foreign_carves_are_raised_as_they_are() -> None:
+    """Anything but an overflow, or an overflow of a carve outside float_carves, is re-raised unchanged."""
+    pool = _pool()
+    other = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError) as info:
+        _grow(pool, other)
+    assert info.value is other
+    foreign = RuntimeError(overflow_message("int_buffer_indices", 9 * MiB, 8 * MiB))
+    with pytest.raises(RuntimeError, match="int_buffer_indices"):
+        _grow(pool, foreign, float_carves={"tmp_v"})
+    assert pool.capacity_bytes == 4 * MiB
+
+
+def test_gives_up_after_the_last_recovery() -> None:
+    """At MAX_RECOVERIES growths the overflow is reported with the setting to raise."""
+    pool = _pool()
+    exc = RuntimeError(overflow_message("tmp_v", 10 * MiB, 3 * MiB))
+    with pytest.raises(WorkspaceOverflowError, match=r"test op still overflowed pool 'p' on cpu after 3 growth.*"
+                       r"WSPOOL_POOLS__P__RULES__DEFAULT"):  # fmt: skip
+        _grow(pool, exc, attempt=MAX_RECOVERIES)
+
+
+def test_headroom_stops_at_max_bytes(caplog: pytest.LogCaptureFixture) -> None:
+    """A 60MiB need on a pool capped at 64MiB is served at the cap: the headroom never asks past max_bytes."""
+    registry = wspool.PoolRegistry.from_config(pools={"p": {"rules": {"default": "4MiB"}, "max_bytes": "64MiB"}})
+    pool = registry.pool("p", "cpu")
+    pool.workspace("default", {})
+    with caplog.at_level(logging.WARNING, logger="wspool"):
+        grown = _grow(pool, RuntimeError(overflow_message("tmp_v", 60 * MiB, 4 * MiB)))
+    assert grown is pool.buffer and pool.capacity_bytes == 64 * MiB
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "tmp_v needed 62914560 bytes, 4194304 available of 4MiB; growing to 64MiB and retrying" in warning
+
+
+@pytest.mark.parametrize("digits", [17, 400, 5000])
+def test_an_absurd_refusal_is_raised_as_it_is(digits: int) -> None:
+    """A refusal naming more bytes than any device holds is re-raised unchanged; the pool does not grow."""
+    pool = _pool()
+    absurd = RuntimeError(
+        f"Buffer overflow when allocating memory for tmp_v with size {'9' * digits} and alignment 16, "
+        f"but only 4194304 bytes available in AlignedAllocator. Increase the workspace buffer size."
+    )
+    with pytest.raises(RuntimeError) as info:
+        _grow(pool, absurd)
+    assert info.value is absurd and pool.capacity_bytes == 4 * MiB

@@ -1,4 +1,4 @@
-"""Random MLA decode inputs: a paged KV cache with shuffled pages and ragged lengths."""
+"""Random MLA decode inputs (a paged KV cache with shuffled pages and ragged lengths), decoded and referenced."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wspool.flashinfer import mla_decode, mla_decode_reference
 from wspool.units import ceil_div
 
 
@@ -54,3 +55,18 @@ def make_inputs(
         max_seq_len=max(lengths),
         sm_scale=1.0 / (192**0.5),  # DeepSeek: 1/sqrt(qk_nope + qk_rope) = 1/sqrt(128 + 64)
     )
+
+
+def mla_reference(inputs: MLAInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the fp32 reference's ``(out, lse)`` for one step's inputs."""
+    return mla_decode_reference(
+        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, sm_scale=inputs.sm_scale
+    )
+
+
+def run_mla_decode(inputs: MLAInputs, **kwargs: object) -> object:
+    """Return ``mla_decode`` of one step's inputs, with any other keyword arguments it takes."""
+    return mla_decode(
+        inputs.query, inputs.kv_cache, inputs.block_tables, inputs.seq_lens, inputs.max_seq_len,
+        sm_scale=inputs.sm_scale, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip

@@ -348,7 +348,8 @@ def paged_decode_plan(
         pool: The pool to draw from (rule ``decode``).
         backend: ``"auto"``, ``"reference"``, ``"fa2"`` or ``"fa3"``.
         lane: The pool lane (for concurrent streams).
-        facts: Extra facts for the rules.
+        facts: Extra facts for the rules, beside the plan's own: ``batch_size``, ``num_tokens``,
+            ``num_qo_heads``, ``num_kv_heads``, ``head_dim``, ``page_size``, ``dtype_bytes`` and ``sm_count``.
     """
     return PagedAttentionPlan(
         "decode", block_tables, seq_lens, None, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,

@@ -193,7 +193,8 @@ def _read_refusal(form: str, match: re.Match[str]) -> WorkspaceRefusal | None:
         if digits is None:
             numbers[group] = None
             continue
-        value = int(digits) if len(digits) <= _MAX_DIGITS else MAX_SIZE_BYTES + 1
+        significant = digits.lstrip("0") or "0"
+        value = int(significant) if len(significant) <= _MAX_DIGITS else MAX_SIZE_BYTES + 1
         if value > MAX_SIZE_BYTES:
             return None
         numbers[group] = value

@@ -1,4 +1,4 @@
-"""Tests for wspool.flashinfer.backends: backend choice, DCP checks and cute-dsl sizing without a Blackwell GPU."""
+"""Tests for wspool.flashinfer.backends: path selection, Blackwell's backends and DCP checks, and each path's need."""
 
 from __future__ import annotations
 
@@ -8,16 +8,64 @@ from typing import Any
 import pytest
 import torch
 
+from wspool.flashinfer import backends, select_path
 from wspool.flashinfer.backends import (
+    TRTLLM_SCRATCH_BYTES,
     DCPArgs,
     blackwell_backend,
     check_dcp,
     check_kernel_keywords,
     cute_dsl_workspace_bytes,
     int8_view,
+    path_need_bytes,
 )
+from wspool.rules import compile_rule
+from wspool.units import MiB
 
 CPU = torch.device("cpu")
+FACTS = {"sm_count": 132, "batch_size": 64, "q_len": 1, "num_heads": 128, "kv_lora_rank": 512, "max_seq_len": 4096}
+
+
+def test_path_selection() -> None:
+    """CPU picks the reference; GPU kernels are never replaced by it silently; unknown backends fail."""
+    cpu = torch.device("cpu")
+    assert select_path(cpu) == "reference"
+    assert select_path(cpu, "reference") == "reference"
+    with pytest.raises(ValueError, match="backend 'fa3' needs a CUDA device"):
+        select_path(cpu, "fa3")
+    with pytest.raises(ValueError, match="unknown MLA decode backend 'flash'"):
+        select_path(cpu, "flash")
+
+
+def test_blackwell_and_hopper_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' resolves to a concrete path: trtllm-gen on SM100/103/107, fa3 on SM90, fa2 elsewhere."""
+    gpu = torch.device("cuda", 0)
+    for arch, path in [((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((9, 0), "fa3"), ((8, 0), "fa2"),
+                       ((8, 9), "fa2"), ((12, 0), "fa2")]:  # fmt: skip
+        monkeypatch.setattr(backends, "device_arch", lambda device, arch=arch: arch)
+        assert select_path(gpu) == path
+    assert select_path(gpu, "fa2") == "fa2"
+
+
+def test_blackwell_auto_takes_cute_dsl_where_trtllm_gen_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Blackwell, DCP, 64 < heads < 128 and page sizes other than 32/64 take cute-dsl; explicit choices stay."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
+    assert select_path(gpu, num_heads=16, page_size=32) == "trtllm-gen"
+    assert select_path(gpu, num_heads=96) == "cute-dsl"
+    assert select_path(gpu, page_size=128) == "cute-dsl"
+    assert select_path(gpu, enable_dcp=True) == "cute-dsl"
+    assert select_path(gpu, "trtllm-gen", num_heads=96) == "trtllm-gen"  # FlashInfer says why it refuses
+
+
+def test_blackwell_kernels_elsewhere_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for a Blackwell kernel on Hopper is a ValueError naming the backend, before any kernel runs."""
+    monkeypatch.setattr(backends, "device_arch", lambda device: (9, 0))
+    with pytest.raises(ValueError, match=r"backend 'cute-dsl' needs Blackwell \(SM100/SM103/SM107\), this GPU is SM90"):
+        select_path(torch.device("cuda", 0), "cute-dsl")
+
+
+# -- Blackwell: trtllm-gen or cute-dsl, and decode-context parallel ---------------------
 
 
 def _dcp(**kwargs: Any) -> DCPArgs:
@@ -111,3 +159,38 @@ def test_a_kernel_without_a_keyword_names_the_version() -> None:
     with pytest.raises(TypeError, match=r"FlashInfer \S+'s old_kernel takes no cp_rank; install flashinfer-python"):
         check_kernel_keywords(old_kernel, ("query", "enable_dcp", "cp_rank"))
     check_kernel_keywords(old_kernel, ("query", "enable_dcp"))
+
+
+# -- what each path needs, known before FlashInfer is called ---------------------------
+
+
+@pytest.mark.parametrize("path", ["fa3", "fa2"])
+def test_planned_wrapper_need_is_the_sm_count_rule(path: str) -> None:
+    """fa3/fa2 need 64 * sm_count * (4 * kv_lora_rank + 8) on an H200: 17369088 bytes, whatever the LSE."""
+    for lse in (False, True):
+        assert path_need_bytes(path, **FACTS, return_lse=lse) == 17369088
+    assert compile_rule("64 * sm_count * (4 * kv_lora_rank + 8)").resolve(FACTS) == 17369088
+
+
+def test_trtllm_gen_need_is_the_slab_and_its_scratch() -> None:
+    """trtllm-gen needs the launcher's softmax slab with the LSE, and the scratch margin always."""
+    slab = 8 * 128 * 64 * 256 + MiB
+    assert path_need_bytes("trtllm-gen", **FACTS, return_lse=True) == slab + TRTLLM_SCRATCH_BYTES
+    assert path_need_bytes("trtllm-gen", **FACTS, return_lse=False) == TRTLLM_SCRATCH_BYTES
+
+
+def test_cute_dsl_need_is_flashinfers() -> None:
+    """cute-dsl's need is FlashInfer's own size function's answer, with and without DCP."""
+    pytest.importorskip("flashinfer.mla", reason="flashinfer-python is not installed")
+    kwargs = {k: FACTS[k] for k in ("sm_count", "batch_size", "q_len", "num_heads", "kv_lora_rank", "max_seq_len")}
+    for dcp in (False, True):
+        assert path_need_bytes("cute-dsl", **FACTS, return_lse=True, enable_dcp=dcp) == cute_dsl_workspace_bytes(
+            **kwargs, enable_dcp=dcp
+        )
+
+
+def test_reference_needs_nothing_and_auto_is_refused() -> None:
+    """The reference path needs no workspace; 'auto' must be resolved before sizing."""
+    assert path_need_bytes("reference", **FACTS, return_lse=True) == 0
+    with pytest.raises(ValueError, match="no known workspace need for MLA decode path 'auto'; resolve 'auto' first"):
+        path_need_bytes("auto", **FACTS, return_lse=True)

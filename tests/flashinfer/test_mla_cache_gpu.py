@@ -1,9 +1,10 @@
-"""Decode context parallelism on one GPU: FlashInfer's MLA decode per KV share, merged by the LSEs.
+"""GPU tests for wspool.flashinfer.mla_cache: plan reuse, and decode context parallelism on one GPU.
 
-Each share is decoded as its DCP rank would decode it (the queries of all 128
-heads, ``return_lse=True``), one after another on one device; the merged result
-is checked against one decode of the whole cache and against the fp32
-reference.
+``mla_decode`` never runs a stale plan: after in-place edits, a new batch or
+a grown pool its results stay the reference's. For DCP, each KV share is
+decoded as its DCP rank would decode it (the queries of all 128 heads,
+``return_lse=True``), one after another on one device; the merged result is
+checked against one decode of the whole cache and against the fp32 reference.
 
 Tolerances, from bf16: the queries and the cache are bf16 on every side. The
 kernel rounds the attention probabilities to bf16 for the PV product and its
@@ -23,8 +24,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import wspool
 from tests.helpers.dcp_shares import RAGGED_LENGTHS, decode_by_shares, split_into_shares
-from tests.helpers.mla_inputs import MLAInputs, make_inputs
+from tests.helpers.mla_inputs import MLAInputs, make_inputs, mla_reference, run_mla_decode
 from wspool.flashinfer import mla_decode, mla_decode_reference, select_path
 from wspool.lse_merge import merge_lse_partials
 
@@ -57,6 +59,20 @@ def _fp32_reference(inputs: MLAInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def test_plan_reuse_is_never_stale() -> None:
+    """In-place edits of lengths and pages, a new batch and a grown pool all give reference results."""
+    inputs = make_inputs(8, 16, [1000 + 10 * i for i in range(8)], device="cuda")
+    run_mla_decode(inputs)
+    inputs.seq_lens[3] -= 500
+    assert _rel_err(run_mla_decode(inputs), mla_reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
+    inputs.block_tables[0] = inputs.block_tables[0].flip(0)
+    assert _rel_err(run_mla_decode(inputs), mla_reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
+    wspool.get_registry().reserve("flashinfer_mla", device="cuda", nbytes="300MiB")
+    assert _rel_err(run_mla_decode(inputs), mla_reference(inputs)[0]) < 1e-2  # type: ignore[arg-type]
+    other = make_inputs(3, 16, [5, 600, 70], device="cuda", seed=3)
+    assert _rel_err(run_mla_decode(other), mla_reference(other)[0]) < 1e-2  # type: ignore[arg-type]
 
 
 def test_request_without_tokens_gets_the_merge_identity() -> None:
