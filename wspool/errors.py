@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "RuleError",
     "SizeError",
+    "WorkspaceConflictError",
     "WorkspaceFrozenError",
     "WorkspaceLimitError",
     "WorkspaceOverflowError",
@@ -118,6 +119,14 @@ class WorkspaceFrozenError(WspoolError, RuntimeError):
 
 class WorkspaceOverflowError(WspoolError, RuntimeError):
     """A kernel still overflowed its workspace after wspool grew it and retried."""
+
+
+class WorkspaceConflictError(WspoolError, RuntimeError):
+    """A plan would have to replan where it cannot (during CUDA-graph capture).
+
+    Its int workspace holds another plan's metadata (a shared region), or its
+    buffer changed since it planned. Nothing is planned or captured.
+    """
 
 
 def unknown_pool(pool: str, known: Iterable[str]) -> ConfigError:

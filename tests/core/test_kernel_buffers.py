@@ -48,7 +48,10 @@ def test_memory_summary_shows_the_wrappers_buffers() -> None:
     wrapper = FakeWrapper(reg.workspace("p", "cpu"), torch.zeros(1))
     track_kernel_buffers(reg, reg.pool("p", "cpu"), wrapper)
     summary = reg.memory_summary()
-    line = "FlashInfer's own buffers on p cpu lane main: 1 wrapper(s) hold 9MiB on the device, 0B pinned host"
+    line = (
+        "FlashInfer's own buffers on p cpu lane main: 1 wrapper(s) hold 9MiB more on the device, 0B pinned host "
+        "(FlashInfer's defaults: 8MiB + 8MiB pinned)"
+    )
     assert line in summary
     assert reg.memory_stats()["devices"]["cpu"]["kernel_bytes"] == 9 * MiB
     assert wrapper is not None

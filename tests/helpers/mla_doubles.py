@@ -4,6 +4,12 @@ They take the same arguments as the real ones (the binding tests check that
 wspool's calls fit the real signatures), carve or use the workspace they are
 given the way FlashInfer does, and compute with the fp32 reference, so a
 stale plan or a wrong buffer shows up as a wrong result.
+
+The wrapper double builds FlashInfer's real MLA backend object at every plan,
+as FlashInfer does (so wspool's constructor hook supplies its int workspace
+and pinned copy, or the backend keeps an 8 MiB one of its own), writes the
+plan's lengths into that int workspace and computes from what it reads back
+(:mod:`tests.helpers.int_plans`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tests.helpers.int_plans import read_plan, write_plan
 from wspool.flashinfer.layouts import carve_trtllm_mla_workspace
 from wspool.flashinfer.reference import mla_decode_reference
 from wspool.units import MiB
@@ -81,7 +88,27 @@ class WrapperDouble:
         self.init_kwargs = kwargs
         self.plan_calls = 0
         self.planned: dict[str, Any] | None = None
+        self._planned_backend: Any = None
         WrapperDouble.instances.append(self)
+
+    def _build_backend(self) -> Any:
+        """Build FlashInfer's fa2/fa3 backend object as its plan does (graph mode reuses the last int workspace)."""
+        from flashinfer.mla._batch_mla._backends._fa_common import _BatchMLAGeneratedFaMechanics as backend_cls
+
+        previous = self._planned_backend
+        reuse = previous._int_workspace_buffer if self.init_kwargs.get("use_cuda_graph") and previous else None
+        backend = backend_cls.__new__(backend_cls)
+        try:
+            backend_cls.__init__(
+                backend, backend=self.backend, float_workspace_buffer=self.workspace,
+                use_cuda_graph=bool(self.init_kwargs.get("use_cuda_graph")), qo_indptr_buf=None, kv_indptr_buf=None,
+                kv_indices_buf=None, kv_len_arr_buf=None, int_workspace_buffer=reuse,
+            )  # fmt: skip
+        except RuntimeError:  # FlashInfer's own pinned copy, on a machine that cannot pin: the same pair, unpinned
+            backend._int_workspace_buffer = reuse if reuse is not None else torch.empty(8 * MiB, dtype=torch.uint8)
+            backend._pin_memory_int_workspace_buffer = torch.empty(backend._int_workspace_buffer.shape,
+                                                                   dtype=torch.uint8)  # fmt: skip
+        return backend
 
     def plan(self, **kwargs: Any) -> None:
         bind_to_flashinfer("BatchMLAPagedAttentionWrapper.plan", self, **kwargs)
@@ -99,13 +126,22 @@ class WrapperDouble:
                 "available in AlignedAllocator. Increase the workspace buffer size."
             )
         meta = kwargs["metadata"]
+        backend = self._build_backend()
+        qo_indptr, kv_indptr, _, kv_lens = meta
+        write_plan(backend._int_workspace_buffer, [qo_indptr, kv_indptr, kv_lens], "mla_q_indptr", self.plan_calls)
         # Copy, as FlashInfer does at plan time: later in-place edits must not leak in.
         self.planned = {**kwargs, "csr": tuple(t.clone() for t in meta)}
+        self._planned_backend = backend
+        # FlashInfer mirrors the backend's buffers onto the wrapper.
+        self._int_workspace_buffer = backend._int_workspace_buffer
+        self._pin_memory_int_workspace_buffer = backend._pin_memory_int_workspace_buffer
 
     def run(self, **kwargs: Any) -> Any:
         bind_to_flashinfer("BatchMLAPagedAttentionWrapper.run", self, **kwargs)
         assert self.planned is not None, "run() before plan()"
-        qo_indptr, kv_indptr, kv_indices, kv_lens = self.planned["csr"]
+        _, kv_indices, _ = self.planned["csr"][1:]
+        # Whatever plan the backend's int workspace holds now (another wrapper's, on a shared region).
+        _, (qo_indptr, kv_indptr, kv_lens) = read_plan(self._planned_backend._int_workspace_buffer)
         query, kv_cache = kwargs["query"], kwargs["kv_cache"]
         batch = kv_lens.numel()
         q_len = int(qo_indptr[1] - qo_indptr[0])

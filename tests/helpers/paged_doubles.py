@@ -4,8 +4,11 @@ They bind every call to the installed FlashInfer's real signatures, carve the
 float workspace they are given the way a split-KV plan does (an undersized one
 raises FlashInfer's overflow message), copy the page table at plan time as
 FlashInfer does, and compute with the fp32 reference from what was planned, so
-a stale plan or a wrong buffer shows up as a wrong result. Decode returns
-FlashInfer's base-2 LSE; prefill honours ``lse_base``.
+a stale plan or a wrong buffer shows up as a wrong result. Like FlashInfer's,
+they keep an 8 MiB int workspace of their own until ``reset_workspace_buffer``
+swaps it, write the plan's lengths into it, and read them back at run time
+(:mod:`tests.helpers.int_plans`). Decode returns FlashInfer's base-2 LSE;
+prefill honours ``lse_base``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tests.helpers.int_plans import read_plan, write_plan
 from wspool.flashinfer.reference import paged_attention_reference
 from wspool.units import MiB
 
@@ -46,6 +50,7 @@ class _WrapperDouble:
 
     cls_name: ClassVar[str]
     carve: ClassVar[str]
+    int_carve: ClassVar[str]
     instances: ClassVar[list[Any]]
     partial_bytes: ClassVar[int] = 3 * MiB  # what the split-KV carve asks for
     int_overflow: ClassVar[bool] = False  # raise an overflow of FlashInfer's own int workspace instead
@@ -56,7 +61,18 @@ class _WrapperDouble:
         self.init_kwargs = {"kv_layout": kv_layout, **kwargs}
         self.plan_calls = 0
         self.planned: dict[str, Any] | None = None
+        # FlashInfer's own int workspace and its host copy (pinned on a GPU machine).
+        self._int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
         type(self).instances.append(self)
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
+        bind_to_flashinfer(f"{self.cls_name}.reset_workspace_buffer", self, float_workspace_buffer,
+                           int_workspace_buffer)  # fmt: skip
+        self.workspace = float_workspace_buffer
+        self._int_workspace_buffer = int_workspace_buffer
+        # FlashInfer makes a new host copy of the int workspace's size.
+        self._pin_memory_int_workspace_buffer = torch.empty(int_workspace_buffer.shape, dtype=torch.uint8)
 
     def plan(self, **kwargs: Any) -> None:
         bind_to_flashinfer(f"{self.cls_name}.plan", self, **kwargs)
@@ -68,12 +84,16 @@ class _WrapperDouble:
         if capacity < self.partial_bytes:
             raise RuntimeError(overflow_message(self.carve, self.partial_bytes, capacity))
         # Copy, as FlashInfer does at plan time: later in-place edits must not leak in.
-        self.planned = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        planned = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        indptr, _, last = self._csr(planned)
+        write_plan(self._int_workspace_buffer, [indptr, last], self.int_carve, self.plan_calls)
+        self.planned = planned
 
     def _compute(self, query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.planned is not None, "run() before a successful plan()"
         p = self.planned
-        indptr, indices, last = self._csr(p)
+        _, indices, _ = self._csr(p)
+        _, (indptr, last) = read_plan(self._int_workspace_buffer)  # whatever plan the int workspace holds now
         page_size = p["page_size"]
         batch = last.numel()
         counts = (indptr[1:] - indptr[:-1]).tolist()
@@ -104,6 +124,7 @@ class DecodeWrapperDouble(_WrapperDouble):
 
     cls_name = "BatchDecodeWithPagedKVCacheWrapper"
     carve = "batch_decode_tmp_v"
+    int_carve = "batch_decode_request_indices"
     instances: ClassVar[list[Any]] = []
 
     def _csr(self, p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,6 +141,7 @@ class PrefillWrapperDouble(_WrapperDouble):
 
     cls_name = "BatchPrefillWithPagedKVCacheWrapper"
     carve = "batch_prefill_tmp_v"
+    int_carve = "batch_prefill_request_indices"
     instances: ClassVar[list[Any]] = []
 
     def _csr(self, p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from wspool.flashinfer import COUNTER_POOL, MLA_POOL, PAGED_POOL
 from wspool.flashinfer.backends import call_facts
 from wspool.flashinfer.mla import COUNTER_RULE
 from wspool.flashinfer.paged import paged_decode_plan
+from wspool.flashinfer.wrapper_buffers import INT_POOL
 from wspool.integrations import sglang, sglang_facts, vllm_workspaces
 from wspool.integrations.vllm_facts import FACT_NAMES
 from wspool.rules import compile_rule
@@ -50,7 +51,7 @@ def test_the_own_pools_are_the_pools_of_wspools_ops() -> None:
     """OWN_POOLS is exactly the pools the FlashInfer ops and the engine integrations use."""
     plugin = {getattr(vllm_workspaces, n) for n in dir(vllm_workspaces) if n.startswith("POOL_")}
     sglang_pools = {w.pool for w in (*sglang.BUFFERS.values(), sglang.CUTE_DSL_WORKSPACE)}
-    assert {MLA_POOL, COUNTER_POOL, PAGED_POOL} | plugin | sglang_pools == OWN_POOLS
+    assert {MLA_POOL, COUNTER_POOL, PAGED_POOL, INT_POOL} | plugin | sglang_pools == OWN_POOLS
 
 
 @pytest.mark.parametrize("pool", sorted(OWN_POOLS))

@@ -12,14 +12,18 @@ from wspool.flashinfer.mla_cache import mla_decode
 from wspool.flashinfer.paged import PAGED_POOL, PagedAttentionPlan, paged_decode_plan, paged_prefill_plan
 from wspool.flashinfer.reference import mla_decode_reference, paged_attention_reference
 from wspool.flashinfer.refusals import WorkspaceRefusal, parse_refusal
+from wspool.flashinfer.wrapper_buffers import INT_POOL, bind_mla_wrapper, bind_paged_wrapper, supplying
 
 __all__ = [
     "COUNTER_POOL",
+    "INT_POOL",
     "MLA_POOL",
     "PAGED_POOL",
     "MLADecodePlan",
     "PagedAttentionPlan",
     "WorkspaceRefusal",
+    "bind_mla_wrapper",
+    "bind_paged_wrapper",
     "mla_decode",
     "mla_decode_plan",
     "mla_decode_reference",
@@ -28,4 +32,5 @@ __all__ = [
     "paged_prefill_plan",
     "parse_refusal",
     "select_path",
+    "supplying",
 ]

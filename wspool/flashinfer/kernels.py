@@ -5,8 +5,8 @@ so the CPU tests bind them to the installed FlashInfer's signatures.
 FlashInfer is imported lazily, with an install hint when it is missing.
 Wrappers are built with normal (never inference) tensors and cached in the
 pool's ``buffer_cache``, so none outlives the buffer it was built on; which
-plan last planned a shared wrapper is recorded beside it (:func:`ownership`),
-never on FlashInfer's object.
+plan last planned a wrapper's int workspace is recorded beside it
+(:func:`ownership`), never on FlashInfer's object.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from wspool.flashinfer.backends import DCPArgs, int8_view
+from wspool.memory import PlanOwner, binding_of
 from wspool.pool import WorkspacePool
 
 __all__ = [
     "TRTLLM_DECODE_KEYWORDS",
-    "WrapperOwnership",
     "graph_buffers",
     "load_flashinfer_attention",
     "load_flashinfer_mla",
@@ -358,32 +358,23 @@ def shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, l
     return wrapper
 
 
-class WrapperOwnership:
-    """Which plan last planned one FlashInfer wrapper: wspool's record, kept beside the wrapper, never on it.
-
-    Attributes:
-        owner: The token of the plan whose metadata the wrapper holds; ``None``
-            before its first plan and while a plan is planning it (a failed
-            ``plan()`` leaves it to nobody).
-    """
-
-    __slots__ = ("owner",)
-
-    def __init__(self) -> None:
-        self.owner: object | None = None
-
-
 # Weakly keyed: a record lives exactly as long as its wrapper (FlashInfer's wrappers are plain objects).
-_ownership: weakref.WeakKeyDictionary[Any, WrapperOwnership] = weakref.WeakKeyDictionary()
+_ownership: weakref.WeakKeyDictionary[Any, PlanOwner] = weakref.WeakKeyDictionary()
 
 
-def ownership(wrapper: Any) -> WrapperOwnership:
-    """Return ``wrapper``'s ownership record, made on first use; every plan sharing the wrapper gets the same one.
+def ownership(wrapper: Any) -> PlanOwner:
+    """Return the record of the int workspace ``wrapper`` plans into, made on first use.
 
-    A plan looks its wrapper's record up when it plans and keeps it, so the
+    A wrapper bound to a wspool region (:mod:`wspool.flashinfer.wrapper_buffers`)
+    answers with the region's record, shared by every wrapper on that region;
+    any other wrapper with a record of its own. Every plan of the wrapper gets
+    the same one. A plan looks the record up when it plans and keeps it, so the
     per-layer call compares one attribute and never touches this table.
     """
+    binding = binding_of(wrapper)
+    if binding is not None:
+        return binding.region.record
     record = _ownership.get(wrapper)
     if record is None:
-        record = _ownership.setdefault(wrapper, WrapperOwnership())  # one record even when threads race here
+        record = _ownership.setdefault(wrapper, PlanOwner())  # one record even when threads race here
     return record

@@ -3,7 +3,9 @@
 :func:`mla_decode_plan` checks the step's metadata, sizes the workspace for its kernel path and
 prepares the kernel; :meth:`MLADecodePlan.run` calls it per layer. Device: a plan lives on its
 tensors' device. Capture: with ``use_cuda_graph=True`` the plan's buffers never move and
-:meth:`MLADecodePlan.replan` updates them in place. Threads: one thread uses a plan at a time.
+:meth:`MLADecodePlan.replan` updates them in place; a plan never replans during capture. FlashInfer's
+own int workspace and pinned copy come right-sized from pool ``flashinfer_int``
+(:mod:`~wspool.flashinfer.wrapper_buffers`). Threads: one thread uses a plan at a time.
 Paths and sizes: docs/kernels.md.
 """
 
@@ -16,13 +18,13 @@ from typing import Any
 
 import torch
 
-from wspool.errors import describe_setting
-from wspool.flashinfer import backends, kernels
+from wspool.errors import WorkspaceConflictError, describe_setting
+from wspool.flashinfer import backends, kernels, wrapper_buffers
 from wspool.flashinfer.backends import BLACKWELL_BACKENDS, DCPArgs, check_dcp, check_kernel_keywords, path_need_bytes
 from wspool.flashinfer.layouts import StepConstants, check_page_table, step_constants, wrapper_metadata
 from wspool.flashinfer.reference import mla_decode_reference_into
 from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
-from wspool.memory import track_kernel_buffers
+from wspool.memory import PlanOwner, track_kernel_buffers
 from wspool.pool import WorkspacePool
 from wspool.registry import PoolRegistry, get_registry
 
@@ -127,6 +129,7 @@ def mla_decode_plan(
     cp_world: int = 1,
     cp_rank: int = 0,
     causal_seqlens_kv_global: torch.Tensor | None = None,
+    int_group: str | None = None,
 ) -> MLADecodePlan:
     """Plan MLA decode for one step; then call ``plan.run(query, kv_cache)`` once per layer.
 
@@ -154,6 +157,10 @@ def mla_decode_plan(
         cp_world, cp_rank: The DCP group's size and this rank (``cp_rank < cp_world``); with
             ``enable_dcp``, ``cp_world`` is also the rules' fact of that name.
         causal_seqlens_kv_global: ``[batch]`` int32 global KV lengths, with ``enable_dcp``.
+        int_group: With ``use_cuda_graph``, graph plans given one name on one pool, device and
+            lane share one int workspace region: only for plans never live at once, each
+            replanned right before its replay (:meth:`MLADecodePlan.replay` checks it).
+            ``None``: a region of the plan's own.
 
     Raises:
         ValueError: A bad argument, named, before any pool grows or kernel runs.
@@ -170,9 +177,11 @@ def mla_decode_plan(
         num_heads, page_size, q_dtype, kv_dtype or q_dtype, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim
     )
     step = MLAStep(block_tables, seq_lens, max_seq_len, q_len, float(sm_scale), return_lse, batch_size, device)
+    if int_group is not None and not use_cuda_graph:
+        raise ValueError("int_group is for CUDA-graph plans (use_cuda_graph=True); eager plans share their wrapper")
     return MLADecodePlan(
         step, geometry, dcp, path=path, use_cuda_graph=use_cuda_graph, facts=facts,
-        registry=registry if registry is not None else get_registry(), pool=pool, lane=lane,
+        registry=registry if registry is not None else get_registry(), pool=pool, lane=lane, int_group=int_group,
     )  # fmt: skip
 
 
@@ -215,17 +224,19 @@ class MLADecodePlan:
         registry: PoolRegistry,
         pool: str,
         lane: str | None,
+        int_group: str | None = None,
     ) -> None:
         """Size the workspace and prepare the kernel for arguments :func:`mla_decode_plan` checked."""
         self.step, self.geometry, self.dcp, self.path = step, geometry, dcp, path
         self.use_cuda_graph = use_cuda_graph
+        self.int_group = int_group
         self.rule = "lse" if step.return_lse else "default"
         self.plan_calls = 0
         self._versions = write_counts(step.block_tables, step.seq_lens)
         #: The shapes of ``block_tables`` and ``seq_lens`` this plan was made for.
         self.planned_shapes = (step.block_tables.shape, step.seq_lens.shape)
         self._wrapper: Any = None
-        self._ownership = kernels.WrapperOwnership()  # the record of the wrapper this plan planned last
+        self._ownership = PlanOwner()  # the record of the int workspace this plan planned last
         self._token = object()  # this plan, as a shared wrapper's owner
         self._planned_workspace: torch.Tensor | None = None
         self._generation = -1
@@ -356,6 +367,18 @@ class MLADecodePlan:
         """:meth:`replan` for metadata whose shapes the caller checked, with its write counts read."""
         self._versions = versions
         self.plan_metadata()
+
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Replay ``graph`` (captured from this plan's :meth:`run`), replanning first if another plan took its region.
+
+        For graph plans that share an int workspace (``int_group``): the region
+        holds the metadata of the plan that planned it last. Call :meth:`replan`
+        after editing the metadata, as for any graph plan; this adds the check
+        that no other plan of the group planned since.
+        """
+        if self._ownership.owner is not self._token:
+            self.plan_metadata()
+        graph.replay()
 
     def plan_metadata(self) -> None:
         """Plan the wrapper for the current metadata; the other paths read it at run time."""
@@ -552,6 +575,8 @@ class MLADecodePlan:
         plan_kwargs = self._plan_kwargs
         if plan_kwargs is None:
             plan_kwargs = self._plan_kwargs = self.wrapper_plan_kwargs()
+        if self.step.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise self._conflict()
         plan_kwargs["metadata"] = self._csr_factory(*self._csr_metadata())
         for attempt in range(MAX_RECOVERIES + 1):
             workspace = self._pool.buffer
@@ -568,7 +593,8 @@ class MLADecodePlan:
             record.owner = None
             try:
                 self.plan_calls += 1
-                wrapper.plan(**plan_kwargs)
+                with wrapper_buffers.supplying(wrapper):  # FlashInfer's MLA backends take the wrapper's region
+                    wrapper.plan(**plan_kwargs)
             except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 grow_after_overflow(
                     exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt,  # type: ignore[union-attr]
@@ -601,8 +627,27 @@ class MLADecodePlan:
             wrapper = kernels.make_wrapper(workspace, self.path, self._graph_buffers)  # type: ignore[arg-type]
         else:
             wrapper = kernels.shared_wrapper(self._pool, workspace, self.path, self.step.return_lse)
+        group = None if self.int_group is None else (self._pool.spec.name, self.int_group)
+        wrapper_buffers.bind_mla_wrapper(
+            wrapper, registry=self._registry, device=self.step.device, lane=self._pool.lane, group=group,
+            facts={"sm_count": self.facts["sm_count"]},
+        )  # fmt: skip
         track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
         return wrapper
+
+    def _conflict(self) -> WorkspaceConflictError:
+        """The error for a plan that would have to replan during capture."""
+        step = self.step
+        shared = (
+            f"its int workspace (int_group {self.int_group!r}) holds another plan's metadata"
+            if self.int_group is not None and self._ownership.owner is not self._token
+            else "its wrapper or buffer changed since it planned"
+        )
+        return WorkspaceConflictError(
+            f"MLA decode plan (batch {step.batch_size}, lane {self._pool.lane}) would replan during CUDA-graph "
+            f"capture: {shared}. Replan it right before capture"
+            + (", or give it an int workspace of its own (int_group=None)" if self.int_group is not None else "")
+        )
 
 
 def counter_pool(

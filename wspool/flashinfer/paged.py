@@ -4,8 +4,9 @@
 copies the page table to the host); :meth:`PagedAttentionPlan.run` is the per-layer call. Device:
 the page table's. Threads and streams: a plan and its lane's buffer serve one stream at a time.
 Capture: these wrappers are eager and planning never runs during capture (an engine that captures
-builds graph-mode wrappers on ``reg.workspace("flashinfer", rule=...)``). Pools, paths and the
-shared buffer: docs/kernels.md.
+builds graph-mode wrappers on ``reg.workspace("flashinfer", rule=...)``). Each wrapper's int
+workspace is a right-sized region of pool ``flashinfer_int`` where a rule bounds its planner
+(:mod:`~wspool.flashinfer.wrapper_buffers`). Pools, paths and the shared buffer: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 import torch
 
 from wspool.errors import describe_setting
-from wspool.flashinfer import backends, kernels
+from wspool.flashinfer import backends, kernels, wrapper_buffers
 from wspool.flashinfer.layouts import check_int_tensor, check_page_table, page_table_to_csr
 from wspool.flashinfer.reference import paged_attention_reference
 from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
-from wspool.memory import track_kernel_buffers
+from wspool.memory import PlanOwner, track_kernel_buffers
 from wspool.registry import PoolRegistry, get_registry
 from wspool.units import ceil_div
 
@@ -186,9 +187,13 @@ class PagedAttentionPlan:
         self._setting = describe_setting(("pools", pool, "rules", self.kind))
         self._key = (f"paged_{self.kind}", self.path, self.use_tensor_cores if self.kind == "decode" else None)
         self._token = object()  # this plan, as a shared wrapper's owner
-        self._ownership = kernels.WrapperOwnership()  # the record of the wrapper this plan planned last
+        self._ownership = PlanOwner()  # the record of the wrapper this plan planned last
         self._planned_wrapper: Callable[[], Any] = _no_wrapper  # then a weak reference: the plan holds none
         self.plan_calls = 0
+        dtypes = (self.q_dtype, self.kv_dtype)
+        self.int_rule = wrapper_buffers.paged_int_rule(
+            self.kind, use_tensor_cores=self.use_tensor_cores, backend=self.path, dtypes=dtypes
+        )
 
     def replan(self) -> None:
         """Plan again for the current contents of the page table, lengths and ``qo_indptr`` (same shapes)."""
@@ -282,6 +287,11 @@ class PagedAttentionPlan:
                 track_kernel_buffers(self._registry, self._pool, wrapper)
                 if self._pool.buffer is workspace:  # not replaced meanwhile by another thread
                     cache[self._key] = wrapper
+            if self.int_rule is not None:  # a region that holds this step's plan (a larger one when it grew)
+                wrapper_buffers.bind_paged_wrapper(
+                    wrapper, workspace, registry=self._registry, rule=self.int_rule, facts=self.facts,
+                    lane=self._pool.lane, kind=self.kind,
+                )  # fmt: skip
             record = kernels.ownership(wrapper)
             record.owner = None  # no plan may run it while it is being planned
             try:

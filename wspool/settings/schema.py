@@ -163,7 +163,7 @@ SHAPE_FACTS = frozenset(
 OWN_POOLS = frozenset(
     {
         "flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters",
-        "flashinfer_dsv4", "flashinfer_dash",
+        "flashinfer_dsv4", "flashinfer_dash", "flashinfer_int",
         "sglang_trtllm_mla", "sglang_trtllm_mha", "sglang_dsa_sparse_mla", "sglang_dsa_trtllm", "sglang_trtllm_dsv4",
     }
 )  # fmt: skip

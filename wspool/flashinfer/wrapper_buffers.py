@@ -1,0 +1,306 @@
+"""FlashInfer wrappers' int workspaces and pinned copies, right-sized from wspool instead of 8 MiB each.
+
+Every FlashInfer wrapper keeps its plan's metadata in an int workspace on the
+device (8 MiB by default) and writes it through a pinned host copy (8 MiB
+more), though a plan uses a few KiB to about 600 KiB of it. wspool gives a
+wrapper a region of :class:`~wspool.memory.WrapperRegions` instead, sized by
+a rule of pool ``flashinfer_int`` (:data:`INT_RULES`, configurable like any
+pool's rules):
+
+- ``mla``: the MLA planner's carves, whatever the batch (measured exact on an H200).
+- ``decode``: an upper bound of the CUDA-core decode planner's carves.
+- ``prefill``: an upper bound of the fa2 prefill planner's carves (tensor-core
+  decode uses this planner too).
+
+How a region reaches the wrapper:
+
+- Paged decode and prefill wrappers: FlashInfer's public
+  ``reset_workspace_buffer(float, int)``, which also remakes the wrapper's
+  pinned copy at the region's size (:func:`bind_paged_wrapper`).
+- ``BatchMLAPagedAttentionWrapper`` takes no int buffer: its fa2/fa3 backend
+  objects allocate the pair inside every ``plan()``. wspool wraps that backend
+  class's constructor, on the FlashInfer versions whose source it has read
+  (:data:`READ_VERSIONS`), so that inside :func:`supplying` a backend built
+  with no int buffer or no pinned copy takes the bound wrapper's. Anywhere
+  else the constructor behaves as FlashInfer wrote it. On any other version
+  the MLA wrappers keep FlashInfer's buffers (:func:`mla_hook_status` says why).
+
+Sharing: a wrapper bound with ``group=None`` has a region of its own. Wrappers
+bound with one group on one device and lane share a region; their plans must
+never be live at once (per-size CUDA-graph plans that are each planned right
+before their replay), and the region's record (:func:`~wspool.flashinfer.kernels.ownership`)
+lets every wspool plan see that another plan took it. Pinned copies are never
+shared. Device, capture and thread semantics: :mod:`wspool.memory`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from wspool.memory import WrapperBinding, binding_of, wrapper_regions
+from wspool.registry import PoolRegistry
+
+__all__ = [
+    "INT_POOL",
+    "INT_RULES",
+    "MLA_BACKEND_CLASS",
+    "READ_VERSIONS",
+    "bind_mla_wrapper",
+    "bind_paged_wrapper",
+    "declare_int_pool",
+    "install_mla_hook",
+    "int_bytes",
+    "mla_hook_status",
+    "paged_int_rule",
+    "supplying",
+]
+
+INT_POOL = "flashinfer_int"
+#: The int workspace rules. ``mla``: 9 int32 arrays of 16384 work items and 5 of one int32 per SM,
+#: each 16-byte aligned. ``decode``: 2 int32 arrays of P entries, P + 1 offsets, a chunk size and
+#: P split flags, P at most the batch or the planner's grid (at most 32 blocks per SM) per KV head.
+#: ``prefill``: 3 int32 arrays of P, B + 1 offsets, T + 1 merge offsets and P flags, P at most the
+#: grid or the query tiles (16 rows per tile at least). Every term is bounded above; see
+#: docs/wrapper-buffers.md for the carves.
+INT_RULES: Mapping[str, str] = {
+    "mla": "9 * 65536 + 5 * round_up(4 * sm_count, 16)",
+    "decode": "13 * max(batch_size, ceil_div(32 * sm_count, num_kv_heads)) + 64",
+    "prefill": (
+        "13 * max(ceil_div(32 * sm_count, num_kv_heads), ceil_div(num_tokens * num_qo_heads, 16 * num_kv_heads)"
+        " + batch_size) + 4 * (batch_size + num_tokens) + 128"
+    ),
+}
+#: The FlashInfer versions whose MLA backend constructor wspool has read (0.7.3's source was not available).
+READ_VERSIONS = ("0.7.2", "0.7.2.post1", "0.7.4")
+#: The FlashInfer class whose constructor makes the MLA int workspace and pinned copy.
+MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchMLAGeneratedFaMechanics")
+_HOOK_KEYWORDS = ("float_workspace_buffer", "int_workspace_buffer", "pin_memory_int_workspace_buffer")
+
+# The binding whose buffers an MLA backend built in this context takes (this thread or task only).
+_SUPPLY: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
+_hook: dict[str, Any] = {}  # "status": None (installed) or why not; "class", "original"
+
+
+def declare_int_pool(registry: PoolRegistry) -> None:
+    """Declare pool ``flashinfer_int`` with :data:`INT_RULES` (once per registry; configured rules win)."""
+    if "int_pool_declared" not in registry.op_state:
+        registry.declare_pool(INT_POOL, dict(INT_RULES))
+        registry.op_state["int_pool_declared"] = True
+
+
+def int_bytes(registry: PoolRegistry, rule: str, device: torch.device, facts: Mapping[str, int]) -> int:
+    """Resolve int workspace ``rule`` for ``facts`` on ``device`` (its SM count is a device fact).
+
+    Raises:
+        RuleError: The rule is unknown or misses a fact, naming the setting.
+    """
+    declare_int_pool(registry)
+    return registry.resolve(INT_POOL, rule, device=device, **facts)
+
+
+def paged_int_rule(kind: str, *, use_tensor_cores: bool, backend: str, dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """Return the int rule of a paged wrapper's planner, or ``None`` where no rule bounds it.
+
+    Args:
+        kind: ``"decode"`` or ``"prefill"``.
+        use_tensor_cores: A decode wrapper's tensor-core mode (the prefill planner).
+        backend: The backend the wrapper is built with.
+        dtypes: The query and KV dtypes it plans for.
+
+    FlashInfer's fa3 planner (Hopper prefill, and ``auto`` with fp8 inputs) has no
+    size query and no rule here, so its wrappers keep their own buffers.
+    """
+    if kind == "decode" and not use_tensor_cores:
+        return "decode"
+    fp8 = {torch.float8_e4m3fn, torch.float8_e5m2} & set(dtypes)
+    if backend == "fa2" or (kind == "decode" and backend == "auto" and not fp8):
+        return "prefill"
+    return None
+
+
+# -- paged wrappers: FlashInfer's public reset_workspace_buffer -------------------------------
+
+
+def bind_paged_wrapper(
+    wrapper: Any,
+    float_workspace: torch.Tensor,
+    *,
+    registry: PoolRegistry,
+    rule: str,
+    facts: Mapping[str, int],
+    lane: str,
+    kind: str,
+    group: Hashable | None = None,
+) -> WrapperBinding:
+    """Give a paged decode or prefill wrapper an int region sized by ``rule``, through ``reset_workspace_buffer``.
+
+    A wrapper already bound to a region that holds the size keeps it; otherwise it
+    gets a new one. Call it before a ``plan()``, never between a plan and its runs,
+    and never after a CUDA graph captured the wrapper (the graph holds the old address).
+
+    Args:
+        wrapper: A ``BatchDecodeWithPagedKVCacheWrapper`` or ``BatchPrefillWithPagedKVCacheWrapper``.
+        float_workspace: The float workspace the wrapper keeps (passed back to FlashInfer unchanged).
+        registry: Sizes the region (pool ``flashinfer_int``) and holds it.
+        rule: ``"decode"`` or ``"prefill"`` (:func:`paged_int_rule`).
+        facts: The facts the rule reads (``batch_size``, ``num_tokens``, ``num_qo_heads``, ``num_kv_heads``).
+        lane: The lane of the work the wrapper serves.
+        kind: Names the wrapper in statistics.
+        group: The sharing group (see the module's docstring); ``None``: a region of its own.
+
+    Raises:
+        RuleError: The rule cannot be resolved, naming the setting.
+        WorkspaceFrozenError: A region would be allocated during capture.
+        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    """
+    device = float_workspace.device
+    nbytes = int_bytes(registry, rule, device, facts)
+    current = binding_of(wrapper)
+    if current is not None and current.region.nbytes >= nbytes:
+        return current
+    regions = wrapper_regions(registry, INT_POOL)
+    binding = regions.bind(wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group)
+    # FlashInfer's public way to swap the int workspace; it remakes the pinned copy at the region's size.
+    wrapper.reset_workspace_buffer(float_workspace, binding.region.tensor)
+    return binding
+
+
+# -- MLA wrappers: the version-gated backend constructor hook --------------------------------
+
+
+def _flashinfer_version() -> str | None:
+    try:
+        return str(importlib.import_module("flashinfer").__version__)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _supplied_init(original: Callable[..., None]) -> Callable[..., None]:
+    """Wrap the MLA backend constructor: inside :func:`supplying`, fill the buffers FlashInfer would allocate."""
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        binding = _SUPPLY.get()
+        if binding is not None:
+            int_buffer = kwargs.get("int_workspace_buffer")
+            if int_buffer is None:
+                int_buffer = kwargs["int_workspace_buffer"] = binding.region.tensor
+            pinned = binding.pinned
+            # The planner writes the pinned copy at the int workspace's offsets: never a smaller one.
+            if (
+                kwargs.get("pin_memory_int_workspace_buffer") is None
+                and pinned is not None
+                and pinned.numel() >= int_buffer.numel()
+            ):
+                kwargs["pin_memory_int_workspace_buffer"] = pinned
+        original(self, *args, **kwargs)
+
+    return init
+
+
+def install_mla_hook() -> str | None:
+    """Install the MLA backend constructor hook once; return ``None`` when it is in place, else why not.
+
+    It is installed only on :data:`READ_VERSIONS` and only when the constructor
+    still takes the three keyword arguments it fills.
+    """
+    if "status" in _hook:
+        return _hook["status"]  # type: ignore[no-any-return]
+    version = _flashinfer_version()
+    status: str | None
+    if version is None:
+        status = "FlashInfer is not installed"
+    elif version not in READ_VERSIONS:
+        status = (
+            f"FlashInfer {version} is not a version whose MLA backend wspool has read "
+            f"({', '.join(READ_VERSIONS)}); its MLA wrappers keep FlashInfer's own 8 MiB int workspace and pinned copy"
+        )
+    else:
+        module_name, class_name = MLA_BACKEND_CLASS
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            parameters = inspect.signature(cls.__init__).parameters
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            status = f"FlashInfer {version}: {module_name}.{class_name} is not as read ({exc})"
+        else:
+            keyword_only = inspect.Parameter.KEYWORD_ONLY
+            missing = [k for k in _HOOK_KEYWORDS if k not in parameters or parameters[k].kind is not keyword_only]
+            if missing:
+                status = f"FlashInfer {version}: {class_name}.__init__ lacks keyword-only {', '.join(missing)}"
+            else:
+                _hook["class"], _hook["original"] = cls, cls.__init__
+                cls.__init__ = _supplied_init(cls.__init__)  # the one attribute wspool sets on FlashInfer
+                status = None
+    _hook["status"] = status
+    return status
+
+
+def mla_hook_status() -> str:
+    """Say whether MLA wrappers take wspool's int workspace, for ``wspool show`` and statistics."""
+    status = install_mla_hook()
+    if status is None:
+        return f"MLA wrappers take int workspaces from pool {INT_POOL} (FlashInfer {_flashinfer_version()})"
+    return status
+
+
+def _uninstall_mla_hook() -> None:
+    """Restore FlashInfer's constructor (tests)."""
+    if _hook.get("original") is not None:
+        _hook["class"].__init__ = _hook["original"]
+    _hook.clear()
+
+
+def bind_mla_wrapper(
+    wrapper: Any,
+    *,
+    registry: PoolRegistry,
+    device: torch.device,
+    lane: str,
+    group: Hashable | None = None,
+    facts: Mapping[str, int] | None = None,
+) -> WrapperBinding | None:
+    """Give a ``BatchMLAPagedAttentionWrapper`` an int region (rule ``mla``) and a pinned copy of its own.
+
+    The wrapper takes them in its next ``plan()`` made inside :func:`supplying`
+    (a wrapper in CUDA-graph mode keeps them for every later plan). Bind before
+    the wrapper's first plan: a graph-mode wrapper planned once already keeps
+    FlashInfer's buffer.
+
+    Returns:
+        The binding, or ``None`` where the hook is not installed (see :func:`mla_hook_status`).
+
+    Raises:
+        WorkspaceFrozenError: A region would be allocated during capture.
+        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    """
+    if install_mla_hook() is not None:
+        return None
+    current = binding_of(wrapper)
+    if current is not None:
+        return current
+    nbytes = int_bytes(registry, "mla", device, facts or {})
+    regions = wrapper_regions(registry, INT_POOL)
+    return regions.bind(wrapper, device=device, nbytes=nbytes, kind="mla", lane=lane, group=group, pinned=True)
+
+
+@contextlib.contextmanager
+def supplying(wrapper: Any) -> Iterator[WrapperBinding | None]:
+    """Let the MLA backends ``wrapper`` builds in this block take its bound region and pinned copy.
+
+    Wrap exactly the wrapper's ``plan()`` call. A wrapper with no binding plans
+    as FlashInfer wrote it.
+    """
+    binding = binding_of(wrapper)
+    token = _SUPPLY.set(binding)
+    try:
+        yield binding
+    finally:
+        _SUPPLY.reset(token)
