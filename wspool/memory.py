@@ -179,6 +179,9 @@ def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
 _REGIONS_KEY = "wrapper_regions"
 #: Regions start on this boundary, as FlashInfer's planners assume of their int workspaces.
 REGION_ALIGNMENT = 16
+#: Pinned copies are carved from page-locked chunks of this size: PyTorch's pinned allocator
+#: rounds every block up to a power of two, so one block per copy would nearly double them.
+PINNED_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class PlanOwner:
@@ -269,6 +272,7 @@ class WrapperRegions:
         self._bindings: weakref.WeakKeyDictionary[Any, WrapperBinding] = weakref.WeakKeyDictionary()
         self._groups: weakref.WeakValueDictionary[tuple[str, str, Hashable], IntRegion] = weakref.WeakValueDictionary()
         self._probes: dict[str, Callable[[], bool]] = {}
+        self._pinned_chunk: tuple[torch.Tensor, int] | None = None  # (chunk, bytes used)
 
     def binding(self, wrapper: Any) -> WrapperBinding | None:
         """Return what ``wrapper`` was bound to, or ``None``."""
@@ -315,10 +319,7 @@ class WrapperRegions:
                         region = installed  # another thread installed one first
                     else:
                         self._groups[key] = region
-        copy = None
-        if pinned:
-            with torch.inference_mode(False):
-                copy = torch.empty(region.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        copy = self._pinned_copy(region.nbytes, device) if pinned else None
         binding = WrapperBinding(region, copy, kind)
         with self._lock:
             previous = self._bindings.get(wrapper)
@@ -357,28 +358,59 @@ class WrapperRegions:
                 ) from exc
         return IntRegion(tensor, group, lane)
 
+    def _pinned_copy(self, size: int, device: torch.device) -> torch.Tensor:
+        """A pinned host copy of ``size`` bytes of its own, cut from a page-locked chunk (plain memory off CUDA).
+
+        Slices never overlap; a chunk is freed once no copy cut from it is alive.
+        """
+        if device.type != "cuda":
+            with torch.inference_mode(False):
+                return torch.empty(size, dtype=torch.uint8)
+        while True:
+            with self._lock:
+                found = self._pinned_chunk
+                if found is not None and found[1] + size <= found[0].numel():
+                    chunk, used = found
+                    self._pinned_chunk = (chunk, round_up(used + size, REGION_ALIGNMENT))
+                    return chunk[used : used + size]
+            chunk_bytes = max(PINNED_CHUNK_BYTES, 1 << (size - 1).bit_length())
+            with torch.inference_mode(False):  # allocated outside the lock; installed unless another thread was first
+                new = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+            with self._lock:
+                current = self._pinned_chunk
+                if current is None or current[1] + size > current[0].numel():
+                    self._pinned_chunk = (new, 0)
+
     def _live_regions(self) -> list[IntRegion]:
         with self._lock:
             found = {id(b.region): b.region for b in self._bindings.values()}
         return list(found.values())
 
     def stats(self) -> list[dict[str, Any]]:
-        """Return the live regions per device and lane: wrappers, regions, region and pinned bytes, kinds."""
+        """Return the live regions per device and lane: wrappers, regions, region and pinned bytes, kinds.
+
+        ``pinned_bytes`` counts the copies; ``pinned_chunk_bytes`` the page-locked chunks they are cut from.
+        """
         with self._lock:
             bindings = list(self._bindings.values())
         totals: dict[tuple[str, str], dict[str, Any]] = {}
         seen: set[int] = set()
+        chunks: set[int] = set()
         for binding in bindings:
             region = binding.region
             entry = totals.setdefault(
                 (region.device, region.lane),
                 {"device": region.device, "lane": region.lane, "wrappers": 0, "regions": 0, "region_bytes": 0,
-                 "pinned_bytes": 0, "kinds": {}},
+                 "pinned_bytes": 0, "pinned_chunk_bytes": 0, "kinds": {}},
             )  # fmt: skip
             entry["wrappers"] += 1
             entry["kinds"][binding.kind] = entry["kinds"].get(binding.kind, 0) + 1
             if binding.pinned is not None:
                 entry["pinned_bytes"] += binding.pinned.numel()
+                storage = binding.pinned.untyped_storage()
+                if storage.data_ptr() not in chunks:
+                    chunks.add(storage.data_ptr())
+                    entry["pinned_chunk_bytes"] += storage.nbytes()
             if id(region) not in seen:
                 seen.add(id(region))
                 entry["regions"] += 1
@@ -545,7 +577,8 @@ def memory_summary(registry: PoolSource) -> str:
         lines.append(
             f"int workspace regions on {r['device']} lane {r['lane']}: {r['regions']} region(s) of "
             f"{format_size(r['region_bytes'])} for {r['wrappers']} wrapper(s) ({kinds}), "
-            f"{format_size(r['pinned_bytes'])} pinned copies made by wspool"
+            f"{format_size(r['pinned_bytes'])} of pinned copies made by wspool "
+            f"(in {format_size(r['pinned_chunk_bytes'])} of page-locked chunks)"
         )
     for device, entry in sorted(data["devices"].items()):
         line = f"{device}: wspool holds {format_size(entry['held_bytes'])}"

@@ -384,3 +384,26 @@ def test_a_request_of_thousands_of_digits_is_a_readable_limit_error() -> None:
     with pytest.raises(WorkspaceLimitError, match=r"needs 1e\+5000 bytes"):
         pool.request(10**5000)
     assert pool.capacity_bytes == 0 and pool.stats().refused_count == 1
+
+
+def test_a_request_reason_never_serves_as_a_rule() -> None:
+    """A sized request's reason is counted under its own name but is no rule: asking for it by rule is refused."""
+    pool = _pool()
+    pool.request(100, "warmup")
+    for ask in (lambda: pool.workspace("warmup", {}), lambda: pool.ensure("warmup", {}),
+                lambda: pool.resolve("warmup", {})):  # fmt: skip
+        with pytest.raises(RuleError, match=r"pool 'p' has no rule 'warmup' \(rules: big, default, expr\)"):
+            ask()
+    assert dict(pool.stats().requests_by_rule) == {"warmup": 1}
+
+
+def test_a_request_reason_named_like_a_rule_counts_under_that_rule() -> None:
+    """request(n, "big") and workspace("big") count in one slot; the rule keeps sizing later calls."""
+    pool = _pool()
+    pool.request(100, "big")
+    pool.workspace("big", {})
+    pool.request(200, "big")
+    stats = pool.stats()
+    assert dict(stats.requests_by_rule) == {"big": 3}
+    assert stats.capacity_bytes == 3 * 1024 * 1024  # the rule's size, grown by the workspace() call
+    assert pool.resolve("big", {}) == 3 * 1024 * 1024

@@ -71,13 +71,22 @@ def test_adapter_without_facts_serves_the_hopper_size() -> None:
 
 
 def test_graph_plans_count_the_wrappers_own_buffers() -> None:
-    """Four CUDA-graph MLA plans: the pool holds the hopper size and each wrapper's 8MiB int workspace is counted."""
+    """Four CUDA-graph MLA plans: the pool holds the hopper size; FlashInfer's 8MiB pairs, or wspool's regions."""
     _hopper()
     from wspool.tools.graph_plans import measure_graph_plans
 
-    figures = measure_graph_plans(wspool.PoolRegistry(), batch_sizes=(1, 8, 64, 256), seq_len=256)
-    assert figures["profile"] == "hopper"
-    assert figures["pool_bytes"] == _hopper_bytes()
-    assert figures["wrappers"] == 4
-    assert figures["kernel_device_bytes"] >= 4 * 8 * MiB
-    assert figures["kernel_pinned_host_bytes"] >= 4 * 8 * MiB
+    own = measure_graph_plans(
+        wspool.PoolRegistry(), batch_sizes=(1, 8, 64, 256), seq_len=256, int_workspace="flashinfer"
+    )
+    assert own["profile"] == "hopper"
+    assert own["pool_bytes"] == _hopper_bytes()
+    assert own["wrappers"] == 4
+    assert own["kernel_device_bytes"] >= 4 * 8 * MiB
+    assert own["kernel_pinned_host_bytes"] >= 4 * 8 * MiB
+    assert own["region_bytes"] == 0
+    pooled = measure_graph_plans(wspool.PoolRegistry(), batch_sizes=(1, 8, 64, 256), seq_len=256)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    region = 9 * 65536 + 5 * -(-4 * sm // 16) * 16
+    assert pooled["region_bytes"] == 4 * region
+    assert pooled["kernel_device_bytes"] == 0  # nothing of FlashInfer's own left on the device
+    assert pooled["kernel_pinned_host_bytes"] == 4 * region

@@ -58,6 +58,7 @@ __all__ = [
     "declare_int_pool",
     "install_mla_hook",
     "int_bytes",
+    "keep_flashinfer_buffers",
     "mla_hook_status",
     "paged_int_rule",
     "supplying",
@@ -87,6 +88,17 @@ _HOOK_KEYWORDS = ("float_workspace_buffer", "int_workspace_buffer", "pin_memory_
 # The binding whose buffers an MLA backend built in this context takes (this thread or task only).
 _SUPPLY: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
 _hook: dict[str, Any] = {}  # "status": None (installed) or why not; "class", "original"
+
+
+_OFF_KEY = "flashinfer_int_off"
+
+
+def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
+    """Let wrappers bound through ``registry`` keep FlashInfer's own buffers (``keep=False`` undoes it).
+
+    For comparing against FlashInfer's defaults; wrappers already bound keep their regions.
+    """
+    registry.op_state[_OFF_KEY] = keep
 
 
 def declare_int_pool(registry: PoolRegistry) -> None:
@@ -139,7 +151,7 @@ def bind_paged_wrapper(
     lane: str,
     kind: str,
     group: Hashable | None = None,
-) -> WrapperBinding:
+) -> WrapperBinding | None:
     """Give a paged decode or prefill wrapper an int region sized by ``rule``, through ``reset_workspace_buffer``.
 
     A wrapper already bound to a region that holds the size keeps it; otherwise it
@@ -156,11 +168,16 @@ def bind_paged_wrapper(
         kind: Names the wrapper in statistics.
         group: The sharing group (see the module's docstring); ``None``: a region of its own.
 
+    Returns:
+        The binding, or ``None`` where the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
+
     Raises:
         RuleError: The rule cannot be resolved, naming the setting.
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
+    if registry.op_state.get(_OFF_KEY):
+        return None
     device = float_workspace.device
     nbytes = int_bytes(registry, rule, device, facts)
     current = binding_of(wrapper)
@@ -275,13 +292,14 @@ def bind_mla_wrapper(
     FlashInfer's buffer.
 
     Returns:
-        The binding, or ``None`` where the hook is not installed (see :func:`mla_hook_status`).
+        The binding, or ``None`` where the hook is not installed (see :func:`mla_hook_status`) or the
+        registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
 
     Raises:
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
-    if install_mla_hook() is not None:
+    if registry.op_state.get(_OFF_KEY) or install_mla_hook() is not None:
         return None
     current = binding_of(wrapper)
     if current is not None:
