@@ -83,6 +83,21 @@ def test_show_names_sources(
     assert by_key["pools.flashinfer_mla.growth"].endswith("default")
 
 
+def test_show_says_where_flashinfers_int_workspaces_come_from(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """show names the MLA hook's state and the int workspace rules, a configured one as configured."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__RULES__MLA", "1MiB")
+    assert main(["show"]) == 0
+    out = capsys.readouterr().out
+    assert "FlashInfer wrappers' int workspaces: MLA wrappers take int workspaces from pool flashinfer_int" in out
+    assert "  pools.flashinfer_int.rules.mla = 1MiB\n" in out
+    assert "  pools.flashinfer_int.rules.decode = 13 * max(batch_size, ceil_div(32 * sm_count, num_kv_heads))" in out
+    assert main(["show", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["int_workspaces"]["rules"]["mla"] == "1MiB"
+
+
 def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
     """show --json is machine-readable."""
     assert main(["show", "--json"]) == 0

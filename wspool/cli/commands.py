@@ -55,6 +55,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if entry["profile"] not in profiles:
             profiles[entry["profile"]] = profile_settings(given, entry["profile"])
     warnings = _fact_warnings(profiles.values())
+    int_workspaces = _int_workspaces(registry, devices[0]["device"])
     if args.json:
         tables = {
             name: [
@@ -70,6 +71,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             "settings": tables[devices[0]["profile"]],
             "profiles": tables,
             "warnings": warnings,
+            "int_workspaces": int_workspaces,
         }
         print(json.dumps(data, indent=2))
         return 0
@@ -85,6 +87,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     for name in profiles:
         print(f"profile {name}: {load_profile(name).description}")
+    print(f"FlashInfer wrappers' int workspaces: {printable(int_workspaces['mla'])}; paged wrappers take theirs "
+          "through reset_workspace_buffer")  # fmt: skip
+    for rule, source in int_workspaces["rules"].items():
+        print(f"  pools.flashinfer_int.rules.{rule} = {printable(source)}")
     for name, (settings, prov) in profiles.items():
         if len(profiles) > 1:
             print(f"settings under profile {name}:")
@@ -97,6 +103,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         for key, value, source in table:
             print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
     return 0
+
+
+def _int_workspaces(registry: PoolRegistry, device: str) -> dict[str, Any]:
+    """Whether MLA wrappers take wspool's int workspaces here, and the rules that size them (configured or declared)."""
+    from wspool.flashinfer import wrapper_buffers
+
+    wrapper_buffers.declare_int_pool(registry)
+    rules = registry.spec(wrapper_buffers.INT_POOL, device).rules
+    sources = {name: str(rule.source) for name, rule in sorted(rules.items())}
+    return {"mla": wrapper_buffers.mla_hook_status(), "rules": sources}
 
 
 def _fact_warnings(profiles: Iterable[tuple[WspoolSettings, Provenance]]) -> list[str]:
