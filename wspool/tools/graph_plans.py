@@ -87,9 +87,11 @@ def measure_graph_plans(
         heads: MLA query heads.
 
     Returns:
-        ``device_used_delta`` (from ``cudaMemGetInfo``), ``caller_bytes`` (the page tables,
-        lengths and outputs the measurement allocates per plan) and ``beyond_caller_bytes``
-        (the rest: pools, regions, FlashInfer's buffers, index buffers, graphs), ``torch_allocated_delta``,
+        ``torch_allocated_delta`` (PyTorch's allocated bytes, the graphs' pools included),
+        ``caller_bytes`` (the page tables, lengths and outputs the measurement allocates per
+        plan) and ``beyond_caller_bytes`` (the rest of PyTorch's: pools, regions, FlashInfer's
+        buffers, index buffers), ``device_used_delta`` (``cudaMemGetInfo``: whole segments the
+        caching allocator reserved, blocks it already held not counted),
         ``wspool_pinned_chunk_bytes`` (the page-locked chunks wspool cut pinned copies from),
         ``pool_bytes`` (the float workspace pool), ``region_bytes`` (wspool's int
         regions), ``kernel_device_bytes`` and ``kernel_pinned_host_bytes`` (what the
@@ -121,7 +123,7 @@ def measure_graph_plans(
     torch.cuda.synchronize(device)
     # What the caller allocated per plan (page tables, lengths, outputs): the rest is the plans' own.
     caller = sum(t.numel() * t.element_size() for entry in keep for t in entry if isinstance(t, torch.Tensor))
-    used_delta = _used(device) - used
+    allocated_delta = torch.cuda.memory_allocated(device) - allocated
     kernel = [k for k in kernel_buffer_stats(registry) if k.device == str(device)]
     regions = [r for r in registry.memory_stats()["int_regions"] if r["device"] == str(device)]
     pinned_after = _pinned_host_reserved()
@@ -132,10 +134,10 @@ def measure_graph_plans(
         "profile": registry.profile_of(device).profile,
         "plans": len(keep),
         "heads": heads if kind == "mla" else _GQA["num_qo_heads"],
-        "device_used_delta": used_delta,
+        "device_used_delta": _used(device) - used,
         "caller_bytes": caller,
-        "beyond_caller_bytes": used_delta - caller,
-        "torch_allocated_delta": torch.cuda.memory_allocated(device) - allocated,
+        "beyond_caller_bytes": allocated_delta - caller,
+        "torch_allocated_delta": allocated_delta,
         "pool_bytes": registry.stats(pool, device).capacity_bytes,
         "region_bytes": sum(k.region_bytes for k in kernel),
         "kernel_device_bytes": sum(k.device_bytes for k in kernel),
