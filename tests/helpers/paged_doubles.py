@@ -59,6 +59,8 @@ class _WrapperDouble:
         bind_to_flashinfer(f"{self.cls_name}.__init__", self, float_workspace_buffer, kv_layout, **kwargs)
         self.workspace = float_workspace_buffer
         self.init_kwargs = {"kv_layout": kv_layout, **kwargs}
+        # The backend it was built with, kept under FlashInfer's name until a plan resolves "auto".
+        self._backend = kwargs.get("backend", "auto")
         self.plan_calls = 0
         self.planned: dict[str, Any] | None = None
         # FlashInfer's own int workspace and its host copy (pinned on a GPU machine).
@@ -127,6 +129,11 @@ class DecodeWrapperDouble(_WrapperDouble):
     int_carve = "batch_decode_request_indices"
     instances: ClassVar[list[Any]] = []
 
+    @property
+    def use_tensor_cores(self) -> bool:
+        """FlashInfer's public property: whether it plans with the prefill planner."""
+        return bool(self.init_kwargs.get("use_tensor_cores", False))
+
     def _csr(self, p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return p["indptr"], p["indices"], p["last_page_len"]
 
@@ -151,6 +158,32 @@ class PrefillWrapperDouble(_WrapperDouble):
         bind_to_flashinfer(f"{self.cls_name}.run", self, q, paged_kv_cache, **kwargs)
         out, lse = self._compute(q, paged_kv_cache)
         return self._finish(kwargs, out, lse if kwargs.get("lse_base") == "ln" else lse / math.log(2.0))
+
+
+class RaggedWrapperDouble:
+    """``BatchPrefillWithRaggedKVCacheWrapper`` as far as building and ``reset_workspace_buffer`` go (no plan or run).
+
+    vLLM's DCP prefill wrapper builds one beside its paged context wrapper; like
+    FlashInfer's, it keeps an 8 MiB int workspace and host copy of its own.
+    """
+
+    cls_name = "BatchPrefillWithRaggedKVCacheWrapper"
+    instances: ClassVar[list[Any]] = []
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs: Any) -> None:
+        bind_to_flashinfer(f"{self.cls_name}.__init__", self, float_workspace_buffer, kv_layout, **kwargs)
+        self.workspace = float_workspace_buffer
+        self._backend = kwargs.get("backend", "auto")
+        self._int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
+        type(self).instances.append(self)
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
+        bind_to_flashinfer(f"{self.cls_name}.reset_workspace_buffer", self, float_workspace_buffer,
+                           int_workspace_buffer)  # fmt: skip
+        self.workspace = float_workspace_buffer
+        self._int_workspace_buffer = int_workspace_buffer
+        self._pin_memory_int_workspace_buffer = torch.empty(int_workspace_buffer.shape, dtype=torch.uint8)
 
 
 def fake_flashinfer() -> SimpleNamespace:

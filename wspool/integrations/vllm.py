@@ -15,6 +15,10 @@ callers look them up at call time, in groups (:data:`GROUPS`):
   its copy imported by name into ``flashinfer_mla_sparse_sm120``;
 - the FlashInfer attention builder's ``_get_workspace_buffer`` (a method) and
   trtllm-gen's paged-attention counters;
+- the builder's ``_get_decode_wrapper`` and ``_get_prefill_wrapper`` (methods,
+  one group each), wrapped so each FlashInfer paged wrapper they make gets a
+  right-sized int workspace from pool ``flashinfer_int`` before its first plan
+  (:mod:`wspool.integrations.vllm_wrappers`);
 - DeepSeek V4's sparse MLA workspace: vLLM 0.34's ``get_flashinfer_dsv4_workspace``
   and its two copies imported by name, vLLM 0.33's ``_get_flashinfer_dsv4_workspace``;
 - DASH attention's FlashInfer workspace (vLLM 0.34), ``dash_attention._workspace``;
@@ -51,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wspool.integrations import vllm_workspaces as ws
+from wspool.integrations import vllm_wrappers
 from wspool.registry import get_registry
 
 __all__ = ["ENABLE_ENV_VAR", "GROUPS", "TARGETS", "Target", "TargetGroup", "patched", "register", "unregister"]
@@ -181,6 +186,7 @@ _FOLDED_DECODE_PARAMETERS = (
 _MLA_POOL = "pool flashinfer_mla (int8)"
 _SPARSE_POOL = "pool flashinfer_mla_sparse (int8)"
 _DSV4_POOL = "pool flashinfer_dsv4"
+_INT_POOL = "its wrappers' int workspaces from pool flashinfer_int"
 
 #: What :func:`register` patches: groups in order, each all or none.
 GROUPS: tuple[TargetGroup, ...] = (
@@ -256,6 +262,31 @@ GROUPS: tuple[TargetGroup, ...] = (
                 ("min_bytes", "device"),
                 _replace_with(ws.get_paged_multi_ctas_kv_counter_buffer),
                 "pool flashinfer_counters",
+            ),
+        ),
+    ),
+    # Two groups: the decode wrappers' regions need nothing of the prefill wrapper's, nor it of theirs.
+    TargetGroup(
+        "the FlashInfer decode wrappers' int workspaces",
+        (
+            Target(
+                _PAGED,
+                "FlashInferMetadataBuilder._get_decode_wrapper",
+                ("self", "batch_size", "use_cudagraph", "q_len_per_req"),
+                vllm_wrappers.wrap_get_decode_wrapper,
+                _INT_POOL,
+            ),
+        ),
+    ),
+    TargetGroup(
+        "the FlashInfer prefill wrappers' int workspaces",
+        (
+            Target(
+                _PAGED,
+                "FlashInferMetadataBuilder._get_prefill_wrapper",
+                ("self", "causal"),
+                vllm_wrappers.wrap_get_prefill_wrapper,
+                _INT_POOL,
             ),
         ),
     ),

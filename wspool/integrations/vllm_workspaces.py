@@ -73,6 +73,7 @@ __all__ = [
     "POOL_SPARSE",
     "VLLM_POOLS",
     "configure",
+    "current_lane",
     "get_dash_workspace",
     "get_dsv4_workspace",
     "get_mla_workspace_buffer",
@@ -196,6 +197,11 @@ def _lane() -> str:
     if name is None:
         name = _LANE_NAMES.setdefault(key, f"vllm-u{key[0]}-l{key[1]}")
     return name
+
+
+def current_lane() -> str:
+    """Return the wspool lane of the calling context's vLLM micro-batch and workspace lane (see the module)."""
+    return _lane()
 
 
 def _int8(state: _RegistryState, pool: str, device: object, lane: str, buffer: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,291 @@
+"""vLLM's FlashInfer paged wrappers on right-sized int workspaces from pool ``flashinfer_int`` (vLLM 0.33 and 0.34).
+
+Each FlashInfer paged wrapper allocates an 8 MiB int workspace on the device and an
+8 MiB pinned host copy in its constructor, though a plan uses a few KiB of them.
+vLLM's ``FlashInferMetadataBuilder`` keeps one decode wrapper per CUDA-graph batch
+size and query length, an eager decode wrapper and a prefill wrapper (and a
+non-causal one for DFlash drafts). :mod:`wspool.integrations.vllm` wraps the two
+builder methods that make them, ``_get_decode_wrapper`` and ``_get_prefill_wrapper``
+(:func:`wrap_get_decode_wrapper`, :func:`wrap_get_prefill_wrapper`): a wrapper they
+return for the first time gets a region of its own from
+:func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper` before vLLM plans it,
+sized by its planner's rule for upper bounds of every plan it will make:
+
+=================  ============================  ===============================  ======================
+wrapper            ``batch_size``                ``num_tokens``                   ``num_qo_heads``
+=================  ============================  ===============================  ======================
+CUDA-graph decode  its fixed batch ``B``         ``B * q_len_per_req``            ``heads * dcp_world``
+eager decode       ``T``                         ``T``                            ``heads * dcp_world``
+prefill            ``max_num_seqs``              ``T``                            ``heads``
+DCP context pass   ``max_num_seqs``              ``T``                            ``heads * dcp_world``
+=================  ============================  ===============================  ======================
+
+``T = max(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))``
+(:func:`step_bounds`) bounds the query tokens of any step; ``heads`` and
+``num_kv_heads`` are the builder's (its layer group's), ``dcp_world`` its DCP world
+size, as vLLM passes them to ``plan()``. ``head_dim`` and ``page_size`` are given too,
+for configured rules that read them.
+
+Which wrappers: FlashInfer's own ``BatchDecodeWithPagedKVCacheWrapper`` and
+``BatchPrefillWithPagedKVCacheWrapper`` (as the builder's module names them) whose
+planner has a rule (:func:`~wspool.flashinfer.wrapper_buffers.paged_int_rule`), and
+the paged context wrapper inside vLLM's ``BatchDCPPrefillWrapper``. ``backend="auto"``
+is FlashInfer's fa2 planner on a GPU whose compute capability is not 9.x
+(:func:`planner_backend`); on SM90 it may plan with fa3, which no rule bounds. Left
+with FlashInfer's buffers: fa3, trtllm-gen and fp8 ``auto`` on SM90; the
+attention-sink wrapper (a subclass with a JIT module); the DCP wrapper's ragged
+new-token wrapper (FlashInfer's ``auto`` picks fa2, fa3, fmha_v2, cuDNN or CUTLASS
+for ragged plans). :func:`wrapper_record` says what was done with a wrapper and why.
+
+Sharing: every wrapper has a region of its own (``group=None``): wspool cannot see
+vLLM's CUDA-graph replays, so it cannot tell that two wrappers' plans are never live at once.
+
+Device: the region lives on the device of the builder's float workspace (the one
+vLLM gave the wrapper, passed back to FlashInfer unchanged). Capture: vLLM calls the
+getters while building attention metadata, outside capture, and plans a wrapper
+right after its getter returns it, so the region is in place before the first plan
+and before any graph captures the wrapper; a wrapper is bound once and keeps its
+region (a captured graph holds its address). Threads: vLLM builds metadata on one
+thread per builder; two threads binding one wrapper would both call
+``bind_paged_wrapper``, which keeps a region that holds the size. Per step: one
+weak-dictionary look-up per getter call once a wrapper is known. wspool keeps its
+records beside the wrappers (:func:`wrapper_record`), never on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wspool.devices import describe_device
+from wspool.flashinfer.wrapper_buffers import bind_paged_wrapper, paged_int_rule
+from wspool.integrations.vllm_facts import facts_from_config
+from wspool.integrations.vllm_workspaces import current_lane
+from wspool.registry import get_registry
+
+__all__ = [
+    "WrapperRecord",
+    "planner_backend",
+    "step_bounds",
+    "wrap_get_decode_wrapper",
+    "wrap_get_prefill_wrapper",
+    "wrapper_record",
+]
+
+logger = logging.getLogger("vllm.wspool")
+
+#: The names vLLM's FlashInfer backend module gives the classes it builds.
+_DECODE_CLASS = "BatchDecodeWithPagedKVCacheWrapper"
+_PREFILL_CLASS = "BatchPrefillWithPagedKVCacheWrapper"
+_DCP_CLASS = "BatchDCPPrefillWrapper"
+
+
+@dataclass(frozen=True)
+class WrapperRecord:
+    """What the plugin did with one wrapper a builder returned.
+
+    Attributes:
+        kind: ``"decode-graph"``, ``"decode"``, ``"prefill"`` or ``"dcp-context"``.
+        rule: The ``flashinfer_int`` rule its region was sized by; ``None``: it keeps FlashInfer's buffers.
+        facts: The facts the rule was (or would have been) resolved with.
+        why: Why it keeps FlashInfer's buffers, when it does.
+    """
+
+    kind: str
+    rule: str | None
+    facts: Mapping[str, int]
+    why: str | None = None
+
+
+# Every wrapper the getters returned, bound or left alone: the per-step check is one look-up here.
+_records: weakref.WeakKeyDictionary[Any, WrapperRecord] = weakref.WeakKeyDictionary()
+_said: set[str] = set()
+
+
+def wrapper_record(wrapper: Any) -> WrapperRecord | None:
+    """Return what the plugin did with ``wrapper`` (or with vLLM's DCP wrapper holding it), or ``None`` if unseen."""
+    return _records.get(wrapper)
+
+
+def planner_backend(backend: str, device: torch.device) -> str:
+    """Return the backend whose planner a paged wrapper built with ``backend`` plans with on ``device``.
+
+    FlashInfer resolves a paged wrapper's ``"auto"`` at plan time with
+    ``determine_attention_backend``, which answers fa3 only on SM90: on any other
+    GPU the planner is fa2 (FlashInfer 0.7.4's paged prefill may take cuDNN on
+    Blackwell instead, which reads no int workspace). ``"auto"`` stays ``"auto"``
+    on SM90 and on a device wspool cannot describe; other backends are returned as they are.
+    """
+    if backend != "auto":
+        return backend
+    description = describe_device(device)
+    if description is None or description.cc_major == 9:
+        return backend
+    return "fa2"
+
+
+def step_bounds(config: Any) -> tuple[int, int]:
+    """Return ``(max_num_seqs, T)``: the most requests and query tokens one step of ``config`` plans.
+
+    ``T = max(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))``:
+    the scheduler's token budget, or the most decode tokens its requests hold,
+    whichever is more. Each bounds a step's query tokens on its own; the larger
+    is kept so that the bound holds where either one does.
+
+    Raises:
+        LookupError: The configuration lacks ``max_num_seqs`` or ``max_num_batched_tokens``.
+    """
+    facts = facts_from_config(config)
+    seqs, batched = facts.get("batch_size"), facts.get("batch_tokens")
+    if seqs is None or batched is None:
+        raise LookupError("vLLM's scheduler_config gives no max_num_seqs or max_num_batched_tokens")
+    return seqs, max(batched, seqs * facts.get("q_len", 1))
+
+
+def _say_once(level: int, message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.log(level, "wspool: %s", message)
+
+
+def _left_alone(kind: str, facts: Mapping[str, int], why: str, level: int = logging.INFO) -> WrapperRecord:
+    _say_once(level, f"vLLM's {kind} wrapper keeps FlashInfer's 8 MiB int workspace and pinned copy: {why}")
+    return WrapperRecord(kind, None, facts, why)
+
+
+def _bind(
+    builder: Any, wrapper: Any, *, kind: str, planner: str, facts: Mapping[str, int], dtypes: tuple[Any, ...]
+) -> WrapperRecord:
+    """Give ``wrapper`` a region for ``facts`` where its planner has a rule; return the record."""
+    # The backend it was built with: FlashInfer keeps it until its first plan resolves "auto".
+    backend = getattr(wrapper, "_backend", None)
+    workspace = getattr(builder, "_workspace_buffer", None)
+    if not isinstance(backend, str) or not isinstance(workspace, torch.Tensor):
+        return _left_alone(kind, facts, "its backend or the builder's float workspace is not where wspool reads them")
+    device = workspace.device
+    rule = paged_int_rule(
+        planner,
+        use_tensor_cores=bool(getattr(wrapper, "use_tensor_cores", False)),
+        backend=planner_backend(backend, device),
+        dtypes=dtypes,
+    )
+    if rule is None:
+        why = f"backend {backend!r} on {device} may plan with fa3, trtllm-gen or another planner no rule bounds"
+        return _left_alone(kind, facts, why)
+    bind_paged_wrapper(
+        wrapper, workspace, registry=get_registry(), rule=rule, facts=facts, lane=current_lane(), kind=f"vllm-{kind}"
+    )
+    return WrapperRecord(kind, rule, facts)
+
+
+def _facts(builder: Any, batch_size: int, num_tokens: int, num_qo_heads: int) -> dict[str, int]:
+    return {
+        "batch_size": batch_size,
+        "num_tokens": num_tokens,
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": int(builder.num_kv_heads),
+        "head_dim": int(builder.head_dim),
+        "page_size": int(builder.page_size),
+    }
+
+
+def _record_decode(
+    namespace: Mapping[str, Any], builder: Any, wrapper: Any, batch_size: int, use_cudagraph: bool, q_len: int
+) -> WrapperRecord:
+    kind = "decode-graph" if use_cudagraph else "decode"
+    try:
+        heads = int(builder.num_qo_heads) * int(getattr(builder, "dcp_world_size", 1))
+        if use_cudagraph:  # planned at this batch and query length only (vLLM keys the wrapper by them)
+            facts = _facts(builder, batch_size, batch_size * q_len, heads)
+        else:
+            _, step = step_bounds(builder.vllm_config)
+            facts = _facts(builder, max(step, batch_size), max(step, batch_size * q_len), heads)
+        dtypes = (builder.q_data_type_decode, builder.kv_cache_dtype)
+    except (AttributeError, LookupError, TypeError, ValueError) as exc:
+        return _left_alone(kind, {}, f"the builder does not give its bounds ({exc})", logging.WARNING)
+    if type(wrapper) is not namespace.get(_DECODE_CLASS):
+        return _left_alone(kind, facts, f"it is a {type(wrapper).__name__}, not FlashInfer's {_DECODE_CLASS}")
+    return _bind(builder, wrapper, kind=kind, planner="decode", facts=facts, dtypes=dtypes)
+
+
+def _record_prefill(namespace: Mapping[str, Any], builder: Any, wrapper: Any) -> WrapperRecord:
+    dcp = type(wrapper) is namespace.get(_DCP_CLASS)
+    kind = "dcp-context" if dcp else "prefill"
+    try:
+        seqs, step = step_bounds(builder.vllm_config)
+        heads = int(builder.num_qo_heads) * (int(builder.dcp_world_size) if dcp else 1)
+        facts = _facts(builder, seqs, step, heads)
+        dtypes = (builder.q_data_type_prefill, builder.kv_cache_dtype)
+    except (AttributeError, LookupError, TypeError, ValueError) as exc:
+        return _left_alone(kind, {}, f"the builder does not give its bounds ({exc})", logging.WARNING)
+    # vLLM's DCP wrapper plans its context pass on a paged prefill wrapper of its own, over the gathered heads.
+    target = getattr(wrapper, "_native_context", None) if dcp else wrapper
+    if type(target) is not namespace.get(_PREFILL_CLASS):
+        return _left_alone(kind, facts, f"it is a {type(target).__name__}, not FlashInfer's {_PREFILL_CLASS}")
+    record = _bind(builder, target, kind=kind, planner="prefill", facts=facts, dtypes=dtypes)
+    if dcp:
+        _records[target] = record
+    return record
+
+
+def wrap_get_decode_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FlashInferMetadataBuilder._get_decode_wrapper``: a decode wrapper gets its region before its first plan.
+
+    Args:
+        original: vLLM's ``_get_decode_wrapper(self, batch_size, use_cudagraph=False, q_len_per_req=1)``.
+
+    Returns:
+        A method that returns what vLLM's returns; a wrapper it has not seen is
+        bound first (a CUDA-graph wrapper for its batch and query length, the
+        eager one for :func:`step_bounds`), or recorded as left alone.
+
+    Raises:
+        RuleError: Pool ``flashinfer_int``'s rule cannot be resolved, naming the setting.
+        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    """
+    namespace: Mapping[str, Any] = getattr(original, "__globals__", {})  # read at each call: tests replace classes
+
+    def _get_decode_wrapper(self: Any, batch_size: int, use_cudagraph: bool = False, q_len_per_req: int = 1) -> Any:
+        wrapper = original(self, batch_size, use_cudagraph, q_len_per_req)
+        if wrapper not in _records:
+            _records[wrapper] = _record_decode(namespace, self, wrapper, batch_size, use_cudagraph, q_len_per_req)
+        return wrapper
+
+    _get_decode_wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    _get_decode_wrapper.__doc__ = original.__doc__
+    _get_decode_wrapper.__wspool__ = True  # type: ignore[attr-defined]
+    return _get_decode_wrapper
+
+
+def wrap_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FlashInferMetadataBuilder._get_prefill_wrapper``: a prefill wrapper gets a region before its first plan.
+
+    Args:
+        original: vLLM's ``_get_prefill_wrapper(self, causal=True)``.
+
+    Returns:
+        A method that returns what vLLM's returns; a wrapper it has not seen (the
+        causal and the non-causal one, or the paged context wrapper inside vLLM's
+        DCP wrapper) is bound first for :func:`step_bounds`, or recorded as left alone.
+
+    Raises:
+        RuleError: Pool ``flashinfer_int``'s rule cannot be resolved, naming the setting.
+        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    """
+    namespace: Mapping[str, Any] = getattr(original, "__globals__", {})
+
+    def _get_prefill_wrapper(self: Any, causal: bool = True) -> Any:
+        wrapper = original(self, causal)
+        if wrapper not in _records:
+            _records[wrapper] = _record_prefill(namespace, self, wrapper)
+        return wrapper
+
+    _get_prefill_wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    _get_prefill_wrapper.__doc__ = original.__doc__
+    _get_prefill_wrapper.__wspool__ = True  # type: ignore[attr-defined]
+    return _get_prefill_wrapper
