@@ -6,50 +6,37 @@ hold for themselves (tracked weakly per pool) and, on CUDA, PyTorch's
 allocated and reserved bytes. ``dry_run`` resolves rules on the ``meta``
 device, allocating nothing. Reading has no side effects and creates no CUDA
 context; thread-safe. Tables and figures: docs/kernels.md.
-
-:class:`WrapperRegions` hands kernel wrappers right-sized regions of their own
-(a wrapper's int workspace and its pinned host copy) in place of the fixed
-buffers they would allocate; a region lives as long as a wrapper bound to it.
-Wrappers bound with one sharing group on one device and lane share a region,
-and its :class:`PlanOwner` record says whose plan it holds. Device: a region lives on the wrapper's device, its
-pinned copy in page-locked host memory (plain host memory off CUDA).
-Capture: a region never moves; none is allocated while the current stream
-captures a CUDA graph. Threads: binding is thread-safe; allocation runs
-outside the lock. Sharing rules: docs/wrapper-buffers.md.
+The regions wspool gives wrappers in place of their own int workspaces are
+:mod:`wspool.regions`' (counted here, per pool).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError, WorkspaceLimitError, describe_setting
-from wspool.pool import Allocator, PoolStats, cuda_capture_probe, zeros_allocator
-from wspool.units import format_size, round_up
+from wspool.errors import RuleError
+from wspool.pool import Allocator, PoolStats, zeros_allocator
+from wspool.regions import existing_regions, wrapper_regions
+from wspool.units import format_size
 
 if TYPE_CHECKING:
     from wspool.pool import PoolSource, WorkspacePool
 
 __all__ = [
     "FLASHINFER_INT_DEFAULT_BYTES",
-    "IntRegion",
     "KernelBufferStats",
-    "PlanOwner",
-    "WrapperBinding",
-    "WrapperRegions",
-    "binding_of",
     "dry_run",
     "kernel_buffer_stats",
     "mem_pool_allocator",
     "memory_stats",
     "memory_summary",
     "track_kernel_buffers",
-    "wrapper_regions",
 ]
 
 
@@ -174,265 +161,6 @@ def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
     return [KernelBufferStats(p, d, ln, *v) for (p, d, ln), v in sorted(totals.items())]
 
 
-# -- wrappers' own regions ----------------------------------------------------------
-
-_REGIONS_KEY = "wrapper_regions"
-#: Regions start on this boundary, as FlashInfer's planners assume of their int workspaces.
-REGION_ALIGNMENT = 16
-#: Pinned copies are carved from page-locked chunks of this size: PyTorch's pinned allocator
-#: rounds every block up to a power of two, so one block per copy would nearly double them.
-PINNED_CHUNK_BYTES = 4 * 1024 * 1024
-
-
-class PlanOwner:
-    """Which plan last wrote an int workspace: the token of the plan whose metadata it holds.
-
-    wspool's record, kept beside the kernel wrapper, never on it. A region shared
-    by several wrappers has one record, so a plan of any of them sees another take it.
-
-    Attributes:
-        owner: That plan's token; ``None`` before the first plan and while one is planning.
-    """
-
-    __slots__ = ("owner",)
-
-    def __init__(self) -> None:
-        self.owner: object | None = None
-
-
-class IntRegion:
-    """One int workspace on the device, as wspool hands it to kernel wrappers.
-
-    Attributes:
-        tensor: The region: a zero-filled 1-D ``uint8`` tensor of its own allocation.
-        record: Whose plan the region holds (every wrapper bound to it shares this record).
-        group: The sharing group, or ``None`` for a region of one wrapper.
-        device: The device, as a string.
-        lane: The lane.
-    """
-
-    __slots__ = ("__weakref__", "device", "group", "lane", "record", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, group: Hashable | None, lane: str) -> None:
-        self.tensor = tensor
-        self.record = PlanOwner()
-        self.group = group
-        self.device = str(tensor.device)
-        self.lane = lane
-
-    @property
-    def nbytes(self) -> int:
-        """The region's size in bytes."""
-        return int(self.tensor.numel())
-
-
-class WrapperBinding:
-    """What wspool gave one wrapper: its int region, and its own pinned host copy where wspool makes one.
-
-    Attributes:
-        region: The int workspace.
-        pinned: The wrapper's pinned host copy (as large as the region), or ``None``
-            where the wrapper makes its own from the region's size.
-        kind: What the wrapper is, e.g. ``"mla"`` or ``"decode"`` (for statistics).
-    """
-
-    __slots__ = ("kind", "pinned", "region")
-
-    def __init__(self, region: IntRegion, pinned: torch.Tensor | None, kind: str) -> None:
-        self.region, self.pinned, self.kind = region, pinned, kind
-
-
-# Every registry's bindings, for the look-up by wrapper alone (a wrapper has one binding at a time).
-_BOUND: weakref.WeakKeyDictionary[Any, WrapperBinding] = weakref.WeakKeyDictionary()
-
-
-def binding_of(wrapper: Any) -> WrapperBinding | None:
-    """Return the region binding ``wrapper`` has in any registry, or ``None``."""
-    return _BOUND.get(wrapper)
-
-
-class WrapperRegions:
-    """A registry's regions for kernel wrappers' own buffers, keyed weakly by wrapper.
-
-    Args:
-        pool: The name of the pool whose configuration caps them (``max_bytes`` per device and lane).
-        max_bytes: Reads that cap for a device: ``None`` for none.
-        allocator: Makes zero-filled device regions; default ``torch.zeros``.
-
-    Thread semantics: thread-safe; a region is allocated outside the lock, so two
-    threads binding the first wrappers of one group may each allocate, and the one
-    that installs its region first wins (the other's region is dropped).
-    """
-
-    def __init__(self, pool: str, max_bytes: Callable[[str], int | None], allocator: Allocator | None = None) -> None:
-        self.pool = pool
-        self._max_bytes = max_bytes
-        self._allocate = allocator or zeros_allocator
-        self._lock = threading.Lock()
-        self._bindings: weakref.WeakKeyDictionary[Any, WrapperBinding] = weakref.WeakKeyDictionary()
-        self._groups: weakref.WeakValueDictionary[tuple[str, str, Hashable], IntRegion] = weakref.WeakValueDictionary()
-        self._probes: dict[str, Callable[[], bool]] = {}
-        self._pinned_chunk: tuple[torch.Tensor, int] | None = None  # (chunk, bytes used)
-
-    def binding(self, wrapper: Any) -> WrapperBinding | None:
-        """Return what ``wrapper`` was bound to, or ``None``."""
-        return self._bindings.get(wrapper)
-
-    def bind(
-        self,
-        wrapper: Any,
-        *,
-        device: torch.device,
-        nbytes: int,
-        kind: str,
-        lane: str,
-        group: Hashable | None = None,
-        pinned: bool = False,
-    ) -> WrapperBinding:
-        """Give ``wrapper`` an int region of at least ``nbytes``; return its binding.
-
-        Args:
-            wrapper: The kernel wrapper (held weakly; its binding lives as long as it).
-            device: The wrapper's device.
-            nbytes: What its plans need at most.
-            kind: What it is, for statistics.
-            lane: The lane of the work it serves.
-            group: Wrappers bound with the same group, device and lane share one
-                region; the caller states that their plans are never live at once
-                (the region's record lets each plan see that another took it).
-                ``None``: a region of its own.
-            pinned: Also make it a pinned host copy as large as the region.
-
-        Raises:
-            WorkspaceFrozenError: A region would be allocated while the current stream captures.
-            WorkspaceLimitError: The regions would pass the pool's ``max_bytes``, or the device's memory.
-        """
-        size = round_up(max(int(nbytes), REGION_ALIGNMENT), REGION_ALIGNMENT)
-        key = (str(device), lane, group)
-        region = self._groups.get(key) if group is not None else None
-        if region is None or region.nbytes < size:
-            region = self._new_region(device, size, group, lane)
-            if group is not None:
-                with self._lock:
-                    installed = self._groups.get(key)
-                    if installed is not None and installed.nbytes >= size:
-                        region = installed  # another thread installed one first
-                    else:
-                        self._groups[key] = region
-        copy = self._pinned_copy(region.nbytes, device) if pinned else None
-        binding = WrapperBinding(region, copy, kind)
-        with self._lock:
-            previous = self._bindings.get(wrapper)
-            self._bindings[wrapper] = binding
-            _BOUND[wrapper] = binding
-        if previous is not None and previous.region is not region:
-            previous.region.record.owner = None  # the wrapper's plans no longer live there
-        return binding
-
-    def _new_region(self, device: torch.device, size: int, group: Hashable | None, lane: str) -> IntRegion:
-        """Allocate a region (outside the lock), refused while capturing or past the cap."""
-        where = str(device)
-        if device.type == "cuda":
-            probe = self._probes.get(where)
-            if probe is None:
-                probe = self._probes.setdefault(where, cuda_capture_probe(device))
-            if probe():
-                raise WorkspaceFrozenError(
-                    f"a {format_size(size)} int workspace region ({self.pool}) on {device} lane {lane} would be "
-                    "allocated during CUDA-graph capture; bind the wrapper (build it and plan it once) before capture"
-                )
-        limit = self._max_bytes(where)
-        if limit is not None:
-            held = sum(r.nbytes for r in self._live_regions() if r.device == where and r.lane == lane)
-            if held + size > limit:
-                raise WorkspaceLimitError(
-                    f"int workspace regions ({self.pool}) on {device} lane {lane} would hold {held + size} bytes, "
-                    f"over max_bytes {limit}; raise {describe_setting(('pools', self.pool, 'max_bytes'))}"
-                )
-        with torch.inference_mode(False):
-            try:
-                tensor = self._allocate(size, device)
-            except (RuntimeError, MemoryError) as exc:  # torch's OutOfMemoryError is a RuntimeError
-                raise WorkspaceLimitError(
-                    f"out of memory allocating a {format_size(size)} int workspace region ({self.pool}) on {device}"
-                ) from exc
-        return IntRegion(tensor, group, lane)
-
-    def _pinned_copy(self, size: int, device: torch.device) -> torch.Tensor:
-        """A pinned host copy of ``size`` bytes of its own, cut from a page-locked chunk (plain memory off CUDA).
-
-        Slices never overlap; a chunk is freed once no copy cut from it is alive.
-        """
-        if device.type != "cuda":
-            with torch.inference_mode(False):
-                return torch.empty(size, dtype=torch.uint8)
-        while True:
-            with self._lock:
-                found = self._pinned_chunk
-                if found is not None and found[1] + size <= found[0].numel():
-                    chunk, used = found
-                    self._pinned_chunk = (chunk, round_up(used + size, REGION_ALIGNMENT))
-                    return chunk[used : used + size]
-            chunk_bytes = max(PINNED_CHUNK_BYTES, 1 << (size - 1).bit_length())
-            with torch.inference_mode(False):  # allocated outside the lock; installed unless another thread was first
-                new = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
-            with self._lock:
-                current = self._pinned_chunk
-                if current is None or current[1] + size > current[0].numel():
-                    self._pinned_chunk = (new, 0)
-
-    def _live_regions(self) -> list[IntRegion]:
-        with self._lock:
-            found = {id(b.region): b.region for b in self._bindings.values()}
-        return list(found.values())
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Return the live regions per device and lane: wrappers, regions, region and pinned bytes, kinds.
-
-        ``pinned_bytes`` counts the copies; ``pinned_chunk_bytes`` the page-locked chunks they are cut from.
-        """
-        with self._lock:
-            bindings = list(self._bindings.values())
-        totals: dict[tuple[str, str], dict[str, Any]] = {}
-        seen: set[int] = set()
-        chunks: set[int] = set()
-        for binding in bindings:
-            region = binding.region
-            entry = totals.setdefault(
-                (region.device, region.lane),
-                {"device": region.device, "lane": region.lane, "wrappers": 0, "regions": 0, "region_bytes": 0,
-                 "pinned_bytes": 0, "pinned_chunk_bytes": 0, "kinds": {}},
-            )  # fmt: skip
-            entry["wrappers"] += 1
-            entry["kinds"][binding.kind] = entry["kinds"].get(binding.kind, 0) + 1
-            if binding.pinned is not None:
-                entry["pinned_bytes"] += binding.pinned.numel()
-                storage = binding.pinned.untyped_storage()
-                if storage.data_ptr() not in chunks:
-                    chunks.add(storage.data_ptr())
-                    entry["pinned_chunk_bytes"] += storage.nbytes()
-            if id(region) not in seen:
-                seen.add(id(region))
-                entry["regions"] += 1
-                entry["region_bytes"] += region.nbytes
-        return [totals[k] for k in sorted(totals)]
-
-
-def wrapper_regions(registry: PoolSource, pool: str = "flashinfer_int") -> WrapperRegions:
-    """Return ``registry``'s :class:`WrapperRegions` (made on first use), capped by ``pools.<pool>.max_bytes``."""
-    regions: WrapperRegions | None = registry.op_state.get(_REGIONS_KEY)
-    if regions is None:
-
-        def max_bytes(device: str) -> int | None:
-            try:
-                return registry.spec(pool, device).max_bytes
-            except ConfigError:  # the pool is not declared (yet): no cap
-                return None
-
-        regions = registry.op_state.setdefault(_REGIONS_KEY, WrapperRegions(pool, max_bytes))
-    return regions
-
-
 def mem_pool_allocator(mem_pool: Any, base: Allocator | None = None) -> Allocator:
     """Return an allocator that makes CUDA buffers inside ``mem_pool``.
 
@@ -514,7 +242,7 @@ def memory_stats(registry: PoolSource) -> dict[str, Any]:
         entry = devices.setdefault(stats.device, {"held_bytes": 0})
         entry["held_bytes"] += held
     kernel = [asdict(k) for k in kernel_buffer_stats(registry)]
-    regions: WrapperRegions | None = registry.op_state.get(_REGIONS_KEY)
+    regions = existing_regions(registry)
     int_regions = [] if regions is None else regions.stats()
     for k in kernel:
         entry = devices.setdefault(k["device"], {"held_bytes": 0})

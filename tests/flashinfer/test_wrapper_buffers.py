@@ -1,4 +1,4 @@
-"""Tests for wspool.flashinfer.wrapper_buffers and wspool.memory's regions on the CPU.
+"""Tests for wspool.flashinfer.wrapper_buffers and wspool.regions on the CPU.
 
 The rules against FlashInfer's planners' carves, the MLA constructor hook
 against FlashInfer's real backend class, sharing through the CPU doubles
@@ -8,7 +8,6 @@ shows as a wrong result), and what the statistics report.
 
 from __future__ import annotations
 
-import gc
 import inspect
 from collections.abc import Iterator
 
@@ -22,11 +21,11 @@ from tests.helpers.mla_doubles import WrapperDouble
 from tests.helpers.mla_inputs import make_inputs, mla_reference
 from tests.helpers.paged_doubles import DecodeWrapperDouble, fake_flashinfer
 from tests.helpers.paged_inputs import make_paged_inputs
-from wspool.errors import RuleError, WorkspaceLimitError
+from wspool.errors import RuleError
 from wspool.flashinfer import backends, mla_decode_plan, paged_attention_reference, paged_decode_plan, wrapper_buffers
 from wspool.flashinfer import kernels as fi_kernels
 from wspool.flashinfer import paged as paged_module
-from wspool.memory import binding_of, wrapper_regions
+from wspool.regions import binding_of
 from wspool.units import MiB, ceil_div, round_up
 
 # -- the rules against the planners' carves (FlashInfer's scheduler.cuh) ----------------------
@@ -364,36 +363,3 @@ def test_statistics_report_regions_and_flashinfers_defaults(h200_paged: None) ->
     (kernel,) = registry.memory_stats()["kernel_buffers"]
     assert kernel["bound_wrappers"] == 1 and 0 < kernel["region_bytes"] < 64 * 1024
     del inputs, plan
-
-
-# -- the regions themselves ----------------------------------------------------------------
-
-
-def test_regions_of_a_group_are_shared_and_live_as_long_as_a_wrapper() -> None:
-    """One region per group, device and lane; a larger need gets a new one; regions die with their wrappers."""
-    regions = wrapper_regions(wspool.PoolRegistry())
-    cpu = torch.device("cpu")
-    a, b, c, d = _Wrapper(), _Wrapper(), _Wrapper(), _Wrapper()
-    ra = regions.bind(a, device=cpu, nbytes=100, kind="x", lane="main", group="g").region
-    rb = regions.bind(b, device=cpu, nbytes=90, kind="x", lane="main", group="g").region
-    rc = regions.bind(c, device=cpu, nbytes=200, kind="x", lane="main", group="g").region
-    rd = regions.bind(d, device=cpu, nbytes=90, kind="x", lane="other", group="g").region
-    assert ra is rb and rc is not ra and rc.nbytes == 208 and rd is not rc
-    assert ra.nbytes == 112  # rounded to 16 bytes
-    ((main, other),) = [regions.stats()]
-    assert (main["regions"], main["wrappers"], other["regions"]) == (2, 3, 1)
-    del a, b, c, d, ra, rb, rc, rd, main, other
-    gc.collect()
-    assert regions.stats() == []
-
-
-def test_regions_past_max_bytes_are_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pools.flashinfer_int.max_bytes caps a device and lane's regions; the refusal names the key."""
-    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "1KiB")
-    registry = wspool.PoolRegistry()
-    wrapper_buffers.declare_int_pool(registry)
-    regions = wrapper_regions(registry)
-    keep = _Wrapper()
-    regions.bind(keep, device=torch.device("cpu"), nbytes=1000, kind="x", lane="main")
-    with pytest.raises(WorkspaceLimitError, match=r"max_bytes 1024; raise pools\.flashinfer_int\.max_bytes"):
-        regions.bind(_Wrapper(), device=torch.device("cpu"), nbytes=100, kind="x", lane="main")

@@ -34,7 +34,8 @@ from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import RuleError
 from wspool.integrations import vllm as plugin
 from wspool.integrations.vllm_wrappers import planner_backend, step_bounds, wrapper_record
-from wspool.memory import FLASHINFER_INT_DEFAULT_BYTES, binding_of
+from wspool.memory import FLASHINFER_INT_DEFAULT_BYTES
+from wspool.regions import binding_of
 from wspool.units import ceil_div, round_up
 
 PAGED = "vllm.v1.attention.backends.flashinfer"

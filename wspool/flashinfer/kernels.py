@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from wspool.flashinfer.backends import DCPArgs, int8_view
-from wspool.memory import PlanOwner, binding_of
 from wspool.pool import WorkspacePool
+from wspool.regions import PlanOwner, binding_of
 
 __all__ = [
     "TRTLLM_DECODE_KEYWORDS",

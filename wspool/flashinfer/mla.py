@@ -24,8 +24,9 @@ from wspool.flashinfer.backends import BLACKWELL_BACKENDS, DCPArgs, check_dcp, c
 from wspool.flashinfer.layouts import StepConstants, check_page_table, step_constants, wrapper_metadata
 from wspool.flashinfer.reference import mla_decode_reference_into
 from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
-from wspool.memory import PlanOwner, track_kernel_buffers
+from wspool.memory import track_kernel_buffers
 from wspool.pool import WorkspacePool
+from wspool.regions import PlanOwner
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [

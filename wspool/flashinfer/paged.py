@@ -23,7 +23,8 @@ from wspool.flashinfer import backends, kernels, wrapper_buffers
 from wspool.flashinfer.layouts import check_int_tensor, check_page_table, page_table_to_csr
 from wspool.flashinfer.reference import paged_attention_reference
 from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
-from wspool.memory import PlanOwner, track_kernel_buffers
+from wspool.memory import track_kernel_buffers
+from wspool.regions import PlanOwner
 from wspool.registry import PoolRegistry, get_registry
 from wspool.units import ceil_div
 

@@ -3,7 +3,7 @@
 Every FlashInfer wrapper keeps its plan's metadata in an int workspace on the
 device (8 MiB by default) and writes it through a pinned host copy (8 MiB
 more), though a plan uses a few KiB to about 600 KiB of it. wspool gives a
-wrapper a region of :class:`~wspool.memory.WrapperRegions` instead, sized by
+wrapper a region of :class:`~wspool.regions.WrapperRegions` instead, sized by
 a rule of pool ``flashinfer_int`` (:data:`INT_RULES`, configurable like any
 pool's rules):
 
@@ -30,7 +30,7 @@ bound with one group on one device and lane share a region; their plans must
 never be live at once (per-size CUDA-graph plans that are each planned right
 before their replay), and the region's record (:func:`~wspool.flashinfer.kernels.ownership`)
 lets every wspool plan see that another plan took it. Pinned copies are never
-shared. Device, capture and thread semantics: :mod:`wspool.memory`.
+shared. Device, capture and thread semantics: :mod:`wspool.regions`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from wspool.memory import WrapperBinding, binding_of, wrapper_regions
+from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.registry import PoolRegistry
 
 __all__ = [

@@ -1,0 +1,58 @@
+"""Tests for wspool.regions: kernel wrappers' own regions, shared by group, capped, freed with their wrappers."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import wspool
+from wspool.errors import WorkspaceLimitError
+from wspool.flashinfer import wrapper_buffers
+from wspool.regions import binding_of, wrapper_regions
+
+
+class _Wrapper:
+    """Any object wspool binds (kernel wrappers are plain objects held weakly)."""
+
+
+def test_regions_of_a_group_are_shared_and_live_as_long_as_a_wrapper() -> None:
+    """One region per group, device and lane; a larger need gets a new one; regions die with their wrappers."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    cpu = torch.device("cpu")
+    a, b, c, d = _Wrapper(), _Wrapper(), _Wrapper(), _Wrapper()
+    ra = regions.bind(a, device=cpu, nbytes=100, kind="x", lane="main", group="g").region
+    rb = regions.bind(b, device=cpu, nbytes=90, kind="x", lane="main", group="g").region
+    rc = regions.bind(c, device=cpu, nbytes=200, kind="x", lane="main", group="g").region
+    rd = regions.bind(d, device=cpu, nbytes=90, kind="x", lane="other", group="g").region
+    assert ra is rb and rc is not ra and rc.nbytes == 208 and rd is not rc
+    assert ra.nbytes == 112  # rounded to 16 bytes
+    ((main, other),) = [regions.stats()]
+    assert (main["regions"], main["wrappers"], other["regions"]) == (2, 3, 1)
+    del a, b, c, d, ra, rb, rc, rd, main, other
+    gc.collect()
+    assert regions.stats() == []
+
+
+def test_regions_past_max_bytes_are_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pools.flashinfer_int.max_bytes caps a device and lane's regions; the refusal names the key."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "1KiB")
+    registry = wspool.PoolRegistry()
+    wrapper_buffers.declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    keep = _Wrapper()
+    regions.bind(keep, device=torch.device("cpu"), nbytes=1000, kind="x", lane="main")
+    with pytest.raises(WorkspaceLimitError, match=r"max_bytes 1024; raise pools\.flashinfer_int\.max_bytes"):
+        regions.bind(_Wrapper(), device=torch.device("cpu"), nbytes=100, kind="x", lane="main")
+
+
+def test_a_rebound_wrapper_leaves_its_old_regions_record_to_nobody() -> None:
+    """A wrapper moved to a larger region clears the old region's owner: no plan may trust it any more."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    wrapper = _Wrapper()
+    old = regions.bind(wrapper, device=torch.device("cpu"), nbytes=64, kind="x", lane="main")
+    old.region.record.owner = token = object()
+    new = regions.bind(wrapper, device=torch.device("cpu"), nbytes=640, kind="x", lane="main")
+    assert binding_of(wrapper) is new and new.region is not old.region
+    assert old.region.record.owner is None and token is not None
