@@ -189,7 +189,7 @@ def configure(
     _settings.device = None if device is None else torch.device(device)
     _settings.deterministic = deterministic or _never
     facts_of.set_context_readers(parallel, spec)
-    sglang_wrappers.set_schedule_readers(schedule, prefill_buffer_tokens)
+    sglang_wrappers.configure(schedule, prefill_buffer_tokens)
 
 
 class _RegistryState:

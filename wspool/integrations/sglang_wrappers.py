@@ -92,8 +92,8 @@ __all__ = [
     "Seam",
     "bind_eager_wrappers",
     "binding_graph_wrappers",
+    "configure",
     "prefill_rows",
-    "set_schedule_readers",
     "supplying_mla_decode",
     "supplying_mla_prefill",
 ]
@@ -108,9 +108,9 @@ _readers: tuple[Callable[[], Any] | None, Callable[[], Any] | None] = (None, Non
 _warned: set[str] = set()
 
 
-def set_schedule_readers(schedule: Callable[[], Any] | None, prefill_buffer_tokens: Callable[[], Any] | None) -> None:
-    """Tell :func:`prefill_rows` how to read SGLang's scheduling limits (``None``: not at all; the SGLang
-    integration's ``configure`` calls it)."""
+def configure(schedule: Callable[[], Any] | None, prefill_buffer_tokens: Callable[[], Any] | None) -> None:
+    """Tell :func:`prefill_rows` how to read SGLang's scheduling limits (``None``: not at all), and forget what
+    was said once (the SGLang integration's ``configure`` calls it when it loads and unloads)."""
     global _readers
     _readers = (schedule, prefill_buffer_tokens)
     _warned.clear()
@@ -126,28 +126,34 @@ def _positive(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def prefill_rows(context_len: int, batch: int, tokens_per_request: int) -> int | None:
+def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole_prompts: bool = False) -> int | None:
     """Return the most query rows one extend batch of SGLang can carry, or ``None`` where SGLang's limits are unknown.
 
-    SGLang admits one request of up to ``context_len`` tokens alone, further ones
-    only within ``max_prefill_tokens``, and with chunked prefill cuts every batch
-    to its chunk (``max_prefill_buffer_tokens()``, which also covers pipeline
-    parallelism's dynamic chunks and the mixed decode tokens charged to it).
-    Target verify and draft extend carry ``tokens_per_request`` rows per request.
+    With chunked prefill SGLang cuts every batch to its chunk
+    (``max_prefill_buffer_tokens()``: ``chunked_prefill_size``, or pipeline
+    parallelism's larger dynamic chunk; the mixed decode tokens are charged to
+    it). Without, it admits one request of up to ``context_len`` tokens alone
+    and further ones only within ``max_prefill_tokens``. Target verify and
+    draft extend carry ``tokens_per_request`` rows per request.
 
     Args:
         context_len: The model's context length.
         batch: The most requests in one batch.
         tokens_per_request: Query rows per request in verify and draft extend.
+        whole_prompts: The scheduler may admit whole prompts although chunked prefill is
+            configured (SGLang turns it off for multimodal models on the Transformers
+            backend; diffusion LMs extend by blocks of their own budget).
     """
     schedule, buffer_tokens = _readers
     if schedule is None or buffer_tokens is None:
         return None
     try:
-        limits = (schedule().max_prefill_tokens, buffer_tokens())
+        limits = schedule()
+        chunked = _positive(limits.chunked_prefill_size)
+        rows = max(_positive(limits.max_prefill_tokens), _positive(buffer_tokens()), batch * tokens_per_request)
     except Exception:  # SGLang's accessors raise while nothing is published
         return None
-    return max(context_len, *(_positive(v) for v in limits), batch * tokens_per_request)
+    return max(rows, context_len) if whole_prompts or not chunked else rows
 
 
 # -- paged wrappers ------------------------------------------------------------------------
@@ -213,83 +219,90 @@ def _describe(bound: Iterable[tuple[str, int]]) -> str:
     return ", ".join(f"{len(n)} {kind} ({format_size(max(n))})" for kind, n in sizes.items()) or "none"
 
 
+def _not_as_read(backend: Any, exc: AttributeError) -> None:
+    _warn_once(
+        "layout", logging.WARNING, "wspool: SGLang's FlashInfer wrappers keep FlashInfer's int workspaces: "
+        "%s is not as wspool read it (%s)", type(backend).__name__, exc,
+    )  # fmt: skip
+
+
 def bind_eager_wrappers(backend: Any) -> None:
     """Give a ``FlashInferAttnBackend``'s eager wrappers right-sized int workspaces (its constructor has just run).
 
     Facts: B, the requests the backend's ``kv_indptr`` holds (SGLang writes every
     plan's indptr into it, the multi-step draft's ``topk`` branches included);
     decode plans one query row per request, extend at most :func:`prefill_rows`.
+    A backend whose attributes are not as read keeps FlashInfer's buffers (said once).
 
     Raises:
         RuleError: A ``flashinfer_int`` rule cannot be resolved, naming the setting.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
-    planned = _Planned.of(backend)
-    batch = int(backend.kv_indptr[0].numel()) - 1
+    try:
+        planned = _Planned.of(backend)
+        batch = int(backend.kv_indptr[0].numel()) - 1
+        decode_rule, prefill_rule = _decode_rule(backend, planned), _prefill_rule(backend.prefill_backend, planned)
+        ragged = backend.prefill_wrapper_ragged
+        wrappers = [
+            *(("decode", w, decode_rule) for w in backend.decode_wrappers),
+            *(
+                ("prefill", w, prefill_rule)
+                for w in (*backend.prefill_wrappers_paged, *backend.prefill_wrappers_verify)
+            ),
+            ("ragged", ragged, _prefill_rule(ragged._backend, planned)),
+        ]
+        dllm = backend.dllm_config
+        per_request = max(facts_of.current_facts().get("q_len", 1), _positive(getattr(dllm, "block_size", None)))
+        rows = prefill_rows(
+            int(backend.max_context_len),
+            batch,
+            per_request,
+            whole_prompts=bool(backend.is_multimodal) or dllm is not None,
+        )
+    except AttributeError as exc:
+        _not_as_read(backend, exc)
+        return
     bound: list[tuple[str, int]] = []
     kept: list[str] = []
-    rule = _decode_rule(backend, planned)
-    for wrapper in backend.decode_wrappers:
+    for kind, wrapper, rule in wrappers:
+        facts = planned.facts(batch, batch if kind == "decode" else rows or 0)
         if rule is None:
-            kept.append("decode")
-        else:
-            bound.append(("decode", _bind_paged(wrapper, "decode", rule, planned.facts(batch, batch))))
-    per_request = max(facts_of.current_facts().get("q_len", 1), _dllm_block(backend))
-    rows = prefill_rows(int(backend.max_context_len), batch, per_request)
-    prefill = [("prefill", w, backend.prefill_backend) for w in (*backend.prefill_wrappers_paged,
-                                                                 *backend.prefill_wrappers_verify)]  # fmt: skip
-    prefill.append(("ragged", backend.prefill_wrapper_ragged, backend.prefill_wrapper_ragged._backend))
-    unbounded = False
-    for kind, wrapper, built_with in prefill:
-        rule = _prefill_rule(built_with, planned)
-        if rule is None:
-            kept.append(f"{kind} ({built_with})")
-        elif rows is None:
+            kept.append(f"{kind} ({ragged._backend})" if kind == "ragged" else kind)
+        elif kind != "decode" and rows is None:
             kept.append(kind)
-            unbounded = True
+            _warn_once(
+                "limits", logging.WARNING, "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
+                "workspaces: SGLang's scheduling limits (max_prefill_tokens) are not published in this process",
+            )  # fmt: skip
         else:
-            bound.append((kind, _bind_paged(wrapper, kind, rule, planned.facts(batch, rows))))
-    if unbounded:
-        _warn_once(
-            "limits", logging.WARNING, "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
-            "workspaces: SGLang's scheduling limits (max_prefill_tokens) are not published in this process",
-        )  # fmt: skip
+            bound.append((kind, _bind_paged(wrapper, kind, rule, facts)))
     logger.info(
         "wspool: %s's FlashInfer wrappers take int workspaces from pool %s: %s (batch %d, extend rows %s); "
         "FlashInfer's own: %s", type(backend).__name__, wrapper_buffers.INT_POOL, _describe(bound), batch,
-        rows, ", ".join(kept) or "none",
+        rows, ", ".join(sorted(set(kept))) or "none",
     )  # fmt: skip
-
-
-def _dllm_block(backend: Any) -> int:
-    config = getattr(backend, "dllm_config", None)  # SGLang's diffusion LMs extend a block per request
-    return _positive(getattr(config, "block_size", None)) or 1
 
 
 def _bind_graph_wrappers(backend: Any, bs: int, num_tokens: int) -> None:
     """Bind the wrappers ``_prepare_cuda_graph_metadata`` just made (``forward_metadata`` holds them)."""
-    metadata = backend.forward_metadata
-    planned = _Planned.of(backend)
-    decode = getattr(metadata, "decode_wrappers", None)
-    if decode is not None:
-        # A decode graph wrapper's indptr holds num_tokens requests (the draft's topk branches).
-        rows = max(bs, num_tokens)
-        kind, wrappers, rule, facts = "decode", decode, _decode_rule(backend, planned), planned.facts(rows, rows)
-    else:
-        wrappers = getattr(metadata, "prefill_wrappers", None)
-        if wrappers is None:
-            _warn_once(
-                "graph", logging.WARNING, "wspool: SGLang's CUDA-graph FlashInfer wrappers keep FlashInfer's int "
-                "workspaces: %s has no decode_wrappers or prefill_wrappers", type(metadata).__name__,
-            )  # fmt: skip
-            return
-        # Verify, draft extend, diffusion and full-graph prefill: bs requests, the capture's tokens.
-        kind, rule = "prefill", _prefill_rule(backend.prefill_backend, planned)
-        facts = planned.facts(bs, max(bs, num_tokens))
-    if rule is None:
+    try:
+        metadata = backend.forward_metadata
+        planned = _Planned.of(backend)
+        if hasattr(metadata, "decode_wrappers"):
+            # A decode graph wrapper's indptr holds num_tokens requests (the draft's topk branches).
+            rows = max(bs, num_tokens)
+            kind, wrappers, rule = "graph-decode", metadata.decode_wrappers, _decode_rule(backend, planned)
+            facts = planned.facts(rows, rows)
+        else:
+            # Verify, draft extend, diffusion and full-graph prefill: bs requests, the capture's tokens.
+            kind, wrappers = "graph-prefill", metadata.prefill_wrappers
+            rule, facts = _prefill_rule(backend.prefill_backend, planned), planned.facts(bs, max(bs, num_tokens))
+    except AttributeError as exc:
+        _not_as_read(backend, exc)
         return
-    bound = [(f"graph {kind}", _bind_paged(w, f"graph {kind}", rule, facts)) for w in wrappers]
-    logger.debug("wspool: %s batch %d tokens %d: %s", type(backend).__name__, bs, num_tokens, _describe(bound))
+    if rule is not None:
+        bound = [(kind, _bind_paged(w, kind, rule, facts)) for w in wrappers]
+        logger.debug("wspool: %s batch %d tokens %d: %s", type(backend).__name__, bs, num_tokens, _describe(bound))
 
 
 def binding_graph_wrappers(original: Callable[..., Any]) -> Callable[..., Any]:
