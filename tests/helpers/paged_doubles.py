@@ -57,7 +57,9 @@ class _WrapperDouble:
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs: Any) -> None:
         bind_to_flashinfer(f"{self.cls_name}.__init__", self, float_workspace_buffer, kv_layout, **kwargs)
-        self.workspace = float_workspace_buffer
+        # FlashInfer's own attribute names for the float workspace and the backend the wrapper was built with.
+        self._float_workspace_buffer = float_workspace_buffer
+        self._backend = kwargs.get("backend", "auto")
         self.init_kwargs = {"kv_layout": kv_layout, **kwargs}
         self.plan_calls = 0
         self.planned: dict[str, Any] | None = None
@@ -66,10 +68,15 @@ class _WrapperDouble:
         self._pin_memory_int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
         type(self).instances.append(self)
 
+    @property
+    def workspace(self) -> torch.Tensor:
+        """The float workspace the wrapper keeps."""
+        return self._float_workspace_buffer
+
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
         bind_to_flashinfer(f"{self.cls_name}.reset_workspace_buffer", self, float_workspace_buffer,
                            int_workspace_buffer)  # fmt: skip
-        self.workspace = float_workspace_buffer
+        self._float_workspace_buffer = float_workspace_buffer
         self._int_workspace_buffer = int_workspace_buffer
         # FlashInfer makes a new host copy of the int workspace's size.
         self._pin_memory_int_workspace_buffer = torch.empty(int_workspace_buffer.shape, dtype=torch.uint8)
@@ -151,6 +158,15 @@ class PrefillWrapperDouble(_WrapperDouble):
         bind_to_flashinfer(f"{self.cls_name}.run", self, q, paged_kv_cache, **kwargs)
         out, lse = self._compute(q, paged_kv_cache)
         return self._finish(kwargs, out, lse if kwargs.get("lse_base") == "ln" else lse / math.log(2.0))
+
+
+class RaggedWrapperDouble(_WrapperDouble):
+    """``BatchPrefillWithRaggedKVCacheWrapper``, as far as it is built and given a workspace (no plan or run)."""
+
+    cls_name = "BatchPrefillWithRaggedKVCacheWrapper"
+    carve = "batch_prefill_tmp_v"
+    int_carve = "batch_prefill_request_indices"
+    instances: ClassVar[list[Any]] = []
 
 
 def fake_flashinfer() -> SimpleNamespace:
