@@ -230,6 +230,7 @@ def test_eager_wrappers_are_bound_when_the_constructor_returns(
     assert binding_of(ragged) is None and ragged._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES
     assert "FlashInferAttnBackend's FlashInfer wrappers take int workspaces from pool flashinfer_int" in caplog.text
     assert "FlashInfer's own: ragged (auto)" in caplog.text
+    assert "3 wrapper(s) (sglang-decode 1, sglang-prefill 2)" in wspool.get_registry().memory_summary()
 
 
 def test_a_ragged_wrapper_built_with_fa2_is_bound(srt: SGLang, loaded: None) -> None:

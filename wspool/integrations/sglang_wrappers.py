@@ -10,23 +10,20 @@ constructor, so that each wrapper gets a region of its own from
 :mod:`wspool.flashinfer.wrapper_buffers`, sized by a rule of pool
 ``flashinfer_int`` for the largest plan the wrapper can make:
 
-=============================================  ===============================  =================================
-SGLang 0.5.23 wrapper                          bound                            facts
-=============================================  ===============================  =================================
-``FlashInferAttnBackend.decode_wrappers``      when the constructor returns     ``batch_size`` = ``num_tokens`` =
-                                               (rule ``decode``; ``prefill``    B, the requests the backend's
-                                               with tensor cores)               ``kv_indptr`` holds
-``prefill_wrappers_paged``,                    when the constructor returns     ``batch_size`` B, ``num_tokens``
-``prefill_wrappers_verify``,                   (rule ``prefill``)               the largest extend
-``prefill_wrapper_ragged`` (fa2 only)                                           (:func:`prefill_rows`)
-CUDA-graph wrappers (per captured batch        when ``_prepare_cuda_graph_      decode: ``batch_size`` =
-size; full-graph prefill's, once)              metadata`` returns, before       ``num_tokens`` = the capture's
-                                               their first plan                 tokens; prefill: its batch and
-                                                                                tokens
-``FlashInferMLAAttnBackend``'s                 at their first plan, in the      none (rule ``mla`` is constant
-``BatchMLAPagedAttentionWrapper``\\ s, eager     indices updaters'                per device)
-and per graph batch size                       ``call_begin_forward``
-=============================================  ===============================  =================================
+- ``FlashInferAttnBackend``'s eager wrappers, when its constructor returns:
+  ``decode_wrappers`` (rule ``decode``; ``prefill`` with tensor cores), with
+  ``batch_size`` = ``num_tokens`` = B, the requests the backend's ``kv_indptr``
+  holds; ``prefill_wrappers_paged``, ``prefill_wrappers_verify`` and, where
+  built with fa2, ``prefill_wrapper_ragged`` (rule ``prefill``), with
+  ``batch_size`` B and ``num_tokens`` the largest extend (:func:`prefill_rows`).
+- Its CUDA-graph wrappers, when ``_prepare_cuda_graph_metadata`` returns, before
+  their first plan: decode ones with ``batch_size`` = ``num_tokens`` = the
+  captured tokens, prefill ones (verify, draft extend, full-graph prefill) with
+  the captured batch and tokens. Full-graph prefill's wrappers, which SGLang
+  makes once for the first (largest) bucket, are bound once.
+- ``FlashInferMLAAttnBackend``'s ``BatchMLAPagedAttentionWrapper`` objects, eager
+  and per graph batch size, at their first plan, in the indices updaters'
+  ``call_begin_forward`` (rule ``mla``, constant per device).
 
 Every paged rule also reads ``num_qo_heads`` and ``num_kv_heads``, the heads
 SGLang's indices updater plans with, and the device's ``sm_count``. Facts are
@@ -35,8 +32,9 @@ bound once and never again, so a CUDA graph that captured it keeps its address.
 
 A paged wrapper takes its region through FlashInfer's public
 ``reset_workspace_buffer``, which also remakes its pinned copy at the region's
-size, right after SGLang builds it; FlashInfer's 8 MiB pair is freed then. An
-MLA wrapper allocates nothing until it plans: each of its plans runs inside
+size, right after SGLang builds it; FlashInfer's 8 MiB pair goes back to
+PyTorch's caching allocators then. An MLA wrapper allocates nothing until it
+plans: each of its plans runs inside
 :func:`~wspool.flashinfer.wrapper_buffers.supplying`, so the MLA backend
 FlashInfer builds in ``plan()`` takes the wrapper's region and pinned copy, and
 a graph wrapper keeps them for the replays SGLang plans with
