@@ -422,14 +422,30 @@ def test_mla_wrappers_keep_flashinfers_buffers_where_the_hook_is_not_in_place(
     srt: SGLang, loaded: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On a FlashInfer whose MLA backend wspool has not read, the plan runs as FlashInfer wrote it; said once."""
-    monkeypatch.setattr(wrapper_buffers, "bind_mla_wrapper", lambda *args, **kwargs: None)
-    monkeypatch.setattr(wrapper_buffers, "mla_hook_status", lambda: "FlashInfer 9.9 is not a version wspool read")
+    monkeypatch.setattr(wrapper_buffers, "install_mla_hook", lambda: "FlashInfer 9.9 is not a version wspool read")
     backend = srt.mla.FlashInferMLAAttnBackend(_runner(srt))
     for _ in range(2):
         backend.init_forward_metadata(_decode_batch(srt, 3))
     assert binding_of(backend.decode_wrapper) is None
     assert backend.decode_wrapper._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES
     assert caplog.text.count("MLA wrappers keep FlashInfer's int workspaces: FlashInfer 9.9 is not") == 1
+
+
+def test_a_registry_that_keeps_flashinfers_buffers_binds_nothing(
+    srt: SGLang, loaded: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With keep_flashinfer_buffers (comparisons against FlashInfer's defaults) every wrapper keeps its own pair."""
+    wrapper_buffers.keep_flashinfer_buffers(wspool.get_registry())
+    backend = srt.paged.FlashInferAttnBackend(_runner(srt))
+    wrappers = (*backend.decode_wrappers, *backend.prefill_wrappers_paged, *backend.prefill_wrappers_verify)
+    assert all(binding_of(w) is None for w in wrappers)
+    assert all(w._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES for w in wrappers)
+    assert "FlashInfer's own: decode (the registry keeps FlashInfer's buffers)" in caplog.text
+    mla = srt.mla.FlashInferMLAAttnBackend(_runner(srt))
+    mla.init_forward_metadata(_decode_batch(srt, 3))
+    assert binding_of(mla.decode_wrapper) is None
+    assert mla.decode_wrapper._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES
+    assert "MLA wrappers keep FlashInfer's int workspaces: the registry keeps FlashInfer's buffers" in caplog.text
 
 
 # -- unregistering ---------------------------------------------------------------------------

@@ -48,9 +48,11 @@ What stays FlashInfer's: wrappers whose planner no rule bounds
 ``auto`` prefill, cutlass; SGLang builds its ragged prefill wrappers, the MLA
 backend's chunked-prefix ones included, with ``auto`` or cutlass except for
 fa2 on SM100), eager prefill wrappers when SGLang's scheduling limits are not
-published (a process that never publishes them), and MLA wrappers on a
+published (a process that never publishes them), MLA wrappers on a
 FlashInfer whose MLA backend wspool has not read
-(:func:`~wspool.flashinfer.wrapper_buffers.mla_hook_status`).
+(:func:`~wspool.flashinfer.wrapper_buffers.mla_hook_status`), and every wrapper
+where the registry keeps FlashInfer's buffers
+(:func:`~wspool.flashinfer.wrapper_buffers.keep_flashinfer_buffers`).
 
 Sharing: never. Every wrapper is bound with ``group=None``, a region of its
 own: SGLang replays its CUDA graphs without wspool seeing it, so wspool cannot
@@ -191,8 +193,11 @@ def _float_workspace(wrapper: Any) -> torch.Tensor:
     return wrapper._float_workspace_buffer  # type: ignore[no-any-return]
 
 
-def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) -> int:
-    """Bind one paged or ragged wrapper (kept as it is when already bound); return its region's bytes."""
+def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) -> int | None:
+    """Bind one paged or ragged wrapper (kept as it is when already bound); return its region's bytes.
+
+    ``None``: the registry keeps FlashInfer's buffers (``wrapper_buffers.keep_flashinfer_buffers``).
+    """
     current = binding_of(wrapper)
     if current is not None:  # never rebind: a captured graph holds the region's address
         return current.region.nbytes
@@ -207,13 +212,14 @@ def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) ->
             f"{exc} (for SGLang's {kind} wrapper the integration passes {given} and the device's facts; "
             "see docs/sglang.md)"
         ) from exc
-    return binding.region.nbytes
+    return None if binding is None else binding.region.nbytes
 
 
-def _describe(bound: Iterable[tuple[str, int]]) -> str:
+def _describe(bound: Iterable[tuple[str, int | None]]) -> str:
     sizes: dict[str, list[int]] = {}
     for kind, nbytes in bound:
-        sizes.setdefault(kind, []).append(nbytes)
+        if nbytes is not None:
+            sizes.setdefault(kind, []).append(nbytes)
     return ", ".join(f"{len(n)} {kind} ({format_size(max(n))})" for kind, n in sizes.items()) or "none"
 
 
@@ -260,7 +266,7 @@ def bind_eager_wrappers(backend: Any) -> None:
     except AttributeError as exc:
         _not_as_read(backend, exc)
         return
-    bound: list[tuple[str, int]] = []
+    bound: list[tuple[str, int | None]] = []
     kept: list[str] = []
     for kind, wrapper, rule in wrappers:
         facts = planned.facts(batch, batch if kind == "decode" else rows or 0)
@@ -272,8 +278,10 @@ def bind_eager_wrappers(backend: Any) -> None:
                 "limits", logging.WARNING, "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
                 "workspaces: SGLang's scheduling limits (max_prefill_tokens) are not published in this process",
             )  # fmt: skip
+        elif (nbytes := _bind_paged(wrapper, kind, rule, facts)) is None:
+            kept.append(f"{kind} (the registry keeps FlashInfer's buffers)")
         else:
-            bound.append((kind, _bind_paged(wrapper, kind, rule, facts)))
+            bound.append((kind, nbytes))
     logger.info(
         "wspool: %s's FlashInfer wrappers take int workspaces from pool %s: %s (batch %d, extend rows %s); "
         "FlashInfer's own: %s", type(backend).__name__, wrapper_buffers.INT_POOL, _describe(bound), batch,
@@ -330,7 +338,8 @@ def _bind_mla(wrapper: Any) -> None:
         wrapper, registry=wspool.get_registry(), device=_float_workspace(wrapper).device, lane=wspool.current_lane(),
     )  # fmt: skip
     if binding is None:
-        why = wrapper_buffers.mla_hook_status()
+        hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
+        why = "the registry keeps FlashInfer's buffers" if hooked else wrapper_buffers.mla_hook_status()
         _warn_once(
             "mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers keep FlashInfer's int workspaces: %s", why
         )
