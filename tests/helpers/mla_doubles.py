@@ -83,13 +83,18 @@ class WrapperDouble:
         bind_to_flashinfer(
             "BatchMLAPagedAttentionWrapper.__init__", self, float_workspace_buffer, backend=backend, **kwargs
         )
-        self.workspace = float_workspace_buffer
+        self._float_workspace_buffer = float_workspace_buffer  # FlashInfer's own attribute name
         self.backend = backend
         self.init_kwargs = kwargs
         self.plan_calls = 0
         self.planned: dict[str, Any] | None = None
         self._planned_backend: Any = None
         WrapperDouble.instances.append(self)
+
+    @property
+    def workspace(self) -> torch.Tensor:
+        """The float workspace the wrapper keeps."""
+        return self._float_workspace_buffer
 
     def _build_backend(self) -> Any:
         """Build FlashInfer's fa2/fa3 backend object as its plan does (graph mode reuses the last int workspace)."""

@@ -57,10 +57,10 @@ class _WrapperDouble:
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs: Any) -> None:
         bind_to_flashinfer(f"{self.cls_name}.__init__", self, float_workspace_buffer, kv_layout, **kwargs)
-        self.workspace = float_workspace_buffer
-        self.init_kwargs = {"kv_layout": kv_layout, **kwargs}
-        # The backend it was built with, kept under FlashInfer's name until a plan resolves "auto".
+        # FlashInfer's own attribute names for the float workspace and the backend the wrapper was built with.
+        self._float_workspace_buffer = float_workspace_buffer
         self._backend = kwargs.get("backend", "auto")
+        self.init_kwargs = {"kv_layout": kv_layout, **kwargs}
         self.plan_calls = 0
         self.planned: dict[str, Any] | None = None
         # FlashInfer's own int workspace and its host copy (pinned on a GPU machine).
@@ -68,10 +68,15 @@ class _WrapperDouble:
         self._pin_memory_int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
         type(self).instances.append(self)
 
+    @property
+    def workspace(self) -> torch.Tensor:
+        """The float workspace the wrapper keeps."""
+        return self._float_workspace_buffer
+
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
         bind_to_flashinfer(f"{self.cls_name}.reset_workspace_buffer", self, float_workspace_buffer,
                            int_workspace_buffer)  # fmt: skip
-        self.workspace = float_workspace_buffer
+        self._float_workspace_buffer = float_workspace_buffer
         self._int_workspace_buffer = int_workspace_buffer
         # FlashInfer makes a new host copy of the int workspace's size.
         self._pin_memory_int_workspace_buffer = torch.empty(int_workspace_buffer.shape, dtype=torch.uint8)
@@ -160,30 +165,13 @@ class PrefillWrapperDouble(_WrapperDouble):
         return self._finish(kwargs, out, lse if kwargs.get("lse_base") == "ln" else lse / math.log(2.0))
 
 
-class RaggedWrapperDouble:
-    """``BatchPrefillWithRaggedKVCacheWrapper`` as far as building and ``reset_workspace_buffer`` go (no plan or run).
-
-    vLLM's DCP prefill wrapper builds one beside its paged context wrapper; like
-    FlashInfer's, it keeps an 8 MiB int workspace and host copy of its own.
-    """
+class RaggedWrapperDouble(_WrapperDouble):
+    """``BatchPrefillWithRaggedKVCacheWrapper``, as far as it is built and given a workspace (no plan or run)."""
 
     cls_name = "BatchPrefillWithRaggedKVCacheWrapper"
+    carve = "batch_prefill_tmp_v"
+    int_carve = "batch_prefill_request_indices"
     instances: ClassVar[list[Any]] = []
-
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs: Any) -> None:
-        bind_to_flashinfer(f"{self.cls_name}.__init__", self, float_workspace_buffer, kv_layout, **kwargs)
-        self.workspace = float_workspace_buffer
-        self._backend = kwargs.get("backend", "auto")
-        self._int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
-        self._pin_memory_int_workspace_buffer = torch.empty(8 * MiB, dtype=torch.uint8)
-        type(self).instances.append(self)
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
-        bind_to_flashinfer(f"{self.cls_name}.reset_workspace_buffer", self, float_workspace_buffer,
-                           int_workspace_buffer)  # fmt: skip
-        self.workspace = float_workspace_buffer
-        self._int_workspace_buffer = int_workspace_buffer
-        self._pin_memory_int_workspace_buffer = torch.empty(int_workspace_buffer.shape, dtype=torch.uint8)
 
 
 def fake_flashinfer() -> SimpleNamespace:

@@ -15,7 +15,11 @@ runner's facts, :mod:`wspool.integrations.sglang_facts`;
 gets a wspool lane of its own; ``TRTLLMMLABackend(backend="cute-dsl")`` finds
 its module global ``global_cute_dsl_workspace_buffer`` holding a pool buffer),
 and ``DecodeCudaGraphRunner.capture`` / ``PrefillCudaGraphRunner.capture``,
-which every CUDA-graph runner of SGLang inherits.
+which every CUDA-graph runner of SGLang inherits. Through the seams of
+:mod:`wspool.integrations.sglang_wrappers` (``FlashInferAttnBackend``'s
+constructor and graph metadata, the MLA indices updaters' plan calls) each
+FlashInfer wrapper SGLang builds takes a right-sized int workspace from pool
+``flashinfer_int`` instead of FlashInfer's 8 MiB.
 
 All or nothing: a SGLang whose targets differ from what this module knows keeps
 its own behaviour everywhere, with one warning naming them (SGLang's
@@ -60,6 +64,7 @@ import torch
 import wspool
 from wspool.errors import ConfigError, RuleError
 from wspool.integrations import sglang_facts as facts_of
+from wspool.integrations import sglang_wrappers
 from wspool.units import format_size
 
 __all__ = [
@@ -168,6 +173,8 @@ def configure(
     deterministic: Callable[[], bool] | None = None,
     parallel: Callable[[], Any] | None = None,
     spec: Callable[[], Any] | None = None,
+    schedule: Callable[[], Any] | None = None,
+    prefill_buffer_tokens: Callable[[], Any] | None = None,
 ) -> None:
     """Tell the integration where SGLang keeps what it reads (:func:`register` does; tests call it too).
 
@@ -176,10 +183,13 @@ def configure(
         deterministic: Whether SGLang's deterministic inference is on; ``None``: never.
         parallel: ``sglang.srt.runtime_context.get_parallel`` (attention TP and DCP widths).
         spec: ``sglang.srt.runtime_context.get_spec`` (speculative draft tokens).
+        schedule: ``sglang.srt.runtime_context.get_schedule`` (``max_prefill_tokens``).
+        prefill_buffer_tokens: ``sglang.srt.runtime_context.max_prefill_buffer_tokens`` (the chunk ceiling).
     """
     _settings.device = None if device is None else torch.device(device)
     _settings.deterministic = deterministic or _never
     facts_of.set_context_readers(parallel, spec)
+    sglang_wrappers.configure(schedule, prefill_buffer_tokens)
 
 
 class _RegistryState:
@@ -353,8 +363,15 @@ _AFTER_PARENT: contextvars.ContextVar[_AfterParent | None] = contextvars.Context
 )
 
 
-def _constructor(original: Callable[..., Any], *, new_workspace: bool = False, cute_dsl: bool = False) -> Any:
-    """Wrap a backend's ``__init__``: its runner's facts, a growth window, and its special cases."""
+def _constructor(
+    original: Callable[..., Any], *, new_workspace: bool = False, cute_dsl: bool = False, wrappers: bool = False
+) -> Any:
+    """Wrap a backend's ``__init__``: its runner's facts, a growth window, and its special cases.
+
+    ``wrappers``: the FlashInfer wrappers the constructor built take int workspaces
+    from wspool (:func:`~wspool.integrations.sglang_wrappers.bind_eager_wrappers`),
+    in the lane the backend was built in.
+    """
     signature = inspect.signature(original)
     module = sys.modules[original.__module__]
 
@@ -363,12 +380,18 @@ def _constructor(original: Callable[..., Any], *, new_workspace: bool = False, c
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         runner = bound.arguments["model_runner"]
+
+        def construct() -> None:
+            original(*bound.args, **bound.kwargs)
+            if wrappers:
+                sglang_wrappers.bind_eager_wrappers(self)
+
         with facts_of.building(runner), _growth_window():
             if new_workspace and bound.arguments["init_new_workspace"]:
                 # SGLang's torch.empty here is a buffer no other backend shares: a lane of its own.
                 bound.arguments["init_new_workspace"] = False
                 with wspool.lane(f"sglang-new-workspace-{next(_private_lanes)}"):
-                    original(*bound.args, **bound.kwargs)
+                    construct()
             elif cute_dsl and bound.arguments["backend"] == "cute-dsl":
                 # SGLang allocates the cute-dsl buffer after its parent's MLA workspace; so does wspool,
                 # so a pool shared by both grows once, to the larger.
@@ -385,7 +408,7 @@ def _constructor(original: Callable[..., Any], *, new_workspace: bool = False, c
                         CUTE_DSL_WORKSPACE.name, type(self).__name__,
                     )  # fmt: skip
             else:
-                original(*bound.args, **bound.kwargs)
+                construct()
             pending = _AFTER_PARENT.get()
             if pending is not None and pending.instance is self and not pending.done:
                 pending.done = True
@@ -457,11 +480,12 @@ TARGETS: tuple[Target, ...] = (
         ("self", "name", "factory"),
         _get_buffer,
         f"pools for {', '.join(BUFFERS)}; other names SGLang's own",
-        requires=("get_parallel", "get_spec", "get_exec"),
+        requires=("get_parallel", "get_spec", "get_exec", "get_schedule", "max_prefill_buffer_tokens"),
     ),
     _init(
         "flashinfer_backend", "FlashInferAttnBackend", "kv_indptr_buf", "kv_last_page_len_buf", "init_new_workspace",
-        make=lambda f: _constructor(f, new_workspace=True), what=f"{_FACTS}; init_new_workspace=True -> a lane",
+        make=lambda f: _constructor(f, new_workspace=True, wrappers=True),
+        what=f"{_FACTS}; init_new_workspace=True -> a lane; its wrappers' int workspaces -> pool flashinfer_int",
     ),
     _init("flashinfer_mla_backend", "FlashInferMLAAttnBackend", "kv_indptr_buf", "q_indptr_decode_buf"),
     _init(
@@ -479,6 +503,7 @@ TARGETS: tuple[Target, ...] = (
           "speculative_num_steps"),
     Target(_RUNNER + "decode_cuda_graph_runner", "DecodeCudaGraphRunner.capture", ("self",), _capturing, "freezes"),
     Target(_RUNNER + "prefill_cuda_graph_runner", "PrefillCudaGraphRunner.capture", ("self",), _capturing, "freezes"),
+    *(Target(s.module, s.path, s.parameters, s.make, s.what) for s in sglang_wrappers.SEAMS),
 )  # fmt: skip
 
 _lock = threading.Lock()
@@ -607,6 +632,8 @@ def _register() -> None:
             deterministic=_read_deterministic(context.get_exec),
             parallel=context.get_parallel,
             spec=context.get_spec,
+            schedule=context.get_schedule,
+            prefill_buffer_tokens=context.max_prefill_buffer_tokens,
         )
     done = "; ".join(f"{t.path} -> {t.what}" for t, *_ in located)
     logger.info("wspool: SGLang integration loaded; patched %s", done)

@@ -1,0 +1,433 @@
+"""SGLang's FlashInfer wrappers with right-sized int workspaces from pool ``flashinfer_int``.
+
+Each FlashInfer wrapper keeps its plan in an int workspace of 8 MiB on the
+device and an 8 MiB pinned host copy, though a plan uses a few KiB (paged
+decode) to about 600 KiB (MLA), and SGLang 0.5.23 keeps such wrappers per
+backend and per CUDA-graph batch size. :mod:`wspool.integrations.sglang`
+patches the seams of :data:`SEAMS` (all or nothing, with its other targets)
+and calls :func:`bind_eager_wrappers` from ``FlashInferAttnBackend``'s
+constructor, so that each wrapper gets a region of its own from
+:mod:`wspool.flashinfer.wrapper_buffers`, sized by a rule of pool
+``flashinfer_int`` for the largest plan the wrapper can make:
+
+- ``FlashInferAttnBackend``'s eager wrappers, when its constructor returns:
+  ``decode_wrappers`` (rule ``decode``; ``prefill`` with tensor cores), with
+  ``batch_size`` = ``num_tokens`` = B, the requests the backend's ``kv_indptr``
+  holds; ``prefill_wrappers_paged``, ``prefill_wrappers_verify`` and, where
+  built with fa2, ``prefill_wrapper_ragged`` (rule ``prefill``), with
+  ``batch_size`` B and ``num_tokens`` the largest extend (:func:`prefill_rows`).
+- Its CUDA-graph wrappers, when ``_prepare_cuda_graph_metadata`` returns, before
+  their first plan: decode ones with ``batch_size`` = ``num_tokens`` = the
+  captured tokens, prefill ones (verify, draft extend, full-graph prefill) with
+  the captured batch and tokens. Full-graph prefill's wrappers, which SGLang
+  makes once for the first (largest) bucket, are bound once.
+- ``FlashInferMLAAttnBackend``'s ``BatchMLAPagedAttentionWrapper`` objects, eager
+  and per graph batch size, at their first plan, in the indices updaters'
+  ``call_begin_forward`` (rule ``mla``, constant per device).
+
+Every paged rule also reads ``num_qo_heads`` and ``num_kv_heads``, the heads
+SGLang's indices updater plans with, and the device's ``sm_count``. Facts are
+upper bounds: a plan never needs more than its wrapper's region. A wrapper is
+bound once and never again, so a CUDA graph that captured it keeps its address.
+
+A paged wrapper takes its region through FlashInfer's public
+``reset_workspace_buffer``, which also remakes its pinned copy at the region's
+size, right after SGLang builds it; FlashInfer's 8 MiB pair goes back to
+PyTorch's caching allocators then. An MLA wrapper allocates nothing until it
+plans: each of its plans runs inside
+:func:`~wspool.flashinfer.wrapper_buffers.supplying`, so the MLA backend
+FlashInfer builds in ``plan()`` takes the wrapper's region and pinned copy, and
+a graph wrapper keeps them for the replays SGLang plans with
+``fast_mla_decode_plan``. Binding at the first plan, not at construction, gives
+no region to the wrappers SGLang never plans (``prefill_wrapper_verify``
+without speculative decoding, the decode wrapper of an MLA backend whose
+decode runs another kernel).
+
+What stays FlashInfer's: wrappers whose planner no rule bounds
+(:func:`~wspool.flashinfer.wrapper_buffers.paged_int_rule` is ``None``: fa3,
+``auto`` prefill, cutlass; SGLang builds its ragged prefill wrappers, the MLA
+backend's chunked-prefix ones included, with ``auto`` or cutlass except for
+fa2 on SM100), eager prefill wrappers when SGLang's scheduling limits are not
+published (a process that never publishes them), MLA wrappers on a
+FlashInfer whose MLA backend wspool has not read
+(:func:`~wspool.flashinfer.wrapper_buffers.mla_hook_status`), and every wrapper
+where the registry keeps FlashInfer's buffers
+(:func:`~wspool.flashinfer.wrapper_buffers.keep_flashinfer_buffers`).
+
+Sharing: never. Every wrapper is bound with ``group=None``, a region of its
+own: SGLang replays its CUDA graphs without wspool seeing it, so wspool cannot
+tell that two wrappers' plans are never live at once.
+
+Device semantics: a region lives on the device of the float workspace the
+wrapper keeps (the CPU in tests with ``WSPOOL_SGLANG_DEVICE=cpu``). Thread
+semantics: SGLang builds backends, captures and plans from its scheduler
+thread; :func:`~wspool.flashinfer.wrapper_buffers.supplying` holds for the
+calling thread or task only. Capture semantics: SGLang prepares graph metadata
+and plans outside ``torch.cuda.graph``; a region that would be allocated
+during a capture raises :class:`~wspool.errors.WorkspaceFrozenError`. Regions
+are not pool buffers: the registry's freeze after a capture does not refuse
+them. Per-step cost: none for paged wrappers; one weak-dictionary look-up and
+one context variable per MLA plan call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import wspool
+from wspool.errors import RuleError
+from wspool.flashinfer import wrapper_buffers
+from wspool.integrations import sglang_facts as facts_of
+from wspool.regions import binding_of
+from wspool.units import format_size
+
+__all__ = [
+    "SEAMS",
+    "Seam",
+    "bind_eager_wrappers",
+    "binding_graph_wrappers",
+    "configure",
+    "prefill_rows",
+    "supplying_mla_decode",
+    "supplying_mla_prefill",
+]
+
+logger = logging.getLogger(__name__)
+
+_PAGED = "sglang.srt.layers.attention.flashinfer_backend"
+_MLA = "sglang.srt.layers.attention.flashinfer_mla_backend"
+
+# SGLang's scheduling limits: get_schedule() and max_prefill_buffer_tokens() of its runtime context.
+_readers: tuple[Callable[[], Any] | None, Callable[[], Any] | None] = (None, None)
+_warned: set[str] = set()
+
+
+def configure(schedule: Callable[[], Any] | None, prefill_buffer_tokens: Callable[[], Any] | None) -> None:
+    """Tell :func:`prefill_rows` how to read SGLang's scheduling limits (``None``: not at all), and forget what
+    was said once (the SGLang integration's ``configure`` calls it when it loads and unloads)."""
+    global _readers
+    _readers = (schedule, prefill_buffer_tokens)
+    _warned.clear()
+
+
+def _warn_once(key: str, level: int, message: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.log(level, message, *args)
+
+
+def _positive(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole_prompts: bool = False) -> int | None:
+    """Return the most query rows one extend batch of SGLang can carry, or ``None`` where SGLang's limits are unknown.
+
+    With chunked prefill SGLang cuts every batch to its chunk
+    (``max_prefill_buffer_tokens()``: ``chunked_prefill_size``, or pipeline
+    parallelism's larger dynamic chunk; the mixed decode tokens are charged to
+    it). Without, it admits one request of up to ``context_len`` tokens alone
+    and further ones only within ``max_prefill_tokens``. Target verify and
+    draft extend carry ``tokens_per_request`` rows per request.
+
+    Args:
+        context_len: The model's context length.
+        batch: The most requests in one batch.
+        tokens_per_request: Query rows per request in verify and draft extend.
+        whole_prompts: The scheduler may admit whole prompts although chunked prefill is
+            configured (SGLang turns it off for multimodal models on the Transformers
+            backend; diffusion LMs extend by blocks of their own budget).
+    """
+    schedule, buffer_tokens = _readers
+    if schedule is None or buffer_tokens is None:
+        return None
+    try:
+        limits = schedule()
+        chunked = _positive(limits.chunked_prefill_size)
+        rows = max(_positive(limits.max_prefill_tokens), _positive(buffer_tokens()), batch * tokens_per_request)
+    except Exception:  # SGLang's accessors raise while nothing is published
+        return None
+    return max(rows, context_len) if whole_prompts or not chunked else rows
+
+
+# -- paged wrappers ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What a backend's indices updater plans with: heads and the query and KV dtypes."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    dtypes: tuple[torch.dtype, ...]
+
+    @classmethod
+    def of(cls, backend: Any) -> _Planned:
+        updater = backend.indices_updater_decode  # the prefill updater reads the same (absent with skip_prefill)
+        return cls(updater.num_qo_heads, updater.num_kv_heads, (updater.q_data_type, updater.data_type))
+
+    def facts(self, batch: int, tokens: int) -> dict[str, int]:
+        return {"batch_size": batch, "num_tokens": tokens, "num_qo_heads": self.num_qo_heads,
+                "num_kv_heads": self.num_kv_heads}  # fmt: skip
+
+
+def _decode_rule(backend: Any, planned: _Planned) -> str | None:
+    return wrapper_buffers.paged_int_rule(
+        "decode", use_tensor_cores=bool(backend.decode_use_tensor_cores), backend=backend.decode_backend,
+        dtypes=planned.dtypes,
+    )  # fmt: skip
+
+
+def _prefill_rule(backend: str, planned: _Planned) -> str | None:
+    return wrapper_buffers.paged_int_rule("prefill", use_tensor_cores=False, backend=backend, dtypes=planned.dtypes)
+
+
+def _float_workspace(wrapper: Any) -> torch.Tensor:
+    # Given back to reset_workspace_buffer unchanged: whatever SGLang built the wrapper on.
+    return wrapper._float_workspace_buffer  # type: ignore[no-any-return]
+
+
+def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) -> int | None:
+    """Bind one paged or ragged wrapper (kept as it is when already bound); return its region's bytes.
+
+    ``None``: the registry keeps FlashInfer's buffers (``wrapper_buffers.keep_flashinfer_buffers``).
+    """
+    current = binding_of(wrapper)
+    if current is not None:  # never rebind: a captured graph holds the region's address
+        return current.region.nbytes
+    try:
+        binding = wrapper_buffers.bind_paged_wrapper(
+            wrapper, _float_workspace(wrapper), registry=wspool.get_registry(), rule=rule, facts=facts,
+            lane=wspool.current_lane(), kind=f"sglang-{kind}",
+        )  # fmt: skip
+    except RuleError as exc:
+        given = ", ".join(f"{k}={v}" for k, v in facts.items())
+        raise RuleError(
+            f"{exc} (for SGLang's {kind} wrapper the integration passes {given} and the device's facts; "
+            "see docs/sglang.md)"
+        ) from exc
+    return None if binding is None else binding.region.nbytes
+
+
+def _describe(bound: Iterable[tuple[str, int | None]]) -> str:
+    sizes: dict[str, list[int]] = {}
+    for kind, nbytes in bound:
+        if nbytes is not None:
+            sizes.setdefault(kind, []).append(nbytes)
+    return ", ".join(f"{len(n)} {kind} ({format_size(max(n))})" for kind, n in sizes.items()) or "none"
+
+
+def _not_as_read(backend: Any, exc: AttributeError) -> None:
+    _warn_once(
+        "layout", logging.WARNING, "wspool: SGLang's FlashInfer wrappers keep FlashInfer's int workspaces: "
+        "%s is not as wspool read it (%s)", type(backend).__name__, exc,
+    )  # fmt: skip
+
+
+def bind_eager_wrappers(backend: Any) -> None:
+    """Give a ``FlashInferAttnBackend``'s eager wrappers right-sized int workspaces (its constructor has just run).
+
+    Facts: B, the requests the backend's ``kv_indptr`` holds (SGLang writes every
+    plan's indptr into it, the multi-step draft's ``topk`` branches included);
+    decode plans one query row per request, extend at most :func:`prefill_rows`.
+    A backend whose attributes are not as read keeps FlashInfer's buffers (said once).
+
+    Raises:
+        RuleError: A ``flashinfer_int`` rule cannot be resolved, naming the setting.
+        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    """
+    try:
+        planned = _Planned.of(backend)
+        batch = int(backend.kv_indptr[0].numel()) - 1
+        decode_rule, prefill_rule = _decode_rule(backend, planned), _prefill_rule(backend.prefill_backend, planned)
+        ragged = backend.prefill_wrapper_ragged
+        wrappers = [
+            *(("decode", w, decode_rule) for w in backend.decode_wrappers),
+            *(
+                ("prefill", w, prefill_rule)
+                for w in (*backend.prefill_wrappers_paged, *backend.prefill_wrappers_verify)
+            ),
+            ("ragged", ragged, _prefill_rule(ragged._backend, planned)),
+        ]
+        dllm = backend.dllm_config
+        per_request = max(facts_of.current_facts().get("q_len", 1), _positive(getattr(dllm, "block_size", None)))
+        rows = prefill_rows(
+            int(backend.max_context_len),
+            batch,
+            per_request,
+            whole_prompts=bool(backend.is_multimodal) or dllm is not None,
+        )
+    except AttributeError as exc:
+        _not_as_read(backend, exc)
+        return
+    bound: list[tuple[str, int | None]] = []
+    kept: list[str] = []
+    for kind, wrapper, rule in wrappers:
+        facts = planned.facts(batch, batch if kind == "decode" else rows or 0)
+        if rule is None:
+            kept.append(f"{kind} ({ragged._backend})" if kind == "ragged" else kind)
+        elif kind != "decode" and rows is None:
+            kept.append(kind)
+            _warn_once(
+                "limits", logging.WARNING, "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
+                "workspaces: SGLang's scheduling limits (max_prefill_tokens) are not published in this process",
+            )  # fmt: skip
+        elif (nbytes := _bind_paged(wrapper, kind, rule, facts)) is None:
+            kept.append(f"{kind} (the registry keeps FlashInfer's buffers)")
+        else:
+            bound.append((kind, nbytes))
+    logger.info(
+        "wspool: %s's FlashInfer wrappers take int workspaces from pool %s: %s (batch %d, extend rows %s); "
+        "FlashInfer's own: %s", type(backend).__name__, wrapper_buffers.INT_POOL, _describe(bound), batch,
+        rows, ", ".join(sorted(set(kept))) or "none",
+    )  # fmt: skip
+
+
+def _bind_graph_wrappers(backend: Any, bs: int, num_tokens: int) -> None:
+    """Bind the wrappers ``_prepare_cuda_graph_metadata`` just made (``forward_metadata`` holds them)."""
+    try:
+        metadata = backend.forward_metadata
+        planned = _Planned.of(backend)
+        if hasattr(metadata, "decode_wrappers"):
+            # A decode graph wrapper's indptr holds num_tokens requests (the draft's topk branches).
+            rows = max(bs, num_tokens)
+            kind, wrappers, rule = "graph-decode", metadata.decode_wrappers, _decode_rule(backend, planned)
+            facts = planned.facts(rows, rows)
+        else:
+            # Verify, draft extend, diffusion and full-graph prefill: bs requests, the capture's tokens.
+            kind, wrappers = "graph-prefill", metadata.prefill_wrappers
+            rule, facts = _prefill_rule(backend.prefill_backend, planned), planned.facts(bs, max(bs, num_tokens))
+    except AttributeError as exc:
+        _not_as_read(backend, exc)
+        return
+    if rule is not None:
+        bound = [(kind, _bind_paged(w, kind, rule, facts)) for w in wrappers]
+        logger.debug("wspool: %s batch %d tokens %d: %s", type(backend).__name__, bs, num_tokens, _describe(bound))
+
+
+def binding_graph_wrappers(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FlashInferAttnBackend._prepare_cuda_graph_metadata``: bind the graph wrappers it makes.
+
+    SGLang calls it while capturing (before the capture's first plan, outside
+    ``torch.cuda.graph``) and for a model adapter's decode wrappers; wrappers it
+    reuses (full-graph prefill's, made for the largest bucket, captured first)
+    are bound already and stay as they are.
+    """
+
+    @functools.wraps(original)
+    def _prepare_cuda_graph_metadata(self: Any, bs: int, num_tokens: int, forward_mode: Any, spec_info: Any) -> Any:
+        result = original(self, bs, num_tokens, forward_mode, spec_info)
+        _bind_graph_wrappers(self, bs, num_tokens)
+        return result
+
+    return _prepare_cuda_graph_metadata
+
+
+# -- MLA wrappers --------------------------------------------------------------------------
+
+
+def _bind_mla(wrapper: Any) -> None:
+    """Give an MLA wrapper its region and pinned copy before its first plan (nothing where the hook is not in place)."""
+    binding = wrapper_buffers.bind_mla_wrapper(
+        wrapper, registry=wspool.get_registry(), device=_float_workspace(wrapper).device, lane=wspool.current_lane(),
+    )  # fmt: skip
+    if binding is None:
+        hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
+        why = "the registry keeps FlashInfer's buffers" if hooked else wrapper_buffers.mla_hook_status()
+        _warn_once(
+            "mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers keep FlashInfer's int workspaces: %s", why
+        )
+    else:
+        size = format_size(binding.region.nbytes)
+        _warn_once("mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s "
+                   "at their first plan", size, wrapper_buffers.INT_POOL)  # fmt: skip
+
+
+def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FlashInferMLAIndicesUpdaterDecode.call_begin_forward``: bind the wrapper once, plan inside supplying."""
+
+    @functools.wraps(original)
+    def call_begin_forward(self: Any, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
+        if binding_of(wrapper) is None:
+            _bind_mla(wrapper)
+        with wrapper_buffers.supplying(wrapper):
+            return original(self, wrapper, *args, **kwargs)
+
+    return call_begin_forward
+
+
+def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FlashInferMLAIndicesUpdaterPrefill.call_begin_forward``: as the decode one, for ``wrapper_paged``.
+
+    With ``use_ragged`` the call plans the ragged wrapper instead, so the MLA
+    wrapper is not bound for it.
+    """
+
+    @functools.wraps(original)
+    def call_begin_forward(
+        self: Any, wrapper_ragged: Any, wrapper_paged: Any, req_pool_indices: Any, paged_kernel_lens: Any,
+        paged_kernel_lens_sum: Any, seq_lens: Any, prefix_lens: Any, kv_indptr: Any, qo_indptr: Any,
+        use_ragged: bool, *args: Any, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if not use_ragged and binding_of(wrapper_paged) is None:
+            _bind_mla(wrapper_paged)
+        with wrapper_buffers.supplying(wrapper_paged):
+            return original(
+                self, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens, paged_kernel_lens_sum,
+                seq_lens, prefix_lens, kv_indptr, qo_indptr, use_ragged, *args, **kwargs,
+            )  # fmt: skip
+
+    return call_begin_forward
+
+
+# -- the seams -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One SGLang method this module wraps (the SGLang integration patches it with its other targets).
+
+    Attributes:
+        module: The module that holds it.
+        path: ``"Class.method"`` in that module.
+        parameters: SGLang 0.5.23's parameter names; another signature is not patched.
+        make: Builds the replacement from SGLang's original.
+        what: What it becomes, for the log line.
+    """
+
+    module: str
+    path: str
+    parameters: tuple[str, ...]
+    make: Callable[[Callable[..., Any]], Any]
+    what: str
+
+
+_INT = "int workspaces from pool flashinfer_int"
+
+#: The methods wrapped besides ``FlashInferAttnBackend.__init__`` (which calls :func:`bind_eager_wrappers`).
+SEAMS: tuple[Seam, ...] = (
+    Seam(
+        _PAGED, "FlashInferAttnBackend._prepare_cuda_graph_metadata",
+        ("self", "bs", "num_tokens", "forward_mode", "spec_info"), binding_graph_wrappers,
+        f"CUDA-graph wrappers' {_INT}",
+    ),
+    Seam(
+        _MLA, "FlashInferMLAIndicesUpdaterDecode.call_begin_forward",
+        ("self", "wrapper", "paged_kernel_lens", "paged_kernel_lens_sum", "q_indptr", "kv_indptr",
+         "init_metadata_replay", "spec_info", "plan", "req_pool_indices", "fast_decode_kwargs"),
+        supplying_mla_decode, f"MLA decode plans with {_INT}",
+    ),
+    Seam(
+        _MLA, "FlashInferMLAIndicesUpdaterPrefill.call_begin_forward",
+        ("self", "wrapper_ragged", "wrapper_paged", "req_pool_indices", "paged_kernel_lens", "paged_kernel_lens_sum",
+         "seq_lens", "prefix_lens", "kv_indptr", "qo_indptr", "use_ragged", "spec_info", "attn_dcp_metadata",
+         "fast_verify_plan_kwargs", "plan", "qo_indptr_cpu", "kv_indptr_cpu", "kv_len_arr_cpu"),
+        supplying_mla_prefill, f"MLA prefill plans with {_INT}",
+    ),
+)  # fmt: skip
