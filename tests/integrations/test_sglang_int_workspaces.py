@@ -454,12 +454,11 @@ def test_a_registry_that_keeps_flashinfers_buffers_binds_nothing(
 
 def test_unregister_restores_sglang(srt: SGLang, loaded: None) -> None:
     """After unregister() the seams are SGLang's own, and new wrappers keep FlashInfer's 8 MiB."""
-    seams = {s.path: s for s in sw.SEAMS}
     sg.unregister()
-    for seam in seams.values():
-        cls_name, attr = seam.path.split(".")
-        method = vars(getattr(importlib.import_module(seam.module), cls_name))[attr]
-        assert not hasattr(method, "__wrapped__"), seam.path
+    for module, path, *_ in sw.SEAMS:
+        cls_name, attr = path.split(".")
+        method = vars(getattr(importlib.import_module(module), cls_name))[attr]
+        assert not hasattr(method, "__wrapped__"), path
     assert not hasattr(vars(srt.paged.FlashInferAttnBackend)["__init__"], "__wrapped__")
     backend = srt.paged.FlashInferAttnBackend(_runner(srt))
     assert binding_of(backend.decode_wrappers[0]) is None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -188,20 +187,6 @@ def h200() -> Iterator[None]:
     yield from _as_gpu(H200)
 
 
-@pytest.fixture
-def said(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture the plugin's log lines (vLLM's logger may not propagate to the root logger)."""
-    log = logging.getLogger("vllm.wspool")
-    log.addHandler(caplog.handler)
-    previous = log.level
-    log.setLevel(logging.DEBUG)
-    try:
-        yield caplog
-    finally:
-        log.setLevel(previous)
-        log.removeHandler(caplog.handler)
-
-
 def _assert_region(wrapper: Any, builder: Any, expected: int) -> None:
     """The wrapper's int workspace is its wspool region of ``expected`` bytes, its host copy as large."""
     binding = binding_of(wrapper)
@@ -273,7 +258,7 @@ def test_prefill_wrappers_get_regions_off_hopper(make_builder: Callable[..., Any
 
 
 def test_auto_prefill_keeps_flashinfers_buffers_on_hopper(
-    make_builder: Callable[..., Any], h200: None, said: pytest.LogCaptureFixture
+    make_builder: Callable[..., Any], h200: None, warnings_seen: pytest.LogCaptureFixture
 ) -> None:
     """On SM90 'auto' may plan prefill with fa3, which no rule bounds: the wrapper keeps its 8 MiB; decode is sized."""
     builder = make_builder()
@@ -282,7 +267,7 @@ def test_auto_prefill_keeps_flashinfers_buffers_on_hopper(
     assert binding_of(prefill) is None and prefill._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES
     record = wrapper_record(prefill)
     assert record is not None and record.rule is None and "backend 'auto' on cpu" in (record.why or "")
-    assert "prefill wrapper keeps FlashInfer's 8 MiB int workspace" in said.text
+    assert "prefill wrapper keeps FlashInfer's 8 MiB int workspace" in warnings_seen.text
     _assert_region(decode, builder, prefill_rule(132, 8, 8, HEADS, KV_HEADS))  # fa2 decode, the H200's 132 SMs
 
 
@@ -334,7 +319,7 @@ def test_unregister_restores_the_getters(paged: ModuleType, make_builder: Callab
 
 
 def test_a_changed_prefill_getter_leaves_decode_patched(
-    paged: ModuleType, monkeypatch: pytest.MonkeyPatch, said: pytest.LogCaptureFixture
+    paged: ModuleType, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
 ) -> None:
     """A prefill getter of another signature keeps vLLM's (and the warning says so); the decode getter is wrapped."""
     import vllm.plugins
@@ -349,5 +334,5 @@ def test_a_changed_prefill_getter_leaves_decode_patched(
     vllm.plugins.load_general_plugins()
     assert paged.FlashInferMetadataBuilder._get_prefill_wrapper is _get_prefill_wrapper
     assert paged.FlashInferMetadataBuilder.__dict__["_get_decode_wrapper"].__wspool__
-    assert "the FlashInfer prefill wrappers' int workspaces (" in said.text
-    assert "_get_prefill_wrapper takes (self, causal, dcp)" in said.text
+    assert "the FlashInfer prefill wrappers' int workspaces (" in warnings_seen.text
+    assert "_get_prefill_wrapper takes (self, causal, dcp)" in warnings_seen.text

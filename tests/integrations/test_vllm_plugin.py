@@ -52,20 +52,6 @@ FLASHINFER_OF_VLLM = {"0.33.0": ("0.7.2.post1",), "0.34.0": ("0.7.3", "0.7.4")}
 
 
 @pytest.fixture
-def warnings_seen(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture the plugin's log lines (vLLM's logger may not propagate to the root logger)."""
-    log = logging.getLogger("vllm.wspool")
-    log.addHandler(caplog.handler)
-    previous = log.level
-    log.setLevel(logging.DEBUG)
-    try:
-        yield caplog
-    finally:
-        log.setLevel(previous)
-        log.removeHandler(caplog.handler)
-
-
-@pytest.fixture
 def vllm() -> ModuleType:
     """The real vLLM package; skips where it is not installed."""
     return pytest.importorskip(

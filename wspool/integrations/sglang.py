@@ -503,7 +503,7 @@ TARGETS: tuple[Target, ...] = (
           "speculative_num_steps"),
     Target(_RUNNER + "decode_cuda_graph_runner", "DecodeCudaGraphRunner.capture", ("self",), _capturing, "freezes"),
     Target(_RUNNER + "prefill_cuda_graph_runner", "PrefillCudaGraphRunner.capture", ("self",), _capturing, "freezes"),
-    *(Target(s.module, s.path, s.parameters, s.make, s.what) for s in sglang_wrappers.SEAMS),
+    *(Target(*seam) for seam in sglang_wrappers.SEAMS),
 )  # fmt: skip
 
 _lock = threading.Lock()

@@ -89,7 +89,6 @@ from wspool.units import format_size
 
 __all__ = [
     "SEAMS",
-    "Seam",
     "bind_eager_wrappers",
     "binding_graph_wrappers",
     "configure",
@@ -389,41 +388,24 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
 # -- the seams -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Seam:
-    """One SGLang method this module wraps (the SGLang integration patches it with its other targets).
-
-    Attributes:
-        module: The module that holds it.
-        path: ``"Class.method"`` in that module.
-        parameters: SGLang 0.5.23's parameter names; another signature is not patched.
-        make: Builds the replacement from SGLang's original.
-        what: What it becomes, for the log line.
-    """
-
-    module: str
-    path: str
-    parameters: tuple[str, ...]
-    make: Callable[[Callable[..., Any]], Any]
-    what: str
-
-
 _INT = "int workspaces from pool flashinfer_int"
 
-#: The methods wrapped besides ``FlashInferAttnBackend.__init__`` (which calls :func:`bind_eager_wrappers`).
-SEAMS: tuple[Seam, ...] = (
-    Seam(
+#: The methods wrapped besides ``FlashInferAttnBackend.__init__`` (which calls :func:`bind_eager_wrappers`),
+#: each ``(module, "Class.method", SGLang 0.5.23's parameter names, the replacement's maker, what it becomes)``:
+#: the SGLang integration patches them with its other targets.
+SEAMS: tuple[tuple[str, str, tuple[str, ...], Callable[[Callable[..., Any]], Any], str], ...] = (
+    (
         _PAGED, "FlashInferAttnBackend._prepare_cuda_graph_metadata",
         ("self", "bs", "num_tokens", "forward_mode", "spec_info"), binding_graph_wrappers,
         f"CUDA-graph wrappers' {_INT}",
     ),
-    Seam(
+    (
         _MLA, "FlashInferMLAIndicesUpdaterDecode.call_begin_forward",
         ("self", "wrapper", "paged_kernel_lens", "paged_kernel_lens_sum", "q_indptr", "kv_indptr",
          "init_metadata_replay", "spec_info", "plan", "req_pool_indices", "fast_decode_kwargs"),
         supplying_mla_decode, f"MLA decode plans with {_INT}",
     ),
-    Seam(
+    (
         _MLA, "FlashInferMLAIndicesUpdaterPrefill.call_begin_forward",
         ("self", "wrapper_ragged", "wrapper_paged", "req_pool_indices", "paged_kernel_lens", "paged_kernel_lens_sum",
          "seq_lens", "prefix_lens", "kv_indptr", "qo_indptr", "use_ragged", "spec_info", "attn_dcp_metadata",
