@@ -17,12 +17,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wspool
+from tests.helpers.devices_fake import A100, H200
 from tests.helpers.mla_doubles import WrapperDouble
 from tests.helpers.mla_inputs import make_inputs, mla_reference
-from tests.helpers.paged_doubles import DecodeWrapperDouble, fake_flashinfer
+from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, fake_flashinfer
 from tests.helpers.paged_inputs import make_paged_inputs
+from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import RuleError
-from wspool.flashinfer import backends, mla_decode_plan, paged_attention_reference, paged_decode_plan, wrapper_buffers
+from wspool.flashinfer import (
+    backends,
+    mla_decode_plan,
+    paged_attention_reference,
+    paged_decode_plan,
+    paged_prefill_plan,
+    wrapper_buffers,
+)
 from wspool.flashinfer import kernels as fi_kernels
 from wspool.flashinfer import paged as paged_module
 from wspool.regions import binding_of
@@ -311,6 +320,7 @@ def test_keep_flashinfer_buffers_leaves_the_wrappers_alone(hopper: None) -> None
 def h200_paged(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The CPU as an H200 (132 SMs) whose FlashInfer is the paged wrapper doubles."""
     DecodeWrapperDouble.instances.clear()
+    PrefillWrapperDouble.instances.clear()
     monkeypatch.setattr(paged_module, "_has_kernels", lambda device: True)
     monkeypatch.setattr(backends, "sm_count", lambda device: 132)
     monkeypatch.setattr(fi_kernels, "load_flashinfer_attention", fake_flashinfer)
@@ -349,6 +359,28 @@ def test_a_paged_wrapper_plans_into_a_region_that_grows_with_the_batch(h200_page
     assert small.plan_calls == before + 1  # type: ignore[attr-defined]
     assert binding_of(wrapper) is second  # the bigger region holds the small plan too
     del big_in, big
+
+
+@pytest.mark.parametrize(("gpu", "bound"), [(A100, True), (H200, False)], ids=["a100", "h200"])
+def test_an_auto_prefill_binds_where_its_planner_is_fa2(h200_paged: None, gpu: DeviceDescription, bound: bool) -> None:
+    """Prefill on backend auto plans with fa2 off SM90 (a region of rule prefill); on SM90 fa3 may plan it (none)."""
+    inputs = make_paged_inputs([37, 5, 64, 100], q_lens=[10, 5, 1, 33], seed=3)
+    with fake_device("cpu", gpu):
+        registry = wspool.PoolRegistry()
+        plan = paged_prefill_plan(
+            inputs.qo_indptr, inputs.block_tables, inputs.seq_lens, num_qo_heads=inputs.num_qo_heads,
+            num_kv_heads=inputs.num_kv_heads, head_dim=inputs.head_dim, page_size=inputs.page_size, registry=registry,
+        )  # fmt: skip
+    (wrapper,) = PrefillWrapperDouble.instances
+    binding = binding_of(wrapper)
+    assert (binding is not None) is bound and plan.int_rule == ("prefill" if bound else None)
+    assert wrapper._int_workspace_buffer.numel() == (binding.region.nbytes if binding else 8 * MiB)
+    got = plan.run(inputs.query, inputs.kv_cache)
+    want = paged_attention_reference(
+        inputs.query, inputs.kv_cache, inputs.qo_indptr, inputs.block_tables, inputs.seq_lens,
+        sm_scale=inputs.head_dim**-0.5, causal=True,
+    )[0]  # fmt: skip
+    torch.testing.assert_close(got, want)
 
 
 def test_statistics_report_regions_and_flashinfers_defaults(h200_paged: None) -> None:

@@ -31,8 +31,9 @@ from tests.helpers.devices_fake import A100, H200
 from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, RaggedWrapperDouble
 from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import RuleError
+from wspool.flashinfer.wrapper_buffers import planner_backend
 from wspool.integrations import vllm as plugin
-from wspool.integrations.vllm_wrappers import planner_backend, step_bounds, wrapper_record
+from wspool.integrations.vllm_wrappers import step_bounds, wrapper_record
 from wspool.memory import FLASHINFER_INT_DEFAULT_BYTES
 from wspool.regions import binding_of
 from wspool.units import ceil_div, round_up

@@ -192,8 +192,9 @@ class PagedAttentionPlan:
         self._planned_wrapper: Callable[[], Any] = _no_wrapper  # then a weak reference: the plan holds none
         self.plan_calls = 0
         dtypes = (self.q_dtype, self.kv_dtype)
+        planner = wrapper_buffers.planner_backend(self.path, self.device) if self.path != "reference" else self.path
         self.int_rule = wrapper_buffers.paged_int_rule(
-            self.kind, use_tensor_cores=self.use_tensor_cores, backend=self.path, dtypes=dtypes
+            self.kind, use_tensor_cores=self.use_tensor_cores, backend=planner, dtypes=dtypes
         )
 
     def replan(self) -> None:

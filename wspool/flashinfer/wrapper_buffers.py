@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from wspool.devices import describe_device
 from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.registry import PoolRegistry
 
@@ -61,6 +62,7 @@ __all__ = [
     "keep_flashinfer_buffers",
     "mla_hook_status",
     "paged_int_rule",
+    "planner_backend",
     "supplying",
 ]
 
@@ -116,6 +118,23 @@ def int_bytes(registry: PoolRegistry, rule: str, device: torch.device, facts: Ma
     """
     declare_int_pool(registry)
     return registry.resolve(INT_POOL, rule, device=device, **facts)
+
+
+def planner_backend(backend: str, device: torch.device) -> str:
+    """Return the backend whose planner a paged wrapper built with ``backend`` plans with on ``device``.
+
+    FlashInfer resolves a paged wrapper's ``"auto"`` at plan time with
+    ``determine_attention_backend``, which answers fa3 only on SM90: on any other
+    GPU the planner is fa2 (FlashInfer 0.7.4's paged prefill may take cuDNN on
+    Blackwell instead, which reads no int workspace). ``"auto"`` stays ``"auto"``
+    on SM90 and on a device wspool cannot describe; other backends are returned as they are.
+    """
+    if backend != "auto":
+        return backend
+    description = describe_device(device)
+    if description is None or description.cc_major == 9:
+        return backend
+    return "fa2"
 
 
 def paged_int_rule(kind: str, *, use_tensor_cores: bool, backend: str, dtypes: tuple[torch.dtype, ...]) -> str | None:

@@ -31,7 +31,7 @@ Which wrappers: FlashInfer's own ``BatchDecodeWithPagedKVCacheWrapper`` and
 planner has a rule (:func:`~wspool.flashinfer.wrapper_buffers.paged_int_rule`), and
 the paged context wrapper inside vLLM's ``BatchDCPPrefillWrapper``. ``backend="auto"``
 is FlashInfer's fa2 planner on a GPU whose compute capability is not 9.x
-(:func:`planner_backend`); on SM90 it may plan with fa3, which no rule bounds. Left
+(:func:`~wspool.flashinfer.wrapper_buffers.planner_backend`); on SM90 it may plan with fa3, which no rule bounds. Left
 with FlashInfer's buffers: fa3, trtllm-gen and fp8 ``auto`` on SM90; the
 attention-sink wrapper (a subclass with a JIT module); the DCP wrapper's ragged
 new-token wrapper (FlashInfer's ``auto`` picks fa2, fa3, fmha_v2, cuDNN or CUTLASS
@@ -62,15 +62,13 @@ from typing import Any
 
 import torch
 
-from wspool.devices import describe_device
-from wspool.flashinfer.wrapper_buffers import bind_paged_wrapper, paged_int_rule
+from wspool.flashinfer.wrapper_buffers import bind_paged_wrapper, paged_int_rule, planner_backend
 from wspool.integrations.vllm_facts import facts_from_config
 from wspool.integrations.vllm_workspaces import current_lane
 from wspool.registry import get_registry
 
 __all__ = [
     "WrapperRecord",
-    "planner_backend",
     "step_bounds",
     "wrap_get_decode_wrapper",
     "wrap_get_prefill_wrapper",
@@ -110,23 +108,6 @@ _said: set[str] = set()
 def wrapper_record(wrapper: Any) -> WrapperRecord | None:
     """Return what the plugin did with ``wrapper`` (or with vLLM's DCP wrapper holding it), or ``None`` if unseen."""
     return _records.get(wrapper)
-
-
-def planner_backend(backend: str, device: torch.device) -> str:
-    """Return the backend whose planner a paged wrapper built with ``backend`` plans with on ``device``.
-
-    FlashInfer resolves a paged wrapper's ``"auto"`` at plan time with
-    ``determine_attention_backend``, which answers fa3 only on SM90: on any other
-    GPU the planner is fa2 (FlashInfer 0.7.4's paged prefill may take cuDNN on
-    Blackwell instead, which reads no int workspace). ``"auto"`` stays ``"auto"``
-    on SM90 and on a device wspool cannot describe; other backends are returned as they are.
-    """
-    if backend != "auto":
-        return backend
-    description = describe_device(device)
-    if description is None or description.cc_major == 9:
-        return backend
-    return "fa2"
 
 
 def step_bounds(config: Any) -> tuple[int, int]:
