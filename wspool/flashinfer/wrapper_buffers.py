@@ -40,6 +40,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
@@ -90,6 +91,7 @@ _HOOK_KEYWORDS = ("float_workspace_buffer", "int_workspace_buffer", "pin_memory_
 # The binding whose buffers an MLA backend built in this context takes (this thread or task only).
 _SUPPLY: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
 _hook: dict[str, Any] = {}  # "status": None (installed) or why not; "class", "original"
+_hook_lock = threading.Lock()
 
 
 _OFF_KEY = "flashinfer_int_off"
@@ -246,37 +248,42 @@ def install_mla_hook() -> str | None:
     """Install the MLA backend constructor hook once; return ``None`` when it is in place, else why not.
 
     It is installed only on :data:`READ_VERSIONS` and only when the constructor
-    still takes the three keyword arguments it fills.
+    still takes the three keyword arguments it fills. FlashInfer is imported
+    before the lock is taken; the lock only makes the installation happen once.
     """
     if "status" in _hook:
         return _hook["status"]  # type: ignore[no-any-return]
-    version = _flashinfer_version()
-    status: str | None
-    if version is None:
-        status = "FlashInfer is not installed"
-    elif version not in READ_VERSIONS:
-        status = (
-            f"FlashInfer {version} is not a version whose MLA backend wspool has read "
-            f"({', '.join(READ_VERSIONS)}); its MLA wrappers keep FlashInfer's own 8 MiB int workspace and pinned copy"
-        )
-    else:
-        module_name, class_name = MLA_BACKEND_CLASS
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-            parameters = inspect.signature(cls.__init__).parameters
-        except (ImportError, AttributeError, ValueError, TypeError) as exc:
-            status = f"FlashInfer {version}: {module_name}.{class_name} is not as read ({exc})"
-        else:
-            keyword_only = inspect.Parameter.KEYWORD_ONLY
-            missing = [k for k in _HOOK_KEYWORDS if k not in parameters or parameters[k].kind is not keyword_only]
-            if missing:
-                status = f"FlashInfer {version}: {class_name}.__init__ lacks keyword-only {', '.join(missing)}"
-            else:
+    status, cls = _hookable_backend()
+    with _hook_lock:
+        if "status" not in _hook:
+            if cls is not None:
                 _hook["class"], _hook["original"] = cls, cls.__init__
                 cls.__init__ = _supplied_init(cls.__init__)  # the one attribute wspool sets on FlashInfer
-                status = None
-    _hook["status"] = status
-    return status
+            _hook["status"] = status
+        return _hook["status"]  # type: ignore[no-any-return]
+
+
+def _hookable_backend() -> tuple[str | None, Any]:
+    """Return ``(None, the class)`` where the version and the constructor are as read, else ``(why not, None)``."""
+    version = _flashinfer_version()
+    if version is None:
+        return "FlashInfer is not installed", None
+    if version not in READ_VERSIONS:
+        return (
+            f"FlashInfer {version} is not a version whose MLA backend wspool has read "
+            f"({', '.join(READ_VERSIONS)}); its MLA wrappers keep FlashInfer's own 8 MiB int workspace and pinned copy"
+        ), None
+    module_name, class_name = MLA_BACKEND_CLASS
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        parameters = inspect.signature(cls.__init__).parameters
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        return f"FlashInfer {version}: {module_name}.{class_name} is not as read ({exc})", None
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
+    missing = [k for k in _HOOK_KEYWORDS if k not in parameters or parameters[k].kind is not keyword_only]
+    if missing:
+        return f"FlashInfer {version}: {class_name}.__init__ lacks keyword-only {', '.join(missing)}", None
+    return None, cls
 
 
 def mla_hook_status() -> str:
