@@ -1,5 +1,4 @@
-"""Tests for wspool.memory: memory_summary / memory_stats, MemPool allocation, the stats command, and the
-FlashInfer wrappers' own buffers counted per pool while they live."""
+"""Tests for wspool.memory: summaries and statistics, MemPool allocation, the stats command, wrappers' own buffers."""
 
 from __future__ import annotations
 
