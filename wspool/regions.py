@@ -99,12 +99,13 @@ class WrapperBinding:
         pinned: The wrapper's pinned host copy (as large as the region), or ``None``
             where the wrapper makes its own from the region's size.
         kind: What the wrapper is, e.g. ``"mla"`` or ``"decode"`` (for statistics).
+        setting: The key of the rule that sized the region (``"key / ENV_VAR"``), for errors; or ``None``.
     """
 
-    __slots__ = ("kind", "pinned", "region")
+    __slots__ = ("kind", "pinned", "region", "setting")
 
-    def __init__(self, region: IntRegion, pinned: torch.Tensor | None, kind: str) -> None:
-        self.region, self.pinned, self.kind = region, pinned, kind
+    def __init__(self, region: IntRegion, pinned: torch.Tensor | None, kind: str, setting: str | None = None) -> None:
+        self.region, self.pinned, self.kind, self.setting = region, pinned, kind, setting
 
 
 # Every registry's bindings, for the look-up by wrapper alone (a wrapper has one binding at a time).
@@ -153,6 +154,7 @@ class WrapperRegions:
         lane: str,
         group: Hashable | None = None,
         pinned: bool = False,
+        setting: str | None = None,
     ) -> WrapperBinding:
         """Give ``wrapper`` an int region of at least ``nbytes``; return its binding.
 
@@ -167,6 +169,7 @@ class WrapperRegions:
                 (the region's record lets each plan see that another took it).
                 ``None``: a region of its own.
             pinned: Also make it a pinned host copy as large as the region.
+            setting: The key of the rule ``nbytes`` came from, which errors name.
 
         Raises:
             WorkspaceFrozenError: A region would be allocated while the current stream captures.
@@ -185,7 +188,7 @@ class WrapperRegions:
                     else:
                         self._groups[key] = region
         copy = self._pinned_copy(region.nbytes, device) if pinned else None
-        binding = WrapperBinding(region, copy, kind)
+        binding = WrapperBinding(region, copy, kind, setting)
         with self._lock:
             previous = self._bindings.get(wrapper)
             self._bindings[wrapper] = binding

@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 
 import wspool
 from tests.helpers.devices_fake import A100, H200
+from tests.helpers.int_plans import int_overflow_message
 from tests.helpers.mla_doubles import WrapperDouble
 from tests.helpers.mla_inputs import make_inputs, mla_reference
 from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, fake_flashinfer
 from tests.helpers.paged_inputs import make_paged_inputs
 from wspool.devices import DeviceDescription, fake_device
-from wspool.errors import RuleError
+from wspool.errors import ConfigError, RuleError, WorkspaceOverflowError
 from wspool.flashinfer import (
     backends,
     mla_decode_plan,
@@ -34,7 +35,9 @@ from wspool.flashinfer import (
 )
 from wspool.flashinfer import kernels as fi_kernels
 from wspool.flashinfer import paged as paged_module
-from wspool.regions import binding_of
+from wspool.flashinfer.mla import MLA_FLOAT_CARVES
+from wspool.flashinfer.refusals import grow_after_overflow
+from wspool.regions import binding_of, wrapper_regions
 from wspool.units import MiB, ceil_div, round_up
 
 # -- the rules against the planners' carves (FlashInfer's scheduler.cuh) ----------------------
@@ -395,3 +398,50 @@ def test_statistics_report_regions_and_flashinfers_defaults(h200_paged: None) ->
     (kernel,) = registry.memory_stats()["kernel_buffers"]
     assert kernel["bound_wrappers"] == 1 and 0 < kernel["region_bytes"] < 64 * 1024
     del inputs, plan
+
+
+# -- bad configuration of the int rules ----------------------------------------------------
+
+
+def test_an_mla_rule_below_the_planners_carves_is_refused_before_any_region(
+    hopper: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pools.flashinfer_int.rules.mla below what the MLA planner carves is refused naming the key; no region is made."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__RULES__MLA", "1KiB")
+    registry = wspool.PoolRegistry()
+    inputs = make_inputs(2, 4, [50, 60])
+    with pytest.raises(
+        ConfigError,
+        match=r"^pools\.flashinfer_int\.rules\.mla / WSPOOL_POOLS__FLASHINFER_INT__RULES__MLA resolves to 1024 bytes "
+        r"on cpu, below the 589904 bytes FlashInfer's MLA planner carves there .*; raise it to at least 589904$",
+    ):
+        _plan(inputs, registry=registry)
+    assert wrapper_regions(registry).stats() == []
+    assert all(binding_of(w) is None for w in WrapperDouble.instances)
+
+
+def test_an_int_carve_overflow_names_the_int_rule_and_leaves_the_pool(
+    h200_paged: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A region too small for a plan (a configured decode rule) raises WorkspaceOverflowError naming that rule;
+    the float pool does not grow for it."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__RULES__DECODE", "16")
+    registry = wspool.PoolRegistry()
+    with pytest.raises(
+        WorkspaceOverflowError,
+        match=r"^FlashInfer paged decode overflowed its int workspace \(a region of pool flashinfer_int\): "
+        r"batch_decode_request_indices needs \d+ bytes with 16 left; raise pools\.flashinfer_int\.rules\.decode / "
+        r"WSPOOL_POOLS__FLASHINFER_INT__RULES__DECODE$",
+    ):
+        _decode([37, 1, 64, 100], registry=registry)
+    assert registry.stats("flashinfer", "cpu").grow_count == 1
+
+
+def test_an_unbound_wrappers_int_overflow_is_raised_as_it_is() -> None:
+    """Without a wspool region, an int carve's overflow is FlashInfer's own error, unchanged."""
+    pool = wspool.PoolRegistry().pool("flashinfer", "cpu")
+    error = RuntimeError(int_overflow_message("mla_work_indptr", 65536, 65520))
+    with pytest.raises(RuntimeError) as info:
+        grow_after_overflow(error, pool=pool, capacity=1 << 20, attempt=0, op="MLA decode", rule="lse",
+                            setting="x", float_carves=MLA_FLOAT_CARVES)  # fmt: skip
+    assert info.value is error

@@ -44,6 +44,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MLA_POOL = "flashinfer_mla"
+#: The carves MLA planning makes in the float workspace; the others are in the int workspace.
+MLA_FLOAT_CARVES = frozenset({"mla_partial_o", "mla_partial_lse"})
 COUNTER_POOL = "flashinfer_mla_counters"
 #: trtllm-gen's multi-CTA semaphores: FlashInfer's own formula, as a rule.
 COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
@@ -600,6 +602,7 @@ class MLADecodePlan:
                 grow_after_overflow(
                     exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt,  # type: ignore[union-attr]
                     op="MLA decode", rule=self.rule, setting=self._setting, path=self.path,
+                    float_carves=MLA_FLOAT_CARVES, int_setting=wrapper_buffers.int_setting_of(wrapper),
                 )  # fmt: skip
                 continue
             record.owner = self._token

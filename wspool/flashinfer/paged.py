@@ -303,6 +303,7 @@ class PagedAttentionPlan:
                 grow_after_overflow(
                     exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt, op=f"paged {self.kind}",
                     rule=self.kind, setting=self._setting, float_carves=FLOAT_CARVES,
+                    int_setting=wrapper_buffers.int_setting_of(wrapper),
                 )  # fmt: skip
                 continue
             record.owner = self._token

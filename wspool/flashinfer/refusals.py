@@ -224,6 +224,7 @@ def grow_after_overflow(
     setting: str,
     float_carves: Container[str] | None = None,
     path: str | None = None,
+    int_setting: str | None = None,
 ) -> torch.Tensor:
     """Grow ``pool`` past what the overflow in ``exc`` needed; re-raise anything else.
 
@@ -239,23 +240,30 @@ def grow_after_overflow(
             of any other carve (FlashInfer's own int workspace) is re-raised as
             it is. ``None``: every carve.
         path: The backend the op asked FlashInfer for, to read a refusal that lists several.
+        int_setting: Where the int workspace is a wspool region, the key of the rule that
+            sized it: an overflow of an int carve then raises
+            :class:`~wspool.errors.WorkspaceOverflowError` naming it (the pool does not grow).
 
     Returns:
         The grown buffer.
 
     Raises:
         Exception: ``exc`` itself, when it is not a refusal of the pool's buffer, or names no size.
+        WorkspaceOverflowError: An int carve overflowed a region sized by ``int_setting``.
         WorkspaceOverflowError: The call still overflowed after :data:`MAX_RECOVERIES` growths.
         WorkspaceFrozenError: Growth is refused (frozen or capturing).
         WorkspaceLimitError: Growth would pass ``max_bytes`` or the device's memory.
     """
     overflow = parse_refusal(exc, path)
-    if (
-        overflow is None
-        or not overflow.sized
-        or (float_carves is not None and overflow.form == "aligned-allocator" and overflow.name not in float_carves)
-    ):
+    if overflow is None or not overflow.sized:
         raise exc
+    if float_carves is not None and overflow.form == "aligned-allocator" and overflow.name not in float_carves:
+        if int_setting is None:
+            raise exc
+        raise WorkspaceOverflowError(
+            f"FlashInfer {op} overflowed its int workspace (a region of pool flashinfer_int): {overflow.name} "
+            f"needs {overflow.size_bytes} bytes with {overflow.available_bytes} left; raise {int_setting}"
+        ) from exc
     needed = overflow.needed_capacity(capacity)
     # A carve names what was left; a whole-need refusal had the entire buffer to work with.
     available = overflow.available_bytes if overflow.form == "aligned-allocator" else capacity

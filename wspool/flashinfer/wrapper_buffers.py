@@ -47,8 +47,10 @@ from typing import Any
 import torch
 
 from wspool.devices import describe_device
+from wspool.errors import ConfigError, describe_setting
 from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.registry import PoolRegistry
+from wspool.rules import compile_rule
 
 __all__ = [
     "INT_POOL",
@@ -60,6 +62,7 @@ __all__ = [
     "declare_int_pool",
     "install_mla_hook",
     "int_bytes",
+    "int_setting_of",
     "keep_flashinfer_buffers",
     "mla_hook_status",
     "paged_int_rule",
@@ -205,7 +208,9 @@ def bind_paged_wrapper(
     if current is not None and current.region.nbytes >= nbytes:
         return current
     regions = wrapper_regions(registry, INT_POOL)
-    binding = regions.bind(wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group)
+    binding = regions.bind(
+        wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group, setting=_rule_setting(rule)
+    )
     # FlashInfer's public way to swap the int workspace; it remakes the pinned copy at the region's size.
     wrapper.reset_workspace_buffer(float_workspace, binding.region.tensor)
     return binding
@@ -331,8 +336,36 @@ def bind_mla_wrapper(
     if current is not None:
         return current
     nbytes = int_bytes(registry, "mla", device, facts or {})
+    _check_mla_bytes(registry, device, facts or {}, nbytes)
     regions = wrapper_regions(registry, INT_POOL)
-    return regions.bind(wrapper, device=device, nbytes=nbytes, kind="mla", lane=lane, group=group, pinned=True)
+    return regions.bind(
+        wrapper, device=device, nbytes=nbytes, kind="mla", lane=lane, group=group, pinned=True,
+        setting=_rule_setting("mla"),
+    )  # fmt: skip
+
+
+def _rule_setting(rule: str) -> str:
+    return describe_setting(("pools", INT_POOL, "rules", rule))
+
+
+def _check_mla_bytes(registry: PoolRegistry, device: torch.device, facts: Mapping[str, int], nbytes: int) -> None:
+    """Refuse a configured ``mla`` rule below what the MLA planner always carves, before anything is allocated."""
+    known = {**registry.device_facts(device), **facts}
+    if "sm_count" not in known:
+        return  # not a GPU wspool can describe: the planner's own check stands
+    need = compile_rule(INT_RULES["mla"]).resolve(known)
+    if nbytes < need:
+        raise ConfigError(
+            f"{_rule_setting('mla')} resolves to {nbytes} bytes on {device}, below the {need} bytes FlashInfer's MLA "
+            f"planner carves there ({INT_RULES['mla']}); raise it to at least {need}",
+            path=("pools", INT_POOL, "rules", "mla"),
+        )
+
+
+def int_setting_of(wrapper: Any) -> str | None:
+    """The key of the rule that sized ``wrapper``'s region (what an int-carve overflow names), or ``None``."""
+    binding = binding_of(wrapper)
+    return None if binding is None else binding.setting
 
 
 @contextlib.contextmanager
