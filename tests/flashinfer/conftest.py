@@ -1,4 +1,4 @@
-"""Fixtures of the MLA tests: the CPU standing in for a Hopper or a Blackwell GPU, with FlashInfer's doubles."""
+"""Fixtures of the FlashInfer tests: the CPU standing in for a Hopper or a Blackwell GPU, with FlashInfer's doubles."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.helpers.mla_doubles import TrtllmDouble, WrapperDouble, fake_flashinfer_mla
+from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, fake_flashinfer
 from wspool.flashinfer import backends, kernels
+from wspool.flashinfer import paged as paged_module
 
 
 @pytest.fixture
@@ -26,3 +28,14 @@ def blackwell(monkeypatch: pytest.MonkeyPatch) -> TrtllmDouble:
     monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
     monkeypatch.setattr(kernels, "load_flashinfer_mla", lambda: fake_flashinfer_mla(double))
     return double
+
+
+@pytest.fixture
+def h200_wrapper_doubles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pretend the CPU is an H200 (132 SMs) whose FlashInfer is the wrapper doubles."""
+    DecodeWrapperDouble.instances.clear()
+    PrefillWrapperDouble.instances.clear()
+    monkeypatch.setattr(paged_module, "_has_kernels", lambda device: True)
+    monkeypatch.setattr(backends, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kernels, "load_flashinfer_attention", fake_flashinfer)
+    yield

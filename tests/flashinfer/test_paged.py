@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import wspool
-from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, fake_flashinfer
+from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble
 from tests.helpers.paged_inputs import PagedInputs, make_paged_inputs
 from wspool.errors import WorkspaceFrozenError
 from wspool.flashinfer import (
     PagedAttentionPlan,
-    backends,
     paged_attention_reference,
     paged_decode_plan,
     paged_prefill_plan,
 )
 from wspool.flashinfer import kernels as fi_kernels
-from wspool.flashinfer import paged as paged_module
 from wspool.flashinfer.paged import FLOAT_CARVES
 from wspool.units import MiB
 
@@ -60,17 +57,6 @@ def _prefill_plan(inputs: PagedInputs, **kwargs: object) -> PagedAttentionPlan:
 
 def _prefill_inputs(seed: int = 0) -> PagedInputs:
     return make_paged_inputs([37, 5, 64, 100], q_lens=[10, 5, 1, 33], seed=seed)
-
-
-@pytest.fixture
-def h200_wrapper_doubles(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Pretend the CPU is an H200 (132 SMs) whose FlashInfer is the wrapper doubles."""
-    DecodeWrapperDouble.instances.clear()
-    PrefillWrapperDouble.instances.clear()
-    monkeypatch.setattr(paged_module, "_has_kernels", lambda device: True)
-    monkeypatch.setattr(backends, "sm_count", lambda device: 132)
-    monkeypatch.setattr(fi_kernels, "load_flashinfer_attention", fake_flashinfer)
-    yield
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

@@ -21,7 +21,7 @@ from tests.helpers.devices_fake import A100, H200
 from tests.helpers.int_plans import int_overflow_message
 from tests.helpers.mla_doubles import WrapperDouble
 from tests.helpers.mla_inputs import make_inputs, mla_reference
-from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, fake_flashinfer
+from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble
 from tests.helpers.paged_inputs import make_paged_inputs
 from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import ConfigError, RuleError, WorkspaceOverflowError
@@ -33,8 +33,6 @@ from wspool.flashinfer import (
     paged_prefill_plan,
     wrapper_buffers,
 )
-from wspool.flashinfer import kernels as fi_kernels
-from wspool.flashinfer import paged as paged_module
 from wspool.flashinfer.mla import MLA_FLOAT_CARVES
 from wspool.flashinfer.refusals import grow_after_overflow
 from wspool.regions import binding_of, wrapper_regions
@@ -319,17 +317,6 @@ def test_keep_flashinfer_buffers_leaves_the_wrappers_alone(hopper: None) -> None
 # -- wspool's own paged plans (the doubles) --------------------------------------------------
 
 
-@pytest.fixture
-def h200_paged(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The CPU as an H200 (132 SMs) whose FlashInfer is the paged wrapper doubles."""
-    DecodeWrapperDouble.instances.clear()
-    PrefillWrapperDouble.instances.clear()
-    monkeypatch.setattr(paged_module, "_has_kernels", lambda device: True)
-    monkeypatch.setattr(backends, "sm_count", lambda device: 132)
-    monkeypatch.setattr(fi_kernels, "load_flashinfer_attention", fake_flashinfer)
-    yield
-
-
 def _decode(lengths: list[int], seed: int = 0, registry: wspool.PoolRegistry | None = None) -> tuple[object, object]:
     inputs = make_paged_inputs(lengths, q_lens=[1] * len(lengths), seed=seed)
     plan = paged_decode_plan(
@@ -339,7 +326,7 @@ def _decode(lengths: list[int], seed: int = 0, registry: wspool.PoolRegistry | N
     return inputs, plan
 
 
-def test_a_paged_wrapper_plans_into_a_region_that_grows_with_the_batch(h200_paged: None) -> None:
+def test_a_paged_wrapper_plans_into_a_region_that_grows_with_the_batch(h200_wrapper_doubles: None) -> None:
     """reset_workspace_buffer gives the wrapper a region of rule decode's size; a larger batch gets a larger one."""
     small_in, small = _decode([37, 1, 64, 100], seed=1)
     (wrapper,) = DecodeWrapperDouble.instances
@@ -365,7 +352,9 @@ def test_a_paged_wrapper_plans_into_a_region_that_grows_with_the_batch(h200_page
 
 
 @pytest.mark.parametrize(("gpu", "bound"), [(A100, True), (H200, False)], ids=["a100", "h200"])
-def test_an_auto_prefill_binds_where_its_planner_is_fa2(h200_paged: None, gpu: DeviceDescription, bound: bool) -> None:
+def test_an_auto_prefill_binds_where_its_planner_is_fa2(
+    h200_wrapper_doubles: None, gpu: DeviceDescription, bound: bool
+) -> None:
     """Prefill on backend auto plans with fa2 off SM90 (a region of rule prefill); on SM90 fa3 may plan it (none)."""
     inputs = make_paged_inputs([37, 5, 64, 100], q_lens=[10, 5, 1, 33], seed=3)
     with fake_device("cpu", gpu):
@@ -386,7 +375,7 @@ def test_an_auto_prefill_binds_where_its_planner_is_fa2(h200_paged: None, gpu: D
     torch.testing.assert_close(got, want)
 
 
-def test_statistics_report_regions_and_flashinfers_defaults(h200_paged: None) -> None:
+def test_statistics_report_regions_and_flashinfers_defaults(h200_wrapper_doubles: None) -> None:
     """memory_summary names the regions, the wrappers on them, and what FlashInfer's defaults would hold."""
     registry = wspool.PoolRegistry()
     inputs, plan = _decode([37, 1, 64, 100], registry=registry)
@@ -421,7 +410,7 @@ def test_an_mla_rule_below_the_planners_carves_is_refused_before_any_region(
 
 
 def test_an_int_carve_overflow_names_the_int_rule_and_leaves_the_pool(
-    h200_paged: None, monkeypatch: pytest.MonkeyPatch
+    h200_wrapper_doubles: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A region too small for a plan (a configured decode rule) raises WorkspaceOverflowError naming that rule;
     the float pool does not grow for it."""

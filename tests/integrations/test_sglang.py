@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 from collections.abc import Iterator
 from importlib.metadata import entry_points
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +24,7 @@ import pytest
 import torch
 
 import wspool
+from tests.helpers.sglang_model import publish_tiny_llama
 from wspool.errors import WorkspaceFrozenError, WspoolError
 from wspool.integrations import sglang as sg
 
@@ -271,16 +270,7 @@ def test_capture_freezes_the_registry_and_a_recapture_thaws_it(srt: SGLang, load
 @pytest.fixture(scope="module")
 def published(srt: SGLang, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """SGLang's process configuration for a tiny local model, as a scheduler publishes it."""
-    from sglang.srt.server_args import ServerArgs
-
-    model = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
-    }  # fmt: skip
-    (Path(model) / "config.json").write_text(json.dumps(config))
-    srt.rc.publish(ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu"), role="scheduler")
+    publish_tiny_llama(srt.rc, tmp_path_factory.mktemp("tiny-llama"))
     yield
     srt.rc.reset_context()
 

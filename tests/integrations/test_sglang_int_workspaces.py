@@ -21,10 +21,8 @@ memory (:class:`CpuTorch`), and the CPU stands in for an H200.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -36,6 +34,7 @@ from tests.helpers.devices_fake import H200
 from tests.helpers.int_plans import read_plan, write_plan
 from tests.helpers.mla_doubles import WrapperDouble, bind_to_flashinfer
 from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, RaggedWrapperDouble
+from tests.helpers.sglang_model import publish_tiny_llama
 from wspool.devices import fake_device
 from wspool.errors import RuleError
 from wspool.flashinfer import wrapper_buffers
@@ -119,7 +118,6 @@ def srt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLang]:
     sglang = pytest.importorskip("sglang", reason=SGLANG_MISSING)
     if sglang.__version__ != VERSION:
         pytest.skip(f"the integration targets SGLang {VERSION}; this environment has {sglang.__version__}")
-    from sglang.srt.server_args import ServerArgs
 
     names = {
         "rc": "sglang.srt.runtime_context",
@@ -129,14 +127,7 @@ def srt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLang]:
         "utils": "sglang.srt.utils",
     }
     found = SGLang(**{key: importlib.import_module(module) for key, module in names.items()})
-    model = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
-    }  # fmt: skip
-    (Path(model) / "config.json").write_text(json.dumps(config))
-    found.rc.publish(ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu"), role="scheduler")
+    publish_tiny_llama(found.rc, tmp_path_factory.mktemp("tiny-llama"))
     yield found
     found.rc.reset_context()
 
