@@ -22,7 +22,7 @@ import torch
 
 from wspool.errors import RuleError
 from wspool.pool import Allocator, PoolStats, zeros_allocator
-from wspool.regions import existing_regions, wrapper_regions
+from wspool.regions import existing_regions
 from wspool.units import format_size
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
         return []
     with tracked.lock:
         entries = list(tracked.entries.items())
-    regions = wrapper_regions(registry)
+    regions = existing_regions(registry)  # reading makes nothing
     totals: dict[tuple[str, str, str], list[int]] = {}
     counted_regions: dict[tuple[str, str, str], set[int]] = {}
     dead = []
@@ -131,7 +131,7 @@ def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
         skip = {*supplied, *(() if workspace is None else (workspace.data_ptr(),))} - {0}
         total = totals.setdefault((pool, device, lane), [0, 0, 0, 0, 0])
         total[0] += 1
-        binding = regions.binding(wrapper)
+        binding = None if regions is None else regions.binding(wrapper)
         if binding is not None:
             total[4] += 1
             region = binding.region.tensor
