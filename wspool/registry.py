@@ -233,7 +233,7 @@ class PoolRegistry:
                 found = self._serving(pool, device, lane, rule)
         if facts:
             return found[0].workspace(rule, facts)
-        return found[1]()
+        return found[1].get()
 
     def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> tuple[WorkspacePool, WorkspaceHandle]:
         """Return the pool instance that serves ``pool``'s ``rule`` and its handle (a call's first miss).
