@@ -155,8 +155,13 @@ class WrapperRegions:
         group: Hashable | None = None,
         pinned: bool = False,
         setting: str | None = None,
+        install: Callable[[WrapperBinding], None] | None = None,
     ) -> WrapperBinding:
         """Give ``wrapper`` an int region of at least ``nbytes``; return its binding.
+
+        The binding is recorded only once ``install`` (if given) returned: a
+        wrapper that did not take its new region keeps its previous binding, and
+        the region it leaves keeps its record, as they were.
 
         Args:
             wrapper: The kernel wrapper (held weakly; its binding lives as long as it).
@@ -170,6 +175,9 @@ class WrapperRegions:
                 ``None``: a region of its own.
             pinned: Also make it a pinned host copy as large as the region.
             setting: The key of the rule ``nbytes`` came from, which errors name.
+            install: Hands the new binding to the wrapper (e.g. FlashInfer's
+                ``reset_workspace_buffer``); called outside the lock, before anything
+                is recorded. What it raises propagates, and nothing is recorded.
 
         Raises:
             WorkspaceFrozenError: A region would be allocated while the current stream captures.
@@ -189,6 +197,8 @@ class WrapperRegions:
                         self._groups[key] = region
         copy = self._pinned_copy(region.nbytes, device) if pinned else None
         binding = WrapperBinding(region, copy, kind, setting)
+        if install is not None:
+            install(binding)
         with self._lock:
             previous = self._bindings.get(wrapper)
             self._bindings[wrapper] = binding

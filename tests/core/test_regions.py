@@ -56,3 +56,28 @@ def test_a_rebound_wrapper_leaves_its_old_regions_record_to_nobody() -> None:
     new = regions.bind(wrapper, device=torch.device("cpu"), nbytes=640, kind="x", lane="main")
     assert binding_of(wrapper) is new and new.region is not old.region
     assert old.region.record.owner is None and token is not None
+
+
+def test_a_failed_install_records_nothing_and_leaves_the_previous_binding() -> None:
+    """An install (the wrapper taking its region) that raises records no binding: the previous one stays, its
+    region's record untouched, and the region it would have moved to counts nowhere."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    wrapper, cpu = _Wrapper(), torch.device("cpu")
+    old = regions.bind(wrapper, device=cpu, nbytes=64, kind="x", lane="main")
+    old.region.record.owner = token = object()
+    offered: list[object] = []
+
+    def refuse(binding: object) -> None:
+        offered.append(binding)
+        raise MemoryError("no pinned memory for the copy")
+
+    with pytest.raises(MemoryError, match=r"^no pinned memory for the copy$"):
+        regions.bind(wrapper, device=cpu, nbytes=640, kind="x", lane="main", install=refuse)
+    assert binding_of(wrapper) is old and regions.binding(wrapper) is old and old.region.record.owner is token
+    assert len(offered) == 1 and offered[0] is not old
+    ((stats,),) = [regions.stats()]
+    assert (stats["regions"], stats["region_bytes"]) == (1, 64)
+    taken: list[object] = []
+    new = regions.bind(wrapper, device=cpu, nbytes=640, kind="x", lane="main", install=taken.append)
+    assert taken == [new] and binding_of(wrapper) is new and new.region.nbytes == 640
+    assert old.region.record.owner is None  # moved: no plan may trust the old region now

@@ -351,6 +351,37 @@ def test_a_paged_wrapper_plans_into_a_region_that_grows_with_the_batch(h200_wrap
     del big_in, big
 
 
+def test_a_failed_reseat_leaves_the_previous_binding_whole(
+    h200_wrapper_doubles: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reset_workspace_buffer that fails (its pinned copy cannot be made) records nothing: the wrapper keeps its
+    region and a copy of that size, its plan stays valid, and a retry asks FlashInfer again."""
+    small_in, small = _decode([37, 1, 64, 100], seed=1)
+    (wrapper,) = DecodeWrapperDouble.instances
+    first = binding_of(wrapper)
+    assert first is not None
+    monkeypatch.setattr(DecodeWrapperDouble, "pinned_failures", 1)
+    with pytest.raises(RuntimeError, match=r"^CUDA error: out of memory \(a pinned host copy\)$"):
+        _decode([2] * 5000, seed=2)
+    assert binding_of(wrapper) is first and wrapper_regions(wspool.get_registry()).binding(wrapper) is first
+    assert wrapper._int_workspace_buffer is first.region.tensor
+    assert wrapper._pin_memory_int_workspace_buffer.numel() == first.region.nbytes
+    before = small.plan_calls  # type: ignore[attr-defined]
+    got = small.run(small_in.query, small_in.kv_cache)  # type: ignore[attr-defined]
+    assert small.plan_calls == before  # type: ignore[attr-defined]  # its region still holds its plan
+    want = paged_attention_reference(
+        small_in.query, small_in.kv_cache, small_in.qo_indptr, small_in.block_tables,  # type: ignore[attr-defined]
+        small_in.seq_lens, sm_scale=small_in.head_dim**-0.5, causal=False,  # type: ignore[attr-defined]
+    )[0]  # fmt: skip
+    torch.testing.assert_close(got, want)
+    big_in, big = _decode([2] * 5000, seed=2)
+    second = binding_of(wrapper)
+    assert second is not None and second.region.nbytes > first.region.nbytes
+    assert wrapper._int_workspace_buffer is second.region.tensor
+    assert wrapper._pin_memory_int_workspace_buffer.numel() == second.region.nbytes
+    del big_in, big
+
+
 @pytest.mark.parametrize(("gpu", "bound"), [(A100, True), (H200, False)], ids=["a100", "h200"])
 def test_an_auto_prefill_binds_where_its_planner_is_fa2(
     h200_wrapper_doubles: None, gpu: DeviceDescription, bound: bool
