@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from wspool.devices import resolve_device
 from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError, describe_setting
 from wspool.pool import Allocator, PoolSource, cuda_capture_probe, zeros_allocator
 from wspool.units import format_size, round_up
@@ -125,6 +126,10 @@ class WrapperRegions:
         max_bytes: Reads that cap for a device: ``None`` for none.
         allocator: Makes zero-filled device regions; default ``torch.zeros``.
 
+    Devices are counted as their regions' tensors report them: ``cuda`` is the
+    current CUDA device's index, ``cpu:0`` is ``cpu``, so a cap and a group hold
+    however the caller spells the device.
+
     Thread semantics: thread-safe; a region is allocated outside the lock, so two
     threads binding the first wrappers of one group may each allocate, and the one
     that installs its region first wins (the other's region is dropped).
@@ -182,7 +187,9 @@ class WrapperRegions:
         Raises:
             WorkspaceFrozenError: A region would be allocated while the current stream captures.
             WorkspaceLimitError: The regions would pass the pool's ``max_bytes``, or the device's memory.
+            ConfigError: ``device`` is ``cuda`` and torch can use no CUDA device here.
         """
+        device = _as_tensors_report(device)
         size = round_up(max(int(nbytes), REGION_ALIGNMENT), REGION_ALIGNMENT)
         key = (str(device), lane, group)
         region = self._groups.get(key) if group is not None else None
@@ -294,6 +301,16 @@ class WrapperRegions:
                 entry["regions"] += 1
                 entry["region_bytes"] += region.nbytes
         return [totals[k] for k in sorted(totals)]
+
+
+def _as_tensors_report(device: torch.device) -> torch.device:
+    """Return ``device`` as a tensor allocated on it reports its device (``cuda`` -> ``cuda:<current>``,
+    ``cpu:0`` -> ``cpu``), so that one device is one key however it is spelt."""
+    if device.type == "cuda":
+        return resolve_device(device) if device.index is None else device
+    if device.type in ("cpu", "meta") and device.index is not None:
+        return torch.device(device.type)
+    return device
 
 
 def wrapper_regions(registry: PoolSource, pool: str = "flashinfer_int") -> WrapperRegions:

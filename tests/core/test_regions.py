@@ -81,3 +81,19 @@ def test_a_failed_install_records_nothing_and_leaves_the_previous_binding() -> N
     new = regions.bind(wrapper, device=cpu, nbytes=640, kind="x", lane="main", install=taken.append)
     assert taken == [new] and binding_of(wrapper) is new and new.region.nbytes == 640
     assert old.region.record.owner is None  # moved: no plan may trust the old region now
+
+
+def test_a_device_spelt_with_or_without_an_index_is_one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.device("cpu", 0) is the device whose tensors say "cpu": one cap, one group region, one stats row."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "1KiB")
+    registry = wspool.PoolRegistry()
+    wrapper_buffers.declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    plain, indexed = torch.device("cpu"), torch.device("cpu", 0)
+    a, b, c = _Wrapper(), _Wrapper(), _Wrapper()
+    shared = regions.bind(a, device=plain, nbytes=600, kind="x", lane="main", group="g").region
+    assert regions.bind(b, device=indexed, nbytes=500, kind="x", lane="main", group="g").region is shared
+    with pytest.raises(WorkspaceLimitError, match=r"on cpu lane main would hold 1120 bytes, over max_bytes 1024"):
+        regions.bind(c, device=indexed, nbytes=500, kind="x", lane="main")
+    ((stats,),) = [regions.stats()]
+    assert (stats["device"], stats["wrappers"], stats["regions"], stats["region_bytes"]) == ("cpu", 2, 1, 608)

@@ -15,16 +15,20 @@ import torch
 
 import wspool
 from tests.helpers.mla_inputs import MLAInputs, make_inputs
-from wspool.errors import WorkspaceConflictError
+from wspool.errors import WorkspaceConflictError, WorkspaceLimitError
 from wspool.flashinfer import mla_decode_plan, mla_decode_reference, wrapper_buffers
 from wspool.flashinfer.kernels import load_flashinfer_attention
-from wspool.regions import WrapperBinding, binding_of
+from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.tools.graph_plans import BATCH_SIZES, measure_graph_plans
 from wspool.units import MiB
 
 pytestmark = pytest.mark.gpu
 
 HEADS = 128
+
+
+class _Wrapper:
+    """Any object wspool binds (kernel wrappers are plain objects held weakly)."""
 
 
 def _mla_int_bytes() -> int:
@@ -347,3 +351,22 @@ def test_a_failed_reseat_keeps_the_int_workspace_and_its_pinned_copy_matched(mon
     assert wrapper._pin_memory_int_workspace_buffer.numel() == second.region.nbytes
     own = flashinfer.BatchDecodeWithPagedKVCacheWrapper(float_ws, "NHD")
     assert torch.equal(run(wrapper, 4096, seed=2), run(own, 4096, seed=2))
+
+
+def test_the_regions_cap_counts_cuda_however_it_is_spelt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pools.flashinfer_int.max_bytes counts cuda:0's regions whether a wrapper names torch.device("cuda") or
+    "cuda:0": a second MLA-sized region does not fit under 1 MiB either way."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "1MiB")
+    registry = wspool.PoolRegistry()
+    wrapper_buffers.declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    torch.cuda.set_device(0)
+    first, second = _Wrapper(), _Wrapper()
+    binding = regions.bind(first, device=torch.device("cuda"), nbytes=_mla_int_bytes(), kind="mla", lane="main")
+    assert binding.region.device == "cuda:0"
+    held = 2 * binding.region.nbytes
+    for spelt in (torch.device("cuda"), torch.device("cuda", 0)):
+        with pytest.raises(WorkspaceLimitError, match=rf"on cuda:0 lane main would hold {held} bytes, over max_bytes"):
+            regions.bind(second, device=spelt, nbytes=_mla_int_bytes(), kind="mla", lane="main")
+    ((stats,),) = [regions.stats()]
+    assert (stats["device"], stats["regions"]) == ("cuda:0", 1)
