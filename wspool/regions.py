@@ -194,7 +194,7 @@ class WrapperRegions:
         key = (str(device), lane, group)
         region = self._groups.get(key) if group is not None else None
         if region is None or region.nbytes < size:
-            region = self._new_region(device, size, group, lane)
+            region = self._new_region(device, size, group, lane, wrapper)
             if group is not None:
                 with self._lock:
                     installed = self._groups.get(key)
@@ -214,8 +214,14 @@ class WrapperRegions:
             previous.region.record.owner = None  # the wrapper's plans no longer live there
         return binding
 
-    def _new_region(self, device: torch.device, size: int, group: Hashable | None, lane: str) -> IntRegion:
-        """Allocate a region (outside the lock), refused while capturing or past the cap."""
+    def _new_region(
+        self, device: torch.device, size: int, group: Hashable | None, lane: str, wrapper: Any
+    ) -> IntRegion:
+        """Allocate a region for ``wrapper`` (outside the lock), refused while capturing or past the cap.
+
+        The cap counts the regions held once ``wrapper`` moved here: its present
+        region only where another wrapper holds it too.
+        """
         where = str(device)
         if device.type == "cuda":
             probe = self._probes.get(where)
@@ -228,7 +234,7 @@ class WrapperRegions:
                 )
         limit = self._max_bytes(where)
         if limit is not None:
-            held = sum(r.nbytes for r in self._live_regions() if r.device == where and r.lane == lane)
+            held = sum(r.nbytes for r in self._live_regions(wrapper) if r.device == where and r.lane == lane)
             if held + size > limit:
                 raise WorkspaceLimitError(
                     f"int workspace regions ({self.pool}) on {device} lane {lane} would hold {held + size} bytes, "
@@ -266,9 +272,10 @@ class WrapperRegions:
                 if current is None or current[1] + size > current[0].numel():
                     self._pinned_chunk = (new, 0)
 
-    def _live_regions(self) -> list[IntRegion]:
+    def _live_regions(self, leaving: Any = None) -> list[IntRegion]:
+        """The regions the bound wrappers hold, each once; ``leaving``'s binding not counted."""
         with self._lock:
-            found = {id(b.region): b.region for b in self._bindings.values()}
+            found = {id(b.region): b.region for w, b in self._bindings.items() if w is not leaving}
         return list(found.values())
 
     def stats(self) -> list[dict[str, Any]]:

@@ -97,3 +97,23 @@ def test_a_device_spelt_with_or_without_an_index_is_one_device(monkeypatch: pyte
         regions.bind(c, device=indexed, nbytes=500, kind="x", lane="main")
     ((stats,),) = [regions.stats()]
     assert (stats["device"], stats["wrappers"], stats["regions"], stats["region_bytes"]) == ("cpu", 2, 1, 608)
+
+
+def test_growth_is_charged_for_the_region_it_moves_to_not_the_one_it_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper moving to a larger region under the cap fits: the region it leaves is no longer its own charge;
+    a region it leaves that another wrapper still holds is."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "57344")
+    registry = wspool.PoolRegistry()
+    wrapper_buffers.declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    cpu = torch.device("cpu")
+    alone, a, b = _Wrapper(), _Wrapper(), _Wrapper()
+    regions.bind(alone, device=cpu, nbytes=20000, kind="x", lane="main")
+    grown = regions.bind(alone, device=cpu, nbytes=40240, kind="x", lane="main")
+    assert binding_of(alone) is grown and grown.region.nbytes == 40240
+    ((stats,),) = [regions.stats()]
+    assert (stats["regions"], stats["region_bytes"]) == (1, 40240)
+    regions.bind(a, device=cpu, nbytes=8000, kind="x", lane="other", group="g")
+    regions.bind(b, device=cpu, nbytes=8000, kind="x", lane="other", group="g")
+    with pytest.raises(WorkspaceLimitError, match=r"on cpu lane other would hold 58000 bytes, over max_bytes 57344"):
+        regions.bind(a, device=cpu, nbytes=50000, kind="x", lane="other", group="g")  # b stays on the old one
