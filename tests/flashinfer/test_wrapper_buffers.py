@@ -314,6 +314,32 @@ def test_keep_flashinfer_buffers_leaves_the_wrappers_alone(hopper: None) -> None
     assert binding_of(wrapper) is None and wrapper._int_workspace_buffer.numel() == 8 * MiB
 
 
+def test_a_wrapper_bound_before_keep_flashinfer_buffers_is_answered_with_its_region() -> None:
+    """keep_flashinfer_buffers leaves a bound wrapper its region: binding calls return that binding, never None
+    (which says "FlashInfer's buffers"), and a larger need still grows it; an unbound wrapper keeps its 8 MiB."""
+    registry = wspool.PoolRegistry()
+    float_ws = torch.zeros(MiB, dtype=torch.uint8)
+    bound, kept = PrefillWrapperDouble(float_ws, backend="fa2"), PrefillWrapperDouble(float_ws, backend="fa2")
+    facts = {"batch_size": 4, "num_tokens": 64, "num_qo_heads": 8, "num_kv_heads": 2, "sm_count": 132}
+
+    def bind(wrapper: object, batch: int) -> object:
+        return wrapper_buffers.bind_paged_wrapper(
+            wrapper, float_ws, registry=registry, rule="prefill", facts={**facts, "batch_size": batch}, lane="main",
+            kind="prefill",
+        )  # fmt: skip
+
+    first = bind(bound, 4)
+    wrapper_buffers.keep_flashinfer_buffers(registry)
+    assert bind(bound, 4) is first is binding_of(bound)
+    grown = bind(bound, 4096)
+    assert grown is binding_of(bound) and grown.region.nbytes > first.region.nbytes  # type: ignore[union-attr]
+    assert bound._int_workspace_buffer is grown.region.tensor  # type: ignore[union-attr]
+    assert bind(kept, 4) is None and binding_of(kept) is None and kept._int_workspace_buffer.numel() == 8 * MiB
+    assert wrapper_buffers.int_setting_of(kept) is None
+    ((stats,),) = [registry.memory_stats()["int_regions"]]
+    assert (stats["wrappers"], stats["regions"], stats["region_bytes"]) == (1, 1, grown.region.nbytes)  # type: ignore[union-attr]
+
+
 # -- wspool's own paged plans (the doubles) --------------------------------------------------
 
 

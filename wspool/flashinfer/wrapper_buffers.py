@@ -103,7 +103,8 @@ _OFF_KEY = "flashinfer_int_off"
 def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
     """Let wrappers bound through ``registry`` keep FlashInfer's own buffers (``keep=False`` undoes it).
 
-    For comparing against FlashInfer's defaults; wrappers already bound keep their regions.
+    For comparing against FlashInfer's defaults. Wrappers already bound keep their
+    regions: binding them again returns their binding, and grows it where a plan needs more.
     """
     registry.op_state[_OFF_KEY] = keep
 
@@ -197,7 +198,8 @@ def bind_paged_wrapper(
         group: The sharing group (see the module's docstring); ``None``: a region of its own.
 
     Returns:
-        The binding, or ``None`` where the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
+        The binding, or ``None`` where the wrapper has none and the registry keeps FlashInfer's buffers
+        (:func:`keep_flashinfer_buffers`).
 
     Raises:
         RuleError: The rule cannot be resolved, naming the setting.
@@ -205,11 +207,11 @@ def bind_paged_wrapper(
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
         Exception: What ``reset_workspace_buffer`` raises, the wrapper as it was.
     """
-    if registry.op_state.get(_OFF_KEY):
+    current = binding_of(wrapper)
+    if current is None and registry.op_state.get(_OFF_KEY):
         return None
     device = float_workspace.device
     nbytes = int_bytes(registry, rule, device, facts)
-    current = binding_of(wrapper)
     if current is not None and current.region.nbytes >= nbytes:
         return current
 
@@ -350,18 +352,18 @@ def bind_mla_wrapper(
     FlashInfer's buffer.
 
     Returns:
-        The binding, or ``None`` where the hook is not installed (see :func:`mla_hook_status`) or the
-        registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
+        The binding, or ``None`` where the wrapper has none and the hook is not installed (see
+        :func:`mla_hook_status`) or the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
 
     Raises:
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
-    if registry.op_state.get(_OFF_KEY) or install_mla_hook() is not None:
-        return None
     current = binding_of(wrapper)
     if current is not None:
         return current
+    if registry.op_state.get(_OFF_KEY) or install_mla_hook() is not None:
+        return None
     nbytes = int_bytes(registry, "mla", device, facts or {})
     _check_mla_bytes(registry, device, facts or {}, nbytes)
     regions = wrapper_regions(registry, INT_POOL)
