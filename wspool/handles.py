@@ -127,12 +127,13 @@ class WorkspaceHandle:
             WorkspaceFrozenError: Growth was needed while frozen or capturing.
             WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
         """
-        if self._valid == _EPOCH[0]:
+        buffer = self._buffer  # read first: a pool that replaces it clears it after moving the epoch
+        if self._valid == _EPOCH[0] and buffer is not None:
             probe = self._probe
             if probe is not None and probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
             self.hits += 1
-            return self._buffer  # type: ignore[return-value]
+            return buffer
         return self._serve(self._bound_facts, plain=True)
 
     __call__ = get
@@ -146,12 +147,13 @@ class WorkspaceHandle:
         Raises:
             The errors of :meth:`sized`.
         """
-        if self._valid == _EPOCH[0]:
+        buffer = self._buffer  # read first: a pool that replaces it clears it after moving the epoch
+        if self._valid == _EPOCH[0] and buffer is not None:
             probe = self._probe
             if probe is not None and probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
             self.hits += 1
-            return self._buffer  # type: ignore[return-value]
+            return buffer
         if self.current_reads_call_facts():
             return self.sized(facts_of())
         return self._serve(self._bound_facts, plain=True)
@@ -166,17 +168,23 @@ class WorkspaceHandle:
         Raises:
             The errors of :meth:`__call__`, and ``RuleError`` for facts the rule cannot use.
         """
-        if facts is self._last_facts and self._valid_facts == _EPOCH[0]:
+        buffer = self._buffer
+        if facts is self._last_facts and self._valid_facts == _EPOCH[0] and buffer is not None:
             probe = self._probe
             if probe is not None and probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
             self.hits += 1
-            return self._buffer  # type: ignore[return-value]
+            return buffer
         if not self.current_reads_call_facts():
             return self.get()
         buffer = self._serve(facts, plain=False)
         self._last_facts = facts
         return buffer
+
+    def forget_buffer(self) -> None:
+        """Let go of the buffer held (its pool replaced or dropped it, and moved the epoch): the next call serves."""
+        self._valid = self._valid_facts = -1
+        self._buffer = self._raw = None
 
     def current_reads_call_facts(self) -> bool:
         """Whether the rule reads a call fact under the configuration in force now (binding again if it moved)."""

@@ -640,6 +640,7 @@ class WorkspacePool:
                 self._grows += 1
                 self.generation += 1
                 bump_epoch()
+                self._forget_in_handles()
                 self._last_reason = f"{reason}: {format_size(nbytes)}"
         if refusal is not None:  # frozen while allocating: the new buffer is dropped
             self._report_refusal(*refusal)
@@ -667,6 +668,16 @@ class WorkspacePool:
         """Count ``handle``'s steady-state calls (its ``hits``) as requests of its rule in :meth:`stats`."""
         with self._lock:
             self._handles.add(handle)
+
+    def _forget_in_handles(self) -> None:
+        """Make every attached handle let go of the buffer it holds (called with the lock held)."""
+        for handle in list(self._handles):
+            handle.forget_buffer()
+
+    def drop_handles(self) -> None:
+        """Make every attached handle let go of this pool's buffer (the registry drops the pool)."""
+        with self._lock:
+            self._forget_in_handles()
 
     def take_hits(self, handle: WorkspaceHandle) -> None:
         """Move ``handle``'s hits into this pool's counts (it binds elsewhere) and stop counting it."""

@@ -410,11 +410,14 @@ class PoolRegistry:
     def reset(self) -> None:
         """Drop every pool instance and its buffers, statistics and state objects; unfreeze (for tests)."""
         with self._lock:
+            dropped = list(self._pools.values())
             self._pools.clear()
             self._fast.clear()
             self._states.clear()
             self.freeze_state.clear()
         bump_epoch()
+        for pool in dropped:
+            pool.drop_handles()
 
     def state(self, kind: type[_State], make: Callable[[], _State] | None = None) -> _State:
         """Return this registry's one object of type ``kind``, made on first use.

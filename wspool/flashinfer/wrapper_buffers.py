@@ -108,7 +108,8 @@ class _IntPoolState:
 def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
     """Let wrappers bound through ``registry`` keep FlashInfer's own buffers (``keep=False`` undoes it).
 
-    For comparing against FlashInfer's defaults; wrappers already bound keep their regions.
+    For comparing against FlashInfer's defaults. Wrappers already bound keep their
+    regions: binding them again returns their binding, and grows it where a plan needs more.
     """
     registry.state(_IntPoolState).keep_flashinfer = keep
 
@@ -187,6 +188,10 @@ def bind_paged_wrapper(
     A wrapper already bound to a region that holds the size keeps it; otherwise it
     gets a new one. Call it before a ``plan()``, never between a plan and its runs,
     and never after a CUDA graph captured the wrapper (the graph holds the old address).
+    The new binding is recorded once FlashInfer took the region; if
+    ``reset_workspace_buffer`` raises (its pinned copy cannot be allocated), the
+    wrapper's attributes are put back, so it keeps its previous int workspace and
+    the pinned copy of that size, and its previous binding stands.
 
     Args:
         wrapper: A ``BatchDecodeWithPagedKVCacheWrapper`` or ``BatchPrefillWithPagedKVCacheWrapper``.
@@ -199,27 +204,51 @@ def bind_paged_wrapper(
         group: The sharing group (see the module's docstring); ``None``: a region of its own.
 
     Returns:
-        The binding, or ``None`` where the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
+        The binding, or ``None`` where the wrapper has none and the registry keeps FlashInfer's buffers
+        (:func:`keep_flashinfer_buffers`).
 
     Raises:
         RuleError: The rule cannot be resolved, naming the setting.
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+        Exception: What ``reset_workspace_buffer`` raises, the wrapper as it was.
     """
-    if registry.state(_IntPoolState).keep_flashinfer:
+    current = binding_of(wrapper)
+    if current is None and registry.state(_IntPoolState).keep_flashinfer:
         return None
     device = float_workspace.device
     nbytes = int_bytes(registry, rule, device, facts)
-    current = binding_of(wrapper)
     if current is not None and current.region.nbytes >= nbytes:
         return current
+
+    def reseat(binding: WrapperBinding) -> None:
+        _reset_workspace_buffer(wrapper, float_workspace, binding.region.tensor)
+
     regions = wrapper_regions(registry, INT_POOL)
-    binding = regions.bind(
-        wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group, setting=_rule_setting(rule)
-    )
-    # FlashInfer's public way to swap the int workspace; it remakes the pinned copy at the region's size.
-    wrapper.reset_workspace_buffer(float_workspace, binding.region.tensor)
-    return binding
+    return regions.bind(
+        wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group, setting=_rule_setting(rule),
+        install=reseat,
+    )  # fmt: skip
+
+
+def _reset_workspace_buffer(wrapper: Any, float_workspace: torch.Tensor, int_workspace: torch.Tensor) -> None:
+    """Give ``wrapper`` ``int_workspace`` through FlashInfer's public ``reset_workspace_buffer``, all or nothing.
+
+    FlashInfer stores the new int workspace before it allocates the pinned copy of
+    its size; were that allocation to fail, the wrapper would keep the larger
+    workspace with its old, smaller copy, and its planner would write the copy
+    past its end. So on any failure the attributes the call changed are put back
+    (FlashInfer's own, to their own previous values: none is added).
+    """
+    state: dict[str, Any] | None = getattr(wrapper, "__dict__", None)
+    before = dict(state) if state is not None else None
+    try:
+        wrapper.reset_workspace_buffer(float_workspace, int_workspace)
+    except BaseException:
+        if state is not None and before is not None:
+            state.clear()
+            state.update(before)
+        raise
 
 
 # -- MLA wrappers: the version-gated backend constructor hook --------------------------------
@@ -329,18 +358,18 @@ def bind_mla_wrapper(
     FlashInfer's buffer.
 
     Returns:
-        The binding, or ``None`` where the hook is not installed (see :func:`mla_hook_status`) or the
-        registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
+        The binding, or ``None`` where the wrapper has none and the hook is not installed (see
+        :func:`mla_hook_status`) or the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
 
     Raises:
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
-    if registry.state(_IntPoolState).keep_flashinfer or install_mla_hook() is not None:
-        return None
     current = binding_of(wrapper)
     if current is not None:
         return current
+    if registry.state(_IntPoolState).keep_flashinfer or install_mla_hook() is not None:
+        return None
     nbytes = int_bytes(registry, "mla", device, facts or {})
     _check_mla_bytes(registry, device, facts or {}, nbytes)
     regions = wrapper_regions(registry, INT_POOL)
