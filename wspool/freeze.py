@@ -99,10 +99,12 @@ def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
     probe reads only the current stream; any other stream asks CUDA.
     """
     index = device.index if device.index is not None else 0
+    # torch.cuda.is_current_stream_capturing is a Python function around this C one (torch 2.4 to 2.14);
+    # the probe runs per call, so it calls the C function where torch has it.
+    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    capturing = torch.cuda.is_current_stream_capturing
     if raw_stream is None:  # pragma: no cover - every torch this project supports has it
-        return capturing
+        return capturing  # type: ignore[no-any-return]
 
     def probe() -> bool:
         return raw_stream(index) != 0 and capturing()
