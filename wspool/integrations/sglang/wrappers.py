@@ -1,73 +1,21 @@
 """SGLang's FlashInfer wrappers with right-sized int workspaces from pool ``flashinfer_int``.
 
-Each FlashInfer wrapper keeps its plan in an int workspace of 8 MiB on the
-device and an 8 MiB pinned host copy, though a plan uses a few KiB (paged
-decode) to about 600 KiB (MLA), and SGLang 0.5.23 keeps such wrappers per
-backend and per CUDA-graph batch size. :mod:`wspool.integrations.sglang`
-patches the seams of :data:`SEAMS` (all or nothing, with its other targets)
-and calls :func:`bind_eager_wrappers` from ``FlashInferAttnBackend``'s
-constructor, so that each wrapper gets a region of its own from
-:mod:`wspool.flashinfer.wrapper_buffers`, sized by a rule of pool
-``flashinfer_int`` for the largest plan the wrapper can make:
+A FlashInfer wrapper keeps its plan in an 8 MiB int workspace and an 8 MiB
+pinned copy, though a plan uses a few KiB to about 600 KiB. The SGLang
+integration patches :data:`SEAMS` and calls :func:`bind_eager_wrappers` from
+``FlashInferAttnBackend``'s constructor, so each wrapper takes a region of its
+own, sized by a rule for the largest plan it can make: eager wrappers when the
+backend is built, CUDA-graph wrappers before their first plan, MLA wrappers at
+their first plan (each plan then runs with its region supplied). A wrapper is
+bound once and never shares. docs/sglang.md ("FlashInfer wrappers' int
+workspaces") lists each wrapper, its facts and what stays FlashInfer's.
 
-- ``FlashInferAttnBackend``'s eager wrappers, when its constructor returns:
-  ``decode_wrappers`` (rule ``decode``; ``prefill`` with tensor cores), with
-  ``batch_size`` = ``num_tokens`` = B, the requests the backend's ``kv_indptr``
-  holds; ``prefill_wrappers_paged``, ``prefill_wrappers_verify`` and, where
-  built with fa2, ``prefill_wrapper_ragged`` (rule ``prefill``), with
-  ``batch_size`` B and ``num_tokens`` the largest extend (:func:`prefill_rows`).
-- Its CUDA-graph wrappers, when ``_prepare_cuda_graph_metadata`` returns, before
-  their first plan: decode ones with ``batch_size`` = ``num_tokens`` = the
-  captured tokens, prefill ones (verify, draft extend, full-graph prefill) with
-  the captured batch and tokens. Full-graph prefill's wrappers, which SGLang
-  makes once for the first (largest) bucket, are bound once.
-- ``FlashInferMLAAttnBackend``'s ``BatchMLAPagedAttentionWrapper`` objects, eager
-  and per graph batch size, at their first plan, in the indices updaters'
-  ``call_begin_forward`` (rule ``mla``, constant per device).
-
-Every paged rule also reads ``num_qo_heads`` and ``num_kv_heads``, the heads
-SGLang's indices updater plans with, and the device's ``sm_count``. Facts are
-upper bounds: a plan never needs more than its wrapper's region. A wrapper is
-bound once and never again, so a CUDA graph that captured it keeps its address.
-
-A paged wrapper takes its region through FlashInfer's public
-``reset_workspace_buffer``, which also remakes its pinned copy at the region's
-size, right after SGLang builds it; FlashInfer's 8 MiB pair goes back to
-PyTorch's caching allocators then. An MLA wrapper allocates nothing until it
-plans: each of its plans runs inside
-:func:`~wspool.flashinfer.wrapper_buffers.supplying`, so the MLA backend
-FlashInfer builds in ``plan()`` takes the wrapper's region and pinned copy, and
-a graph wrapper keeps them for the replays SGLang plans with
-``fast_mla_decode_plan``. Binding at the first plan, not at construction, gives
-no region to the wrappers SGLang never plans (``prefill_wrapper_verify``
-without speculative decoding, the decode wrapper of an MLA backend whose
-decode runs another kernel).
-
-What stays FlashInfer's: wrappers whose planner no rule bounds
-(:func:`~wspool.flashinfer.wrapper_buffers.paged_int_rule` is ``None``: fa3,
-``auto`` prefill, cutlass; SGLang builds its ragged prefill wrappers, the MLA
-backend's chunked-prefix ones included, with ``auto`` or cutlass except for
-fa2 on SM100), eager prefill wrappers when SGLang's scheduling limits are not
-published (a process that never publishes them), MLA wrappers on a
-FlashInfer whose MLA backend wspool has not read
-(:func:`~wspool.flashinfer.wrapper_buffers.mla_hook_status`), and every wrapper
-where the registry keeps FlashInfer's buffers
-(:func:`~wspool.flashinfer.wrapper_buffers.keep_flashinfer_buffers`).
-
-Sharing: never. Every wrapper is bound with ``group=None``, a region of its
-own: SGLang replays its CUDA graphs without wspool seeing it, so wspool cannot
-tell that two wrappers' plans are never live at once.
-
-Device semantics: a region lives on the device of the float workspace the
-wrapper keeps (the CPU in tests with ``WSPOOL_SGLANG_DEVICE=cpu``). Thread
-semantics: SGLang builds backends, captures and plans from its scheduler
-thread; :func:`~wspool.flashinfer.wrapper_buffers.supplying` holds for the
-calling thread or task only. Capture semantics: SGLang prepares graph metadata
-and plans outside ``torch.cuda.graph``; a region that would be allocated
-during a capture raises :class:`~wspool.errors.WorkspaceFrozenError`. Regions
-are not pool buffers: the registry's freeze after a capture does not refuse
-them. Per-step cost: none for paged wrappers; one weak-dictionary look-up and
-one context variable per MLA plan call.
+Device semantics: a region lives on the device of the wrapper's float
+workspace. Thread semantics: SGLang builds, captures and plans from its
+scheduler thread; a supplied region holds for the calling context only.
+Capture semantics: a region that would be allocated during capture raises
+:class:`~wspool.errors.WorkspaceFrozenError`; the registry's freeze does not
+refuse regions. Per step: one look-up and one context variable per MLA plan.
 """
 
 from __future__ import annotations
