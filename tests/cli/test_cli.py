@@ -17,6 +17,23 @@ from wspool.settings.profiles import shipped_config_names
 LSE_ENV = "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"
 
 
+def show_rows(out: str) -> dict[str, str]:
+    """``show``'s lines as {what: the rest}, its wrapped lines joined: ``key = value (from ...)`` or ``what: ...``."""
+    lines: list[str] = []
+    for line in out.splitlines():
+        if line.startswith("    ") and lines:
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    rows = {}
+    for line in lines:
+        head, sep, rest = line.partition(" = ")
+        if not sep:
+            head, sep, rest = line.partition(": ")
+        rows[head] = rest
+    return rows
+
+
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
     return subprocess.run(
@@ -75,12 +92,11 @@ def test_show_names_sources(
     path.write_text("pools:\n  flashinfer_mla:\n    rules:\n      default: 64MiB\n")
     monkeypatch.setenv(LSE_ENV, "512MiB")
     assert main(["show", "--config", str(path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"config file: {path}"
-    by_key = {line.split()[0]: " ".join(line.split()) for line in lines[1:]}  # columns are padded to the widest
-    assert by_key["pools.flashinfer_mla.rules.lse"].endswith(f"512MiB environment variable {LSE_ENV}")
-    assert by_key["pools.flashinfer_mla.rules.default"].endswith(f"YAML file {path}")
-    assert by_key["pools.flashinfer_mla.growth"].endswith("default")
+    rows = show_rows(capsys.readouterr().out)
+    assert rows["config file"] == f"{path} (given explicitly)"
+    assert rows["pools.flashinfer_mla.rules.lse"] == f"512MiB (from environment variable {LSE_ENV})"
+    assert rows["pools.flashinfer_mla.rules.default"] == f"64MiB (from YAML file {path})"
+    assert rows["pools.flashinfer_mla.growth"] == "exact (from built-in default)"
 
 
 def test_show_says_where_flashinfers_int_workspaces_come_from(
@@ -91,11 +107,21 @@ def test_show_says_where_flashinfers_int_workspaces_come_from(
     assert main(["show"]) == 0
     out = capsys.readouterr().out
     assert "FlashInfer wrappers' int workspaces: MLA wrappers take int workspaces from pool flashinfer_int" in out
-    assert "  pools.flashinfer_int.rules.mla = 1MiB\n" in out
-    assert "  pools.flashinfer_int.rules.decode = 13 * max(batch_size, ceil_div(32 * sm_count, num_kv_heads))" in out
+    rows = show_rows(out)
+    assert (
+        rows["  pools.flashinfer_int.rules.mla"]
+        == "1MiB (from environment variable WSPOOL_POOLS__FLASHINFER_INT__RULES__MLA)"
+    )
+    assert rows["  pools.flashinfer_int.rules.decode"] == (
+        "13 * max(batch_size, ceil_div(32 * sm_count, num_kv_heads)) + 64 (from wspool's default for FlashInfer "
+        "wrappers' int workspaces (declared in code))"
+    )
     assert main(["show", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["int_workspaces"]["rules"]["mla"] == "1MiB"
+    assert data["int_workspaces"]["rules"]["mla"] == {
+        "value": "1MiB",
+        "source": "environment variable WSPOOL_POOLS__FLASHINFER_INT__RULES__MLA",
+    }
 
 
 def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,6 +133,7 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
         "key": "pools.flashinfer_mla.rules.lse",
         "value": "256MiB",
         "source": "profile fixed",  # the CPU's profile under auto
+        "overrides": [],
     }
     assert data["devices"][0]["profile"] == "fixed"
 
@@ -121,7 +148,7 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["resolve", "flashinfer_mla", "lse"], {LSE_ENV: "lots of"}, f"from environment variable {LSE_ENV}"),
         (["show"], {"WSPOOL_CONFIG": "/nonexistent.yaml"}, "named by WSPOOL_CONFIG"),
         (["frobnicate"], {}, "invalid choice"),
-        ([], {}, "required"),
+        (["--bogus"], {}, "unrecognized arguments: --bogus"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args: list[str], env: dict[str, str], message: str) -> None:
@@ -347,14 +374,33 @@ def test_resolve_and_calibrate_check_device_as_demo_does(
     assert err.splitlines() == [f"wspool {args[0]}: error: {message}"]
 
 
+#: The shipped configurations whose MLA rules read a device fact (sm_count): on the CPU they cannot resolve.
+DEVICE_SIZED = {"hopper"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", shipped_config_names())
+@pytest.mark.parametrize("name", sorted(set(shipped_config_names()) - DEVICE_SIZED))
 def test_demo_passes_with_every_shipped_configuration_on_the_cpu(capsys: pytest.CaptureFixture[str], name: str) -> None:
-    """wspool demo --config NAME --device cpu exits 0 for every shipped configuration, the replay included."""
+    """wspool demo --config NAME --device cpu exits 0 for every shipped configuration sized without the device."""
+    assert set(shipped_config_names()) >= DEVICE_SIZED
     status, out, err = _in_process(capsys, "demo", "--config", name, "--device", "cpu")
     assert (status, err) == (0, ""), out
     assert out.splitlines()[-1] == "demo: all checks passed"
+    assert all(len(line) <= 100 for line in out.splitlines())
     assert "  vLLM's fixed size = 128MiB: Buffer overflow" in out
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_SIZED))
+def test_demo_names_a_device_fact_the_cpu_lacks_as_resolve_does(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """On the CPU, demo --config hopper exits 2 with resolve's error naming sm_count, not a stand-in size."""
+    status, out, err = _in_process(capsys, "demo", "--config", name, "--device", "cpu")
+    assert (status, out) == (2, "")
+    _, _, resolve_err = _in_process(capsys, "resolve", "flashinfer_mla", "--config", name, "--device", "cpu")
+    assert (
+        err.removeprefix("wspool demo: ").split(" that the call")[0]
+        == (resolve_err.removeprefix("wspool resolve: ").split(" that the call")[0])
+    )
+    assert "needs fact(s) sm_count" in err and "pools.flashinfer_mla.facts.sm_count" in err
 
 
 def test_the_demo_replay_names_a_configuration_not_meant_for_blackwell(capsys: pytest.CaptureFixture[str]) -> None:
@@ -367,7 +413,9 @@ def test_the_demo_replay_names_a_configuration_not_meant_for_blackwell(capsys: p
     assert run_demo(PoolRegistry.from_config("hopper"), "cpu", batch=2, heads=4, max_len=128, layers=1,
                     echo=lines.append)  # fmt: skip
     replay = lines[-5:]
-    assert replay[1].startswith("  rule pools.flashinfer_mla.rules.lse on a modelled NVIDIA B200 (from YAML file ")
+    assert replay[1].startswith(
+        "  rule pools.flashinfer_mla.rules.lse on a modelled NVIDIA B200 (from shipped configuration hopper)"
+    )
     assert f"= {wspool.format_size(64 * 148 * (4 * 512 + 8))}: Buffer overflow" in replay[1]
     assert replay[2].startswith("  this configuration does not size MLA decode for Blackwell")
     assert replay[3] == "  the blackwell profile's rule = 193MiB: fits"
@@ -378,12 +426,12 @@ def test_the_cli_keeps_a_wspool_modules_log_records_off_stderr() -> None:
     """A warning logged on a wspool module's own logger (a child of 'wspool') during a command is not printed."""
     code = (
         "import logging, sys\n"
-        "import wspool.cli as cli\n"
-        "show = cli.cmd_show\n"
+        "import wspool.cli as cli, wspool.cli.commands as commands\n"
+        "show = commands.cmd_show\n"
         "def noisy(args):\n"
         "    logging.getLogger('wspool.settings.schema').warning('a warning nobody configured a handler for')\n"
         "    return show(args)\n"
-        "cli.cmd_show = noisy\n"
+        "commands.cmd_show = noisy\n"
         "sys.exit(cli.main(['show']))\n"
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}

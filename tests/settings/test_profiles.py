@@ -112,12 +112,13 @@ def test_yaml_environment_and_code_override_the_profile_key_by_key(
         assert coded.resolve("flashinfer_mla", "lse", device="cpu") == 5 * MiB
 
 
-def test_engine_knobs_sit_above_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine's own workspace variable is a user setting: it overrides the profile's rules."""
+def test_engine_knobs_sit_above_profiles_and_leave_their_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's variable sets its engine's rule under every profile; the profile's own rules stay."""
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(64 * MiB))
     with fake_device("cpu", H200):
         reg = wspool.PoolRegistry()
-        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == 64 * MiB
+        assert reg.resolve("flashinfer_mla", "sglang_mla", device="cpu") == 64 * MiB
+        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == HOPPER_MLA_BYTES
 
 
 def test_devices_of_different_kinds_each_get_their_own_profile() -> None:
