@@ -438,3 +438,177 @@ def test_the_cli_keeps_a_wspool_modules_log_records_off_stderr() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, timeout=120)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.startswith("config file: ")
+
+
+# -- the command line's own inputs and conventions (issue 35's defects 9-11, issue 34's conventions) --------
+
+
+def _run_guarded(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run wspool (or ``code``) in a process that may not outlive 60 s nor hold more than 4 GiB of address space."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
+    command = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", "wspool", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=clean, timeout=60, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory"])
+def test_bench_plot_from_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    """bench --plot-from refuses a FIFO (no writer: it would block), /dev/zero (endless) and a directory: exit 2."""
+    if kind == "fifo":
+        path = tmp_path / "figures.json"
+        os.mkfifo(path)
+    else:
+        path = tmp_path if kind == "directory" else Path(kind)
+    done = _run_guarded("bench", "--plot-from", str(path), "--plot", str(tmp_path / "x.png"))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"wspool bench: error: figures file {path} does not exist or is not a file (a FIFO, device or directory)\n"
+    )
+
+
+def test_bench_plot_from_refuses_a_file_over_its_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A figures file larger than MAX_FIGURES_BYTES is refused before it is parsed."""
+    from wspool.tools.bench_report import MAX_FIGURES_BYTES
+
+    path = tmp_path / "big.json"
+    path.write_text(" " * (MAX_FIGURES_BYTES + 1))
+    status, out, err = _in_process(capsys, "bench", "--plot-from", str(path), "--plot", str(tmp_path / "x.png"))
+    assert (status, out) == (2, "")
+    assert err == f"wspool bench: error: figures file {path} is larger than 16MiB\n"
+
+
+#: A value for every fact wspool's ops and the device supply, so every rule of every pool resolves.
+ALL_FACTS = [
+    *(f"{name}=8" for name in ("batch_size", "q_len", "num_heads", "page_size", "cp_world", "num_tokens")),
+    *(f"{name}=8" for name in ("num_qo_heads", "num_kv_heads", "q_heads", "batch_tokens")),
+    "max_seq_len=4096", "dtype_bytes=2", "kv_dtype_size=2", "kv_lora_rank=512", "qk_rope_head_dim=64",
+    "qk_nope_head_dim=128", "head_dim=128", "min_bytes=4096", "sglang_bytes=1048576",
+    "sm_count=132", "cc_major=9", "cc_minor=0", "device_memory=150000000000",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [None, *shipped_config_names()])
+def test_every_pool_show_lists_resolves(capsys: pytest.CaptureFixture[str], config: str | None) -> None:
+    """Every rule `show` lists, pools.flashinfer_int's included, is one `resolve` resolves (with its facts)."""
+    from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS
+
+    assert {fact.split("=")[0] for fact in ALL_FACTS} == SHAPE_FACTS | set(DEVICE_FACTS)
+    given = ["--config", config] if config else []
+    assert main(["show", "--json", *given]) == 0
+    data = json.loads(capsys.readouterr().out)
+    listed = [row["key"].split(".") for row in data["settings"] if ".rules." in row["key"]]
+    listed += [["pools", "flashinfer_int", "rules", rule] for rule in data["int_workspaces"]["rules"]]
+    assert ["pools", "flashinfer_int", "rules", "mla"] in listed and len(listed) >= 6
+    for _, pool, _, rule in listed:
+        facts = [arg for fact in ALL_FACTS for arg in ("--fact", fact)]
+        status, out, err = _in_process(capsys, "resolve", pool, rule, "--bytes", "--device", "cpu", *given, *facts)
+        assert (status, err) == (0, ""), (pool, rule)
+        assert int(out) > 0
+
+
+_FAILING_FLASHINFER = """
+import sys
+
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            raise {error}
+        return None
+
+
+sys.meta_path.insert(0, Refuse())
+from wspool.cli import main
+
+sys.exit(main(["show"]))
+"""
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "OSError('libcudart.so.13: cannot open shared object file: No such file or directory')",
+        "RuntimeError('CUDA driver initialization failed')",
+    ],
+)
+def test_show_shows_the_configuration_when_flashinfer_fails_to_load(error: str) -> None:
+    """FlashInfer's import raising an OSError or a RuntimeError: show still shows everything, says why, exits 0."""
+    done = _run_guarded(code=_FAILING_FLASHINFER.format(error=error))
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    kind, _, message = error.partition("('")
+    why = message.removesuffix("')")
+    rows = show_rows(done.stdout)
+    assert rows["FlashInfer wrappers' int workspaces"].startswith(f"FlashInfer could not be loaded ({kind}: {why})")
+    assert rows["pools.flashinfer_mla.rules.lse"] == "256MiB (from profile fixed)"
+    assert rows["  pools.flashinfer_int.rules.mla"].startswith("9 * 65536 + 5 * round_up(4 * sm_count, 16)")
+
+
+def test_version_and_a_bare_call(capsys: pytest.CaptureFixture[str]) -> None:
+    """--version prints wspool's version (pyproject's); a bare `wspool` prints the usage on stderr and exits 2."""
+    import re
+
+    from tests.helpers.paths import REPO_ROOT
+
+    version = re.search(r'^version = "(.+)"$', (REPO_ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert version is not None
+    status, out, _ = _in_process(capsys, "--version")
+    assert (status, out) == (0, f"wspool {version.group(1)}\n")
+    status, out, err = _in_process(capsys)
+    assert (status, out) == (2, "")
+    assert err.startswith("usage: wspool [-h] [--version] COMMAND ...") and "doctor" in err
+
+
+def test_help_shows_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's help gives the defaults and the choices of its options."""
+    status, out, _ = _in_process(capsys, "calibrate", "--help")
+    text = " ".join(out.split())
+    assert status == 0
+    assert "--backend {auto,fa3,fa2} wrapper backend (default: auto)" in text
+    assert "most a formula may reserve over a minimum (default: 1.1)" in text
+    _, out, _ = _in_process(capsys, "bench", "--help")
+    text = " ".join(out.split())
+    assert "comma-separated subset of hot_path, mla_decode, decode_step, memory (default: all)" in text
+    assert "timed batches per hot-path figure (default: 101)" in text
+    _, out, _ = _in_process(capsys, "resolve", "--help")
+    assert "the pool's rule (default: default)" in " ".join(out.split())
+
+
+def test_bench_sections_are_the_benchmarks_sections() -> None:
+    """The parser's list of bench sections (kept without importing the benchmarks) is the benchmarks' own."""
+    from wspool.cli import BENCH_SECTIONS
+    from wspool.tools.bench import SECTIONS
+
+    assert tuple(SECTIONS) == BENCH_SECTIONS
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["show", "--help"], ["doctor", "--help"]])
+def test_help_and_version_import_neither_torch_nor_flashinfer(args: list[str]) -> None:
+    """--help and --version run without importing torch or FlashInfer (they start at once)."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['wspool', *{args!r}]\n"
+        "try:\n"
+        "    runpy.run_module('wspool', run_name='__main__')\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "heavy = sorted(m for m in ('torch', 'flashinfer') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = _run_guarded(code=code)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_the_public_names_still_import_from_the_package() -> None:
+    """`from wspool import PoolRegistry` and every other public name still work, loaded on first use."""
+    import importlib
+
+    fresh = importlib.import_module("wspool")
+    assert all(getattr(fresh, name) is not None for name in fresh.__all__)
+    from wspool import PoolRegistry, load_settings
+
+    assert PoolRegistry.__module__ == "wspool.registry" and load_settings.__module__ == "wspool.settings.schema"
+    assert wspool.registry.PoolRegistry is PoolRegistry  # a submodule is an attribute, as before
