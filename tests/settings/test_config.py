@@ -313,6 +313,39 @@ def test_a_misspelt_wspool_variable_is_an_error(monkeypatch: pytest.MonkeyPatch,
         load_settings()
 
 
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("WSPOOL_POOL__P__RULES__DEFAULT", "WSPOOL_POOLS__P__RULES__DEFAULT"),
+        ("WSPOOL_CONFIGG", "WSPOOL_CONFIG"),
+        ("wspool_debug_stream", "WSPOOL_DEBUG_STREAMS"),
+        ("WSPOOL_PROFLE", "WSPOOL_PROFILE"),
+    ],
+)
+def test_a_misspelt_wspool_variable_names_the_variable_meant(
+    monkeypatch: pytest.MonkeyPatch, name: str, meant: str
+) -> None:
+    """The error for a misspelt WSPOOL_* variable ends with the variable the user most likely meant."""
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ConfigError, match=rf"; did you mean {meant}\?$"):
+        load_settings()
+
+
+@pytest.mark.parametrize("misspelt", ["RULE", "RLUES", "RULEZ"])
+def test_a_misspelt_key_in_a_variable_names_the_key_and_variable_meant(
+    monkeypatch: pytest.MonkeyPatch, misspelt: str
+) -> None:
+    """WSPOOL_POOLS__FLASHINFER_MLA__RULE__LSE is answered with pools.flashinfer_mla.rules.lse and its variable."""
+    variable = f"WSPOOL_POOLS__FLASHINFER_MLA__{misspelt.upper()}__LSE"
+    monkeypatch.setenv(variable, "512MiB")
+    with pytest.raises(
+        ConfigError,
+        match=rf"pools\.flashinfer_mla\.{misspelt.lower()} \(from environment variable {variable}\): unknown key; "
+        r"did you mean 'rules'\? set pools\.flashinfer_mla\.rules\.lse / WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE$",
+    ):
+        load_settings()
+
+
 def test_a_pool_named_in_two_cases_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """YAML MyPool plus WSPOOL_POOLS__MYPOOL__MAX_BYTES would make a second pool: an error naming both."""
     path = tmp_path / "c.yaml"
@@ -321,7 +354,7 @@ def test_a_pool_named_in_two_cases_is_an_error(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(
         ConfigError,
         match=r"pools 'MyPool' \(from YAML file .*\) and 'mypool' \(from environment variable "
-        r"WSPOOL_POOLS__MYPOOL\) differ only in case",
+        r"WSPOOL_POOLS__MYPOOL__MAX_BYTES\) differ only in case",
     ):
         load_settings(path)
 

@@ -12,6 +12,7 @@ immutable and thread-safe; nothing here touches CUDA. Keys: docs/profiles.md.
 
 from __future__ import annotations
 
+import difflib
 import keyword
 import os
 import warnings
@@ -322,12 +323,27 @@ def check_env_names(
         known_names = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
         shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
         more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
+        meant = [m for m in (_meant_variable(n, fields, extra) for n in unknown[:MAX_REPORTED_ERRORS]) if m]
         raise ConfigError(
             f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
             f"(check the spelling; the variables are {known_names}, and pools are set through "
-            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)",
+            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)"
+            + (f"; did you mean {', '.join(meant)}?" if meant else ""),
             path=(unknown[0][len(ENV_PREFIX) :].lower(),),
         )
+
+
+def _meant_variable(name: str, fields: set[str], extra: Iterable[str]) -> str | None:
+    """The variable ``name`` most likely misspells (``WSPOOL_POOL__P__RULES__X`` -> ``WSPOOL_POOLS__...``)."""
+    upper = name.upper()
+    whole = difflib.get_close_matches(upper, list(extra), n=1, cutoff=0.8)
+    if whole:
+        return whole[0]
+    head, nested, rest = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
+    found = difflib.get_close_matches(head, sorted(fields), n=1, cutoff=0.6)
+    if not found or (nested and found[0] != "POOLS"):
+        return None
+    return f"{ENV_PREFIX}{found[0]}{nested}{rest}"
 
 
 def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:

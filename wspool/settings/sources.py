@@ -226,7 +226,8 @@ class Provenance:
             name = setting_names(path[:end])[1]
             if name in self._environ_names:
                 return name
-        return setting_names(path)[1]
+        below = self.variables_under(path)  # a key the schema refuses, set through a variable for a key below it
+        return below[0] if below else setting_names(path)[1]
 
 
 #: Validation errors quoted in one ConfigError; the rest are counted.
