@@ -15,11 +15,10 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wspool.cli import wrap
 from wspool.errors import describe_setting, printable, setting_names
-from wspool.registry import PoolRegistry
 from wspool.settings.schema import (
     OWN_POOLS,
     Provenance,
@@ -32,6 +31,9 @@ from wspool.settings.schema import (
 )
 from wspool.settings.sources import quote
 from wspool.units import format_size
+
+if TYPE_CHECKING:  # the registry imports torch: each command imports it when it runs
+    from wspool.registry import PoolRegistry
 
 __all__ = ["DECLARED_INT_RULES", "cmd_demo", "cmd_resolve", "cmd_show", "cmd_stats", "config_line", "setting_rows"]
 
@@ -73,6 +75,8 @@ def setting_rows(settings: WspoolSettings, provenance: Provenance) -> list[dict[
 
 def cmd_show(args: argparse.Namespace) -> int:
     """``wspool show``: the effective settings per profile, with where each value came from."""
+    from wspool.registry import PoolRegistry
+
     given, provenance = load_settings_with_provenance(args.config)
     registry = PoolRegistry(given)
     devices: list[dict[str, Any]] = []
@@ -197,6 +201,7 @@ def _registry(config: str | None) -> tuple[PoolRegistry, WspoolSettings]:
     So every pool ``show`` lists (``flashinfer_int`` included) resolves here too.
     """
     from wspool.flashinfer import wrapper_buffers
+    from wspool.registry import PoolRegistry
 
     settings, _ = load_settings_with_provenance(config)
     registry = PoolRegistry(settings)
@@ -236,6 +241,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """``wspool stats``: what the pools would hold for given facts (a dry run on the meta device)."""
     from wspool.devices import describe_device, resolve_device
     from wspool.memory import dry_run, memory_summary
+    from wspool.registry import PoolRegistry
     from wspool.settings.schema import load_settings
 
     # The meta device stands in for the current one: its profile and device facts size the rules.
