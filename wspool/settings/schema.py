@@ -46,6 +46,7 @@ from wspool.settings.sources import (
     SettingsLayer,
     Source,
     config_error,
+    deep_copy,
     engine_knob_layers,
     engine_knob_settings,
     env_error,
@@ -597,10 +598,11 @@ def load_settings_with_provenance(
 def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSettings, Provenance]:
     """Return ``settings`` with the profile ``profile`` layered just above the built-in defaults.
 
-    The sources :func:`load_settings` read (the file, the environment, the engines'
-    variables, the code overrides) are not read again: the profile goes under them,
-    and they override it key by key. Settings not built by :func:`load_settings`
-    are returned as they are.
+    The profile goes under what :func:`load_settings` read for ``settings`` (the
+    code overrides, the environment, the file, the engines' variables), which
+    override it key by key; nothing is read again, so a file edited or deleted
+    since, or an environment changed, makes no difference. Settings not built by
+    :func:`load_settings` are returned as they are.
 
     Raises:
         ConfigError: The profile's settings do not validate with the configuration's.
@@ -642,7 +644,8 @@ def _read(config_file: str | os.PathLike[str] | None, overrides: dict[str, Any])
     else:  # a shipped configuration is a shipped default: the engines' variables override it
         sources += [*engines, Source("shipped", yaml_data, name=shipped)]
     return _LoadInputs(
-        overrides=overrides,
+        # A copy, so that the caller's later edits of what it passed in code reach neither.
+        overrides=deep_copy(overrides),
         sources=tuple(sources),
         path=path,
         how=how,
