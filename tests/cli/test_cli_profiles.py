@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers.devices_fake import H200, HOPPER_MLA_BYTES
+from tests.helpers.devices_fake import B200, H200, HOPPER_MLA_BYTES
 from wspool.cli import main
 from wspool.devices import fake_device
 
@@ -25,6 +25,18 @@ def test_show_names_each_devices_profile_and_why(capsys: pytest.CaptureFixture[s
     assert "device facts: sm_count=132, cc_major=9, cc_minor=0" in text
     assert "profile hopper: Hopper (SM90)" in text
     assert "pools.flashinfer_mla.rules.lse = 64 * sm_count * (4 * kv_lora_rank + 8) (from profile hopper)" in text
+
+
+@pytest.mark.parametrize("config", [None, "blackwell", "kimi_dcp", "vllm", "sglang"])
+@pytest.mark.parametrize("device", [H200, B200], ids=["hopper", "blackwell"])
+def test_show_fits_100_columns_under_every_profile(
+    capsys: pytest.CaptureFixture[str], config: str | None, device: object
+) -> None:
+    """Under the hopper and blackwell profiles, with the shipped files, every line show prints fits 100 columns."""
+    with fake_device("cpu", device):  # type: ignore[arg-type]
+        assert main(["show", *(["--config", config] if config else [])]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
 
 
 def test_show_lists_each_fact_with_its_source(
