@@ -180,6 +180,8 @@ def test_an_engine_variable_is_shown_with_what_it_sets_and_what_wins(monkeypatch
     changed = {row["key"]: row for row in report["configuration"]["changed"]}
     assert changed["pools.flashinfer.rules.vllm"]["source"] == over
     assert changed["pools.flashinfer_dash.rules.default"]["source"] == "shipped configuration vllm"
+    assert "pools.flashinfer_dash.growth" not in changed  # the schema's default: no source gives it
+    assert all(row["source"] != "built-in default" for row in changed.values())
     assert report["configuration"]["shipped"] == "vllm"
     text = " ".join(doctor.format_report(report).split())
     assert f"{VLLM_VAR} = {GiB}: pools.flashinfer.rules.vllm from {over}" in text

@@ -364,7 +364,10 @@ def _changed(settings: WspoolSettings, profiles: list[str]) -> list[dict[str, An
         layered, provenance = profile_settings(settings, profile)
         for path, value in iter_settings(layered):
             key = ".".join(path)
-            if key in rows or (path in builtin and builtin[path] == value):
+            givers = provenance.givers(path)
+            # A field no source gives (a new pool's growth, say) keeps the schema's own default.
+            unset = not givers or givers[0].kind == "default"
+            if key in rows or unset or (path in builtin and builtin[path] == value):
                 continue
             rows[key] = {
                 "key": key,
