@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,7 @@ import wspool
 from wspool.errors import RuleError
 from wspool.flashinfer import wrapper_buffers
 from wspool.integrations.sglang import facts as facts_of
-from wspool.regions import binding_of
+from wspool.regions import WrapperBinding, binding_of
 from wspool.targets import Target
 from wspool.units import format_size
 
@@ -332,12 +333,16 @@ def binding_graph_wrappers(original: Callable[..., Any]) -> Callable[..., Any]:
 # -- MLA wrappers --------------------------------------------------------------------------
 
 
-def _bind_mla(wrapper: Any) -> None:
-    """Give an MLA wrapper its region and pinned copy before its first plan (nothing where the hook is not in place)."""
+def _bind_mla(wrapper: Any) -> WrapperBinding | None:
+    """Give an MLA wrapper its region and pinned copy before its first plan (nothing where the hook is not in place).
+
+    A wrapper left with FlashInfer's buffers is remembered, and its later plans pass straight through.
+    """
     binding = wrapper_buffers.bind_mla_wrapper(
         wrapper, registry=wspool.get_registry(), device=_float_workspace(wrapper).device, lane=wspool.current_lane(),
     )  # fmt: skip
     if binding is None:
+        _left_alone.add(wrapper)
         hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
         why = "the registry keeps FlashInfer's buffers" if hooked else wrapper_buffers.mla_hook_status()
         _warn_once(
@@ -347,6 +352,11 @@ def _bind_mla(wrapper: Any) -> None:
         size = format_size(binding.region.nbytes)
         _warn_once("mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s "
                    "at their first plan", size, wrapper_buffers.INT_POOL)  # fmt: skip
+    return binding
+
+
+# MLA wrappers that keep FlashInfer's buffers: their plans pass straight through.
+_left_alone: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -354,10 +364,10 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def call_begin_forward(self: Any, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
-        if binding_of(wrapper) is None:
-            _bind_mla(wrapper)
-        with wrapper_buffers.supplying(wrapper):
+        binding = binding_of(wrapper)
+        if binding is None and (wrapper in _left_alone or (binding := _bind_mla(wrapper)) is None):
             return original(self, wrapper, *args, **kwargs)
+        return wrapper_buffers.call_supplying(binding, original, self, wrapper, *args, **kwargs)
 
     return call_begin_forward
 
@@ -375,13 +385,13 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
         paged_kernel_lens_sum: Any, seq_lens: Any, prefix_lens: Any, kv_indptr: Any, qo_indptr: Any,
         use_ragged: bool, *args: Any, **kwargs: Any,
     ) -> Any:  # fmt: skip
-        if not use_ragged and binding_of(wrapper_paged) is None:
-            _bind_mla(wrapper_paged)
-        with wrapper_buffers.supplying(wrapper_paged):
-            return original(
-                self, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens, paged_kernel_lens_sum,
-                seq_lens, prefix_lens, kv_indptr, qo_indptr, use_ragged, *args, **kwargs,
-            )  # fmt: skip
+        binding = binding_of(wrapper_paged)
+        if binding is None and not use_ragged and wrapper_paged not in _left_alone:
+            binding = _bind_mla(wrapper_paged)
+        return wrapper_buffers.call_supplying(
+            binding, original, self, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
+            paged_kernel_lens_sum, seq_lens, prefix_lens, kv_indptr, qo_indptr, use_ragged, *args, **kwargs,
+        )  # fmt: skip
 
     return call_begin_forward
 
