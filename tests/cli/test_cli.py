@@ -571,7 +571,10 @@ def test_help_shows_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> 
     assert "most a formula may reserve over a minimum (default: 1.1)" in text
     _, out, _ = _in_process(capsys, "bench", "--help")
     text = " ".join(out.split())
-    assert "comma-separated subset of hot_path, mla_decode, decode_step, memory (default: all)" in text
+    assert (
+        "comma-separated subset of hot_path, engine_path, mla_decode, decode_step, memory (default: "
+        "hot_path,mla_decode,decode_step,memory)"
+    ) in text
     assert "timed batches per hot-path figure (default: 101)" in text
     _, out, _ = _in_process(capsys, "resolve", "--help")
     assert "the pool's rule (default: default)" in " ".join(out.split())

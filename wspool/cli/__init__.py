@@ -27,6 +27,7 @@ from wspool.errors import WspoolError, printable
 from wspool.settings.profiles import shipped_config_names
 
 __all__ = [
+    "BENCH_DEFAULT_SECTIONS",
     "BENCH_SECTIONS",
     "PACKAGE_LOGGER",
     "WIDTH",
@@ -163,7 +164,9 @@ def write_text(path: str, text: str) -> None:
 _Handler = Callable[[argparse.Namespace], int]
 _DEVICE_HELP = "device (default: the current one: CUDA when available, else cpu)"
 #: bench's sections, in the order it runs them (wspool.tools.bench.SECTIONS; a test keeps them equal).
-BENCH_SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
+BENCH_SECTIONS = ("hot_path", "engine_path", "mla_decode", "decode_step", "memory")
+#: The sections bench runs by default: engine_path, which imports the installed engines, is asked for by name.
+BENCH_DEFAULT_SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
 
 
 def _handler(module: str, name: str) -> _Handler:
@@ -331,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rules", metavar="FILE", help="measured rules (default: shipped hopper, or blackwell)")
     bench.add_argument("--shapes", metavar="FILE", help="YAML shapes of the memory sweep (default: the built-in sweep)")
     bench.add_argument(
-        "--sections", default=",".join(BENCH_SECTIONS), metavar="LIST",
-        help=f"comma-separated subset of {', '.join(BENCH_SECTIONS)} (default: all)",
+        "--sections", default=",".join(BENCH_DEFAULT_SECTIONS), metavar="LIST",
+        help=f"comma-separated subset of {', '.join(BENCH_SECTIONS)}",
     )  # fmt: skip
     bench.set_defaults(handler=_cmd_bench)
 
