@@ -20,7 +20,6 @@ import torch
 from wspool.errors import ConfigError
 
 __all__ = [
-    "DEVICE_FACTS",
     "DeviceDescription",
     "DeviceLike",
     "describe_device",
@@ -30,9 +29,6 @@ __all__ = [
     "resolve_device",
 ]
 
-
-#: The facts a CUDA device supplies to every rule of every pool.
-DEVICE_FACTS = ("sm_count", "cc_major", "cc_minor", "device_memory")
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 
@@ -61,7 +57,7 @@ class DeviceDescription:
         return self.cc_major, self.cc_minor
 
     def facts(self) -> Mapping[str, int]:
-        """Return the device facts (:data:`DEVICE_FACTS`) as a read-only mapping."""
+        """Return the device facts (the settings' ``DEVICE_FACTS``) as a read-only mapping."""
         return MappingProxyType(
             {
                 "sm_count": self.sm_count,

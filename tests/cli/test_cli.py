@@ -17,6 +17,23 @@ from wspool.settings.profiles import shipped_config_names
 LSE_ENV = "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"
 
 
+def show_rows(out: str) -> dict[str, str]:
+    """``show``'s lines as {what: the rest}, its wrapped lines joined: ``key = value (from ...)`` or ``what: ...``."""
+    lines: list[str] = []
+    for line in out.splitlines():
+        if line.startswith("    ") and lines:
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    rows = {}
+    for line in lines:
+        head, sep, rest = line.partition(" = ")
+        if not sep:
+            head, sep, rest = line.partition(": ")
+        rows[head] = rest
+    return rows
+
+
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
     return subprocess.run(
@@ -75,12 +92,11 @@ def test_show_names_sources(
     path.write_text("pools:\n  flashinfer_mla:\n    rules:\n      default: 64MiB\n")
     monkeypatch.setenv(LSE_ENV, "512MiB")
     assert main(["show", "--config", str(path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"config file: {path}"
-    by_key = {line.split()[0]: " ".join(line.split()) for line in lines[1:]}  # columns are padded to the widest
-    assert by_key["pools.flashinfer_mla.rules.lse"].endswith(f"512MiB environment variable {LSE_ENV}")
-    assert by_key["pools.flashinfer_mla.rules.default"].endswith(f"YAML file {path}")
-    assert by_key["pools.flashinfer_mla.growth"].endswith("default")
+    rows = show_rows(capsys.readouterr().out)
+    assert rows["config file"] == f"{path} (given explicitly)"
+    assert rows["pools.flashinfer_mla.rules.lse"] == f"512MiB (from environment variable {LSE_ENV})"
+    assert rows["pools.flashinfer_mla.rules.default"] == f"64MiB (from YAML file {path})"
+    assert rows["pools.flashinfer_mla.growth"] == "exact (from built-in default)"
 
 
 def test_show_says_where_flashinfers_int_workspaces_come_from(
@@ -91,11 +107,21 @@ def test_show_says_where_flashinfers_int_workspaces_come_from(
     assert main(["show"]) == 0
     out = capsys.readouterr().out
     assert "FlashInfer wrappers' int workspaces: MLA wrappers take int workspaces from pool flashinfer_int" in out
-    assert "  pools.flashinfer_int.rules.mla = 1MiB\n" in out
-    assert "  pools.flashinfer_int.rules.decode = 13 * max(batch_size, ceil_div(32 * sm_count, num_kv_heads))" in out
+    rows = show_rows(out)
+    assert (
+        rows["  pools.flashinfer_int.rules.mla"]
+        == "1MiB (from environment variable WSPOOL_POOLS__FLASHINFER_INT__RULES__MLA)"
+    )
+    assert rows["  pools.flashinfer_int.rules.decode"] == (
+        "13 * max(batch_size, ceil_div(32 * sm_count, num_kv_heads)) + 64 (from wspool's default for FlashInfer "
+        "wrappers' int workspaces (declared in code))"
+    )
     assert main(["show", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["int_workspaces"]["rules"]["mla"] == "1MiB"
+    assert data["int_workspaces"]["rules"]["mla"] == {
+        "value": "1MiB",
+        "source": "environment variable WSPOOL_POOLS__FLASHINFER_INT__RULES__MLA",
+    }
 
 
 def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,6 +133,7 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
         "key": "pools.flashinfer_mla.rules.lse",
         "value": "256MiB",
         "source": "profile fixed",  # the CPU's profile under auto
+        "overrides": [],
     }
     assert data["devices"][0]["profile"] == "fixed"
 
@@ -121,7 +148,7 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["resolve", "flashinfer_mla", "lse"], {LSE_ENV: "lots of"}, f"from environment variable {LSE_ENV}"),
         (["show"], {"WSPOOL_CONFIG": "/nonexistent.yaml"}, "named by WSPOOL_CONFIG"),
         (["frobnicate"], {}, "invalid choice"),
-        ([], {}, "required"),
+        (["--bogus"], {}, "unrecognized arguments: --bogus"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args: list[str], env: dict[str, str], message: str) -> None:
@@ -347,14 +374,33 @@ def test_resolve_and_calibrate_check_device_as_demo_does(
     assert err.splitlines() == [f"wspool {args[0]}: error: {message}"]
 
 
+#: The shipped configurations whose MLA rules read a device fact (sm_count): on the CPU they cannot resolve.
+DEVICE_SIZED = {"hopper"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", shipped_config_names())
+@pytest.mark.parametrize("name", sorted(set(shipped_config_names()) - DEVICE_SIZED))
 def test_demo_passes_with_every_shipped_configuration_on_the_cpu(capsys: pytest.CaptureFixture[str], name: str) -> None:
-    """wspool demo --config NAME --device cpu exits 0 for every shipped configuration, the replay included."""
+    """wspool demo --config NAME --device cpu exits 0 for every shipped configuration sized without the device."""
+    assert set(shipped_config_names()) >= DEVICE_SIZED
     status, out, err = _in_process(capsys, "demo", "--config", name, "--device", "cpu")
     assert (status, err) == (0, ""), out
     assert out.splitlines()[-1] == "demo: all checks passed"
+    assert all(len(line) <= 100 for line in out.splitlines())
     assert "  vLLM's fixed size = 128MiB: Buffer overflow" in out
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_SIZED))
+def test_demo_names_a_device_fact_the_cpu_lacks_as_resolve_does(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """On the CPU, demo --config hopper exits 2 with resolve's error naming sm_count, not a stand-in size."""
+    status, out, err = _in_process(capsys, "demo", "--config", name, "--device", "cpu")
+    assert (status, out) == (2, "")
+    _, _, resolve_err = _in_process(capsys, "resolve", "flashinfer_mla", "--config", name, "--device", "cpu")
+    assert (
+        err.removeprefix("wspool demo: ").split(" that the call")[0]
+        == (resolve_err.removeprefix("wspool resolve: ").split(" that the call")[0])
+    )
+    assert "needs fact(s) sm_count" in err and "pools.flashinfer_mla.facts.sm_count" in err
 
 
 def test_the_demo_replay_names_a_configuration_not_meant_for_blackwell(capsys: pytest.CaptureFixture[str]) -> None:
@@ -367,7 +413,9 @@ def test_the_demo_replay_names_a_configuration_not_meant_for_blackwell(capsys: p
     assert run_demo(PoolRegistry.from_config("hopper"), "cpu", batch=2, heads=4, max_len=128, layers=1,
                     echo=lines.append)  # fmt: skip
     replay = lines[-5:]
-    assert replay[1].startswith("  rule pools.flashinfer_mla.rules.lse on a modelled NVIDIA B200 (from YAML file ")
+    assert replay[1].startswith(
+        "  rule pools.flashinfer_mla.rules.lse on a modelled NVIDIA B200 (from shipped configuration hopper)"
+    )
     assert f"= {wspool.format_size(64 * 148 * (4 * 512 + 8))}: Buffer overflow" in replay[1]
     assert replay[2].startswith("  this configuration does not size MLA decode for Blackwell")
     assert replay[3] == "  the blackwell profile's rule = 193MiB: fits"
@@ -378,15 +426,192 @@ def test_the_cli_keeps_a_wspool_modules_log_records_off_stderr() -> None:
     """A warning logged on a wspool module's own logger (a child of 'wspool') during a command is not printed."""
     code = (
         "import logging, sys\n"
-        "import wspool.cli as cli\n"
-        "show = cli.cmd_show\n"
+        "import wspool.cli as cli, wspool.cli.commands as commands\n"
+        "show = commands.cmd_show\n"
         "def noisy(args):\n"
         "    logging.getLogger('wspool.settings.schema').warning('a warning nobody configured a handler for')\n"
         "    return show(args)\n"
-        "cli.cmd_show = noisy\n"
+        "commands.cmd_show = noisy\n"
         "sys.exit(cli.main(['show']))\n"
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, timeout=120)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.startswith("config file: ")
+
+
+# -- the command line's own inputs and conventions (issue 35's defects 9-11, issue 34's conventions) --------
+
+
+def _run_guarded(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run wspool (or ``code``) in a process that may not outlive 60 s nor hold more than 4 GiB of address space."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WSPOOL_")}
+    command = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", "wspool", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=clean, timeout=60, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory"])
+def test_bench_plot_from_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    """bench --plot-from refuses a FIFO (no writer: it would block), /dev/zero (endless) and a directory: exit 2."""
+    if kind == "fifo":
+        path = tmp_path / "figures.json"
+        os.mkfifo(path)
+    else:
+        path = tmp_path if kind == "directory" else Path(kind)
+    done = _run_guarded("bench", "--plot-from", str(path), "--plot", str(tmp_path / "x.png"))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"wspool bench: error: figures file {path} does not exist or is not a file (a FIFO, device or directory)\n"
+    )
+
+
+def test_bench_plot_from_refuses_a_file_over_its_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A figures file larger than MAX_FIGURES_BYTES is refused before it is parsed."""
+    from wspool.tools.bench_report import MAX_FIGURES_BYTES
+
+    path = tmp_path / "big.json"
+    path.write_text(" " * (MAX_FIGURES_BYTES + 1))
+    status, out, err = _in_process(capsys, "bench", "--plot-from", str(path), "--plot", str(tmp_path / "x.png"))
+    assert (status, out) == (2, "")
+    assert err == f"wspool bench: error: figures file {path} is larger than 16MiB\n"
+
+
+#: A value for every fact wspool's ops and the device supply, so every rule of every pool resolves.
+ALL_FACTS = [
+    *(f"{name}=8" for name in ("batch_size", "q_len", "num_heads", "page_size", "cp_world", "num_tokens")),
+    *(f"{name}=8" for name in ("num_qo_heads", "num_kv_heads", "q_heads", "batch_tokens")),
+    "max_seq_len=4096", "dtype_bytes=2", "kv_dtype_size=2", "kv_lora_rank=512", "qk_rope_head_dim=64",
+    "qk_nope_head_dim=128", "head_dim=128", "min_bytes=4096", "sglang_bytes=1048576",
+    "sm_count=132", "cc_major=9", "cc_minor=0", "device_memory=150000000000",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [None, *shipped_config_names()])
+def test_every_pool_show_lists_resolves(capsys: pytest.CaptureFixture[str], config: str | None) -> None:
+    """Every rule `show` lists, pools.flashinfer_int's included, is one `resolve` resolves (with its facts)."""
+    from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS
+
+    assert {fact.split("=")[0] for fact in ALL_FACTS} == SHAPE_FACTS | set(DEVICE_FACTS)
+    given = ["--config", config] if config else []
+    assert main(["show", "--json", *given]) == 0
+    data = json.loads(capsys.readouterr().out)
+    listed = [row["key"].split(".") for row in data["settings"] if ".rules." in row["key"]]
+    listed += [["pools", "flashinfer_int", "rules", rule] for rule in data["int_workspaces"]["rules"]]
+    assert ["pools", "flashinfer_int", "rules", "mla"] in listed and len(listed) >= 6
+    for _, pool, _, rule in listed:
+        facts = [arg for fact in ALL_FACTS for arg in ("--fact", fact)]
+        status, out, err = _in_process(capsys, "resolve", pool, rule, "--bytes", "--device", "cpu", *given, *facts)
+        assert (status, err) == (0, ""), (pool, rule)
+        assert int(out) > 0
+
+
+_FAILING_FLASHINFER = """
+import sys
+
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            raise {error}
+        return None
+
+
+sys.meta_path.insert(0, Refuse())
+from wspool.cli import main
+
+sys.exit(main(["show"]))
+"""
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "OSError('libcudart.so.13: cannot open shared object file: No such file or directory')",
+        "RuntimeError('CUDA driver initialization failed')",
+    ],
+)
+def test_show_shows_the_configuration_when_flashinfer_fails_to_load(error: str) -> None:
+    """FlashInfer's import raising an OSError or a RuntimeError: show still shows everything, says why, exits 0."""
+    done = _run_guarded(code=_FAILING_FLASHINFER.format(error=error))
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    kind, _, message = error.partition("('")
+    why = message.removesuffix("')")
+    rows = show_rows(done.stdout)
+    assert rows["FlashInfer wrappers' int workspaces"].startswith(f"FlashInfer could not be loaded ({kind}: {why})")
+    assert rows["pools.flashinfer_mla.rules.lse"] == "256MiB (from profile fixed)"
+    assert rows["  pools.flashinfer_int.rules.mla"].startswith("9 * 65536 + 5 * round_up(4 * sm_count, 16)")
+
+
+def test_version_and_a_bare_call(capsys: pytest.CaptureFixture[str]) -> None:
+    """--version prints wspool's version (pyproject's); a bare `wspool` prints the usage on stderr and exits 2."""
+    import re
+
+    from tests.helpers.paths import REPO_ROOT
+
+    version = re.search(r'^version = "(.+)"$', (REPO_ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert version is not None
+    status, out, _ = _in_process(capsys, "--version")
+    assert (status, out) == (0, f"wspool {version.group(1)}\n")
+    status, out, err = _in_process(capsys)
+    assert (status, out) == (2, "")
+    assert err.startswith("usage: wspool [-h] [--version] COMMAND ...") and "doctor" in err
+
+
+def test_help_shows_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's help gives the defaults and the choices of its options."""
+    status, out, _ = _in_process(capsys, "calibrate", "--help")
+    text = " ".join(out.split())
+    assert status == 0
+    assert "--backend {auto,fa3,fa2} wrapper backend (default: auto)" in text
+    assert "most a formula may reserve over a minimum (default: 1.1)" in text
+    _, out, _ = _in_process(capsys, "bench", "--help")
+    text = " ".join(out.split())
+    assert (
+        "comma-separated subset of hot_path, engine_path, mla_decode, decode_step, memory (default: "
+        "hot_path,mla_decode,decode_step,memory)"
+    ) in text
+    assert "timed batches per hot-path figure (default: 101)" in text
+    _, out, _ = _in_process(capsys, "resolve", "--help")
+    assert "the pool's rule (default: default)" in " ".join(out.split())
+
+
+def test_bench_sections_are_the_benchmarks_sections() -> None:
+    """The parser's list of bench sections (kept without importing the benchmarks) is the benchmarks' own."""
+    from wspool.cli import BENCH_SECTIONS
+    from wspool.tools.bench import SECTIONS
+
+    assert tuple(SECTIONS) == BENCH_SECTIONS
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["show", "--help"], ["doctor", "--help"]])
+def test_help_and_version_import_neither_torch_nor_flashinfer(args: list[str]) -> None:
+    """--help and --version run without importing torch or FlashInfer (they start at once)."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['wspool', *{args!r}]\n"
+        "try:\n"
+        "    runpy.run_module('wspool', run_name='__main__')\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "heavy = sorted(m for m in ('torch', 'flashinfer') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = _run_guarded(code=code)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_the_public_names_still_import_from_the_package() -> None:
+    """`from wspool import PoolRegistry` and every other public name still work, loaded on first use."""
+    import importlib
+
+    fresh = importlib.import_module("wspool")
+    assert all(getattr(fresh, name) is not None for name in fresh.__all__)
+    from wspool import PoolRegistry, load_settings
+
+    assert PoolRegistry.__module__ == "wspool.registry" and load_settings.__module__ == "wspool.settings.schema"
+    assert wspool.registry.PoolRegistry is PoolRegistry  # a submodule is an attribute, as before

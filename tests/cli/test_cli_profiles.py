@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers.devices_fake import H200, HOPPER_MLA_BYTES
+from tests.helpers.devices_fake import B200, H200, HOPPER_MLA_BYTES
 from wspool.cli import main
 from wspool.devices import fake_device
 
@@ -18,12 +18,25 @@ def test_show_names_each_devices_profile_and_why(capsys: pytest.CaptureFixture[s
     with fake_device("cpu", H200):
         assert main(["show"]) == 0
     out = capsys.readouterr().out
-    assert "profile: auto (from default)" in out
-    assert "device cpu: profile hopper (auto: compute capability 9.0 (NVIDIA H200) is hopper's); " in out
-    assert "device facts: sm_count=132, cc_major=9, cc_minor=0" in out
-    assert "profile hopper: Hopper (SM90)" in out
-    lines = {line.split()[0]: " ".join(line.split()) for line in out.splitlines() if line.startswith("pools.")}
-    assert lines["pools.flashinfer_mla.rules.lse"].endswith("profile hopper")
+    assert all(len(line) <= 100 for line in out.splitlines())
+    text = " ".join(out.split())  # wrapped lines joined
+    assert "profile: auto (from built-in default)" in text
+    assert "device cpu: profile hopper (auto: compute capability 9.0 (NVIDIA H200) is hopper's); " in text
+    assert "device facts: sm_count=132, cc_major=9, cc_minor=0" in text
+    assert "profile hopper: Hopper (SM90)" in text
+    assert "pools.flashinfer_mla.rules.lse = 64 * sm_count * (4 * kv_lora_rank + 8) (from profile hopper)" in text
+
+
+@pytest.mark.parametrize("config", [None, "blackwell", "kimi_dcp", "vllm", "sglang"])
+@pytest.mark.parametrize("device", [H200, B200], ids=["hopper", "blackwell"])
+def test_show_fits_100_columns_under_every_profile(
+    capsys: pytest.CaptureFixture[str], config: str | None, device: object
+) -> None:
+    """Under the hopper and blackwell profiles, with the shipped files, every line show prints fits 100 columns."""
+    with fake_device("cpu", device):  # type: ignore[arg-type]
+        assert main(["show", *(["--config", config] if config else [])]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
 
 
 def test_show_lists_each_fact_with_its_source(
@@ -38,9 +51,10 @@ def test_show_lists_each_fact_with_its_source(
         "key": "pools.flashinfer_mla.facts.kv_lora_rank",
         "value": 256,
         "source": f"environment variable {ENV}",
+        "overrides": [],
     }
-    assert rows["pools.flashinfer_mla.facts.qk_rope_head_dim"]["source"] == "default"
-    assert data["profile"] == {"value": "auto", "source": "default"}
+    assert rows["pools.flashinfer_mla.facts.qk_rope_head_dim"]["source"] == "built-in default"
+    assert data["profile"] == {"value": "auto", "source": "built-in default"}
     assert data["devices"] == [
         {"device": "cpu", "profile": "fixed", "reason": data["devices"][0]["reason"], "facts": {}}
     ]
@@ -52,7 +66,7 @@ def test_show_says_where_an_explicit_profile_came_from(
     """WSPOOL_PROFILE=hopper is shown with its source, on every device."""
     monkeypatch.setenv("WSPOOL_PROFILE", "hopper")
     assert main(["show"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "profile: hopper (from environment variable WSPOOL_PROFILE)" in out
     assert "device cpu: profile hopper (profile = hopper (from environment variable WSPOOL_PROFILE))" in out
 

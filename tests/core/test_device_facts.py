@@ -7,8 +7,9 @@ import torch
 
 import wspool
 from tests.helpers.devices_fake import B200, H200
-from wspool.devices import DEVICE_FACTS, describe_device, device_facts, fake_device
+from wspool.devices import describe_device, device_facts, fake_device
 from wspool.errors import RuleError
+from wspool.settings.schema import DEVICE_FACTS
 
 RULE = "sm_count * 1KiB + cc_major + device_memory // 1TiB"
 

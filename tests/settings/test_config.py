@@ -104,7 +104,7 @@ def test_provenance_names_each_source(tmp_path: Path, monkeypatch: pytest.Monkey
     assert prov.source_of(("pools", "flashinfer_mla", "rules", "lse")) == f"environment variable {LSE_ENV}"
     assert prov.source_of(("pools", "flashinfer_mla", "rules", "default")) == f"YAML file {path}"
     assert prov.source_of(("pools", "flashinfer_mla", "max_bytes")) == "code"
-    assert prov.source_of(("debug_streams",)) == "default"
+    assert prov.source_of(("debug_streams",)) == "built-in default"
 
 
 def test_missing_named_file_is_an_error(tmp_path: Path) -> None:
@@ -199,7 +199,7 @@ def test_literal_rule_above_max_bytes_is_rejected_at_load(tmp_path: Path, monkey
     path = _write(tmp_path, "pools:\n  flashinfer_mla:\n    max_bytes: 200MiB\n")
     with pytest.raises(
         ConfigError,
-        match=r"pools\.flashinfer_mla\.rules\.lse = '256MiB' \(256MiB, from default\) is above "
+        match=r"pools\.flashinfer_mla\.rules\.lse = '256MiB' \(256MiB, from built-in default\) is above "
         r"pools\.flashinfer_mla\.max_bytes = 200MiB \(from YAML file .*wspool\.yaml\), so it could never be "
         r"served; lower pools\.flashinfer_mla\.rules\.lse / WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE or raise "
         r"pools\.flashinfer_mla\.max_bytes / WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES",
@@ -286,12 +286,21 @@ def test_an_overlong_config_path_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_a_config_in_an_unsearchable_directory_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """stat() failing with PermissionError (simulated: the tests may run as root) is a ConfigError."""
+    """stat() and open() failing with PermissionError (simulated: the tests may run as root) is a ConfigError."""
+    import os
+
+    real_open = os.open
 
     def denied(self: Path) -> bool:
         raise PermissionError(13, "Permission denied", str(self))
 
+    def open_denied(path: object, *args: object, **kwargs: object) -> int:
+        if str(path).startswith("/locked/"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(Path, "is_file", denied)
+    monkeypatch.setattr(os, "open", open_denied)
     with pytest.raises(ConfigError, match=r"cannot read config file '/locked/c.yaml' .*Permission denied"):
         load_settings("/locked/c.yaml")
 
@@ -304,6 +313,39 @@ def test_a_misspelt_wspool_variable_is_an_error(monkeypatch: pytest.MonkeyPatch,
         load_settings()
 
 
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("WSPOOL_POOL__P__RULES__DEFAULT", "WSPOOL_POOLS__P__RULES__DEFAULT"),
+        ("WSPOOL_CONFIGG", "WSPOOL_CONFIG"),
+        ("wspool_debug_stream", "WSPOOL_DEBUG_STREAMS"),
+        ("WSPOOL_PROFLE", "WSPOOL_PROFILE"),
+    ],
+)
+def test_a_misspelt_wspool_variable_names_the_variable_meant(
+    monkeypatch: pytest.MonkeyPatch, name: str, meant: str
+) -> None:
+    """The error for a misspelt WSPOOL_* variable ends with the variable the user most likely meant."""
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ConfigError, match=rf"; did you mean {meant}\?$"):
+        load_settings()
+
+
+@pytest.mark.parametrize("misspelt", ["RULE", "RLUES", "RULEZ"])
+def test_a_misspelt_key_in_a_variable_names_the_key_and_variable_meant(
+    monkeypatch: pytest.MonkeyPatch, misspelt: str
+) -> None:
+    """WSPOOL_POOLS__FLASHINFER_MLA__RULE__LSE is answered with pools.flashinfer_mla.rules.lse and its variable."""
+    variable = f"WSPOOL_POOLS__FLASHINFER_MLA__{misspelt.upper()}__LSE"
+    monkeypatch.setenv(variable, "512MiB")
+    with pytest.raises(
+        ConfigError,
+        match=rf"pools\.flashinfer_mla\.{misspelt.lower()} \(from environment variable {variable}\): unknown key; "
+        r"did you mean 'rules'\? set pools\.flashinfer_mla\.rules\.lse / WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE$",
+    ):
+        load_settings()
+
+
 def test_a_pool_named_in_two_cases_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """YAML MyPool plus WSPOOL_POOLS__MYPOOL__MAX_BYTES would make a second pool: an error naming both."""
     path = tmp_path / "c.yaml"
@@ -312,7 +354,7 @@ def test_a_pool_named_in_two_cases_is_an_error(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(
         ConfigError,
         match=r"pools 'MyPool' \(from YAML file .*\) and 'mypool' \(from environment variable "
-        r"WSPOOL_POOLS__MYPOOL\) differ only in case",
+        r"WSPOOL_POOLS__MYPOOL__MAX_BYTES\) differ only in case",
     ):
         load_settings(path)
 
@@ -404,7 +446,7 @@ def test_loading_a_file_or_a_profile_builds_the_settings_class_itself(tmp_path: 
 
 
 def test_settings_built_directly_read_the_environment_and_engine_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """WspoolSettings() keeps its sources: code over WSPOOL_* over the engine knobs over the built-in defaults."""
+    """WspoolSettings() keeps its sources: code over WSPOOL_* over the engines' variables over the built-in defaults."""
     from wspool.settings.schema import WspoolSettings
 
     monkeypatch.setenv(LSE_ENV, "512MiB")
@@ -412,7 +454,8 @@ def test_settings_built_directly_read_the_environment_and_engine_knobs(monkeypat
     settings = WspoolSettings(pools={"flashinfer": {"rules": {"decode": "2KiB"}}})
     assert settings.pools["flashinfer_mla"].rules == {"default": "128MiB", "lse": "512MiB"}
     assert settings.pools["flashinfer"].rules["decode"] == "2KiB"
-    assert settings.pools["flashinfer"].rules["prefill"] == "1000"
+    assert settings.pools["flashinfer"].rules["vllm"] == "1000"
+    assert settings.pools["flashinfer"].rules["prefill"].startswith("(256 * sm_count")
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ def test_code_over_environment_over_yaml_over_default(tmp_path: Path, monkeypatc
     facts = settings.pools["flashinfer_mla"].facts
     assert facts["kv_lora_rank"] == 256 and facts["num_heads"] == 16 and facts["qk_rope_head_dim"] == 64
     assert prov.source_of(("pools", "flashinfer_mla", "facts", "kv_lora_rank")) == f"YAML file {path}"
-    assert prov.source_of(("pools", "flashinfer_mla", "facts", "qk_rope_head_dim")) == "default"
+    assert prov.source_of(("pools", "flashinfer_mla", "facts", "qk_rope_head_dim")) == "built-in default"
     monkeypatch.setenv(ENV, "128")
     settings, prov = load_settings_with_provenance(path)
     assert settings.pools["flashinfer_mla"].facts["kv_lora_rank"] == 128

@@ -1,99 +1,201 @@
-"""Tests for wspool.settings.sources: engines' own workspace variables, below YAML and WSPOOL_*, above defaults."""
+"""Tests for wspool.settings.sources: the engines' own workspace variables keep their meaning.
+
+Precedence of each key an engine's variable sets, highest first: code, ``WSPOOL_*``,
+the user's YAML file, the engine's variable, a shipped configuration, a profile, the
+built-in defaults (README, "Configuration").
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+import wspool
 from wspool.cli import main
 from wspool.errors import ConfigError
+from wspool.settings.profiles import shipped_config
 from wspool.settings.schema import load_settings, load_settings_with_provenance
+from wspool.settings.sources import ENGINE_KNOBS
 
 VLLM = "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"
 SGLANG = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
 MiB = 1 << 20
+GiB = 1 << 30
+
+#: Each engine variable, its engine, its shipped configuration, and the (pool, rule) keys of the
+#: buffers the engine sizes with it (the vLLM plugin's and the SGLang integration's rules).
+KNOBS = [
+    (VLLM, "vLLM", "vllm", [("flashinfer", "vllm"), ("flashinfer_mla_sparse", "default")]),
+    (
+        SGLANG,
+        "SGLang",
+        "sglang",
+        [("flashinfer", "sglang"), ("flashinfer_mla", "sglang_mla"), ("sglang_dsa_sparse_mla", "default")],
+    ),
+]
+KNOB_IDS = [name for name, *_ in KNOBS]
 
 
-def _rules(pool: str) -> dict[str, str]:
-    return dict(load_settings().pools[pool].rules)
+def _key(pool: str, rule: str) -> tuple[str, str, str, str]:
+    return ("pools", pool, "rules", rule)
 
 
-def test_vllm_knob_sizes_paged_attention_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's variable sets the paged rules and vLLM's sparse MLA size; MLA and batch-invariant keep theirs."""
-    monkeypatch.setenv(VLLM, str(394 * MiB))
-    assert _rules("flashinfer") == {"decode": str(394 * MiB), "prefill": str(394 * MiB), "vllm": str(394 * MiB)}
-    assert _rules("flashinfer_mla_sparse") == {"default": str(394 * MiB)}
-    assert _rules("flashinfer_mla") == {"default": "128MiB", "lse": "256MiB"}
-    _, provenance = load_settings_with_provenance()
-    assert provenance.source_of(("pools", "flashinfer", "rules", "decode")) == f"environment variable {VLLM}"
-    assert provenance.source_of(("pools", "flashinfer_mla", "rules", "lse")) == "default"
+def test_the_knobs_are_the_two_engine_variables() -> None:
+    """wspool honours exactly vLLM's and SGLang's workspace variables, each for its engine's rules."""
+    assert [(name, engine, list(keys)) for name, engine, keys in ENGINE_KNOBS] == [
+        (name, engine, keys) for name, engine, _, keys in KNOBS
+    ]
 
 
-def test_sglang_knob_sizes_every_flashinfer_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SGLang's variable sets the paged and MLA rules; where both engines' variables are set, vLLM's wins."""
-    monkeypatch.setenv(SGLANG, str(384 * MiB))
-    assert set(_rules("flashinfer_mla").values()) == set(_rules("flashinfer").values()) == {str(384 * MiB)}
-    monkeypatch.setenv(VLLM, str(64 * MiB))
-    assert {k: v for k, v in _rules("flashinfer").items() if k in ("decode", "prefill")} == {
-        "decode": str(64 * MiB),
-        "prefill": str(64 * MiB),
-    }
-    assert _rules("flashinfer_mla")["lse"] == str(384 * MiB)
-
-
-def test_sglang_knob_sizes_the_sglang_integrations_variable_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SGLang's variable sets the integration's rules for the workspaces SGLang sizes with it alone."""
-    monkeypatch.setenv(SGLANG, str(256 * MiB))
+@pytest.mark.parametrize(("variable", "engine", "shipped", "keys"), KNOBS, ids=KNOB_IDS)
+def test_the_variable_alone_sets_exactly_its_engines_rules(
+    monkeypatch: pytest.MonkeyPatch, variable: str, engine: str, shipped: str, keys: list[tuple[str, str]]
+) -> None:
+    """Set alone, the variable sizes its engine's buffers and nothing else; the source names it."""
+    monkeypatch.setenv(variable, str(GiB))
     settings, provenance = load_settings_with_provenance()
-    keys = (("flashinfer", "sglang"), ("flashinfer_mla", "sglang_mla"), ("sglang_dsa_sparse_mla", "default"))
+    given = {
+        (pool, rule) for pool, config in settings.pools.items() for rule, v in config.rules.items() if v == str(GiB)
+    }
+    assert given == set(keys)
     for pool, rule in keys:
-        assert settings.pools[pool].rules[rule] == str(256 * MiB)
-        assert provenance.source_of(("pools", pool, "rules", rule)) == f"environment variable {SGLANG}"
-    monkeypatch.setenv(VLLM, str(64 * MiB))
-    assert _rules("flashinfer")["sglang"] == str(256 * MiB)  # vLLM's variable does not set SGLang's rules
+        assert provenance.source_of(_key(pool, rule)) == f"{engine}'s variable {variable}"
+    assert settings.pools["flashinfer"].rules["decode"].startswith("(512 * sm_count")  # wspool's own paged rule
+    assert dict(settings.pools["flashinfer_mla"].rules).items() >= {"default": "128MiB", "lse": "256MiB"}.items()
 
 
-def test_knob_is_below_yaml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A value in the YAML file beats the engine's variable; the variable still sets the other rule."""
-    monkeypatch.setenv(VLLM, str(394 * MiB))
-    path = tmp_path / "c.yaml"
-    path.write_text("pools:\n  flashinfer:\n    rules:\n      decode: 64MiB\n")
+@pytest.mark.parametrize(("variable", "engine", "shipped", "keys"), KNOBS, ids=KNOB_IDS)
+@pytest.mark.parametrize("named", ["by name", "by path"])
+def test_the_variable_wins_over_the_engines_shipped_configuration(
+    monkeypatch: pytest.MonkeyPatch, variable: str, engine: str, shipped: str, keys: list[tuple[str, str]], named: str
+) -> None:
+    """With the shipped engine configuration (a shipped default), the user's variable sizes the buffer."""
+    monkeypatch.setenv(variable, str(GiB))
+    config = shipped if named == "by name" else shipped_config(shipped)
+    settings, provenance = load_settings_with_provenance(config)
+    for pool, rule in keys:
+        assert settings.pools[pool].rules[rule] == str(GiB)
+        assert provenance.explain(_key(pool, rule)).startswith(f"{engine}'s variable {variable}, over shipped ")
+    assert provenance.shipped == shipped
+    monkeypatch.delenv(variable)
+    plain = load_settings(config)
+    assert all(plain.pools[pool].rules[rule] != str(GiB) for pool, rule in keys)
+
+
+def test_with_the_shipped_vllm_configuration_the_registry_serves_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's case: --config vllm and VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE=1GiB give vLLM 1GiB, not 394MiB."""
+    monkeypatch.setenv(VLLM, str(GiB))
+    registry = wspool.PoolRegistry.from_config("vllm")
+    # Declared as the vLLM plugin declares them: below every configured value.
+    registry.declare_pool("flashinfer", {"vllm": "394MiB", "vllm_batch_invariant": "2GiB"})
+    registry.declare_pool("flashinfer_mla_sparse", {"default": "394MiB"})
+    assert registry.resolve("flashinfer", "vllm", device="cpu") == GiB
+    assert registry.resolve("flashinfer_mla_sparse", device="cpu") == GiB
+    assert registry.resolve("flashinfer", "vllm_batch_invariant", device="cpu") == 2 * GiB  # as vLLM: 2 GiB
+
+
+@pytest.mark.parametrize(("variable", "engine", "shipped", "keys"), KNOBS, ids=KNOB_IDS)
+def test_the_users_file_wins_over_the_variable_and_both_are_named(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    variable: str,
+    engine: str,
+    shipped: str,
+    keys: list[tuple[str, str]],
+) -> None:
+    """A rule in the user's own YAML file beats the variable; the explanation names both, the file first."""
+    monkeypatch.setenv(variable, str(GiB))
+    (pool, rule), *others = keys
+    path = tmp_path / "mine.yaml"
+    path.write_text(f"pools:\n  {pool}:\n    rules:\n      {rule}: 64MiB\n")
     settings, provenance = load_settings_with_provenance(path)
-    rules = dict(settings.pools["flashinfer"].rules)
-    assert (rules["decode"], rules["prefill"], rules["vllm"]) == ("64MiB", str(394 * MiB), str(394 * MiB))
-    assert provenance.source_of(("pools", "flashinfer", "rules", "decode")) == f"YAML file {path}"
+    assert settings.pools[pool].rules[rule] == "64MiB"
+    assert provenance.explain(_key(pool, rule)) == f"YAML file {path}, over {engine}'s variable {variable} = {GiB}"
+    for other_pool, other_rule in others:  # the keys the file does not give keep the variable
+        assert settings.pools[other_pool].rules[other_rule] == str(GiB)
 
 
-def test_knob_is_below_wspool_env_and_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    """WSPOOL_* variables and values in code beat the engine's variable."""
-    monkeypatch.setenv(SGLANG, str(384 * MiB))
-    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE", "512MiB")
-    assert _rules("flashinfer_mla") == {"default": str(384 * MiB), "lse": "512MiB", "sglang_mla": str(384 * MiB)}
-    settings = load_settings(pools={"flashinfer_mla": {"rules": {"lse": "1GiB"}}})
-    assert settings.pools["flashinfer_mla"].rules["lse"] == "1GiB"
+@pytest.mark.parametrize(("variable", "engine", "shipped", "keys"), KNOBS, ids=KNOB_IDS)
+def test_a_copy_of_the_shipped_file_is_the_users_own(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    variable: str,
+    engine: str,
+    shipped: str,
+    keys: list[tuple[str, str]],
+) -> None:
+    """A shipped configuration copied elsewhere is the user's file: its rules are explicit and beat the variable."""
+    monkeypatch.setenv(variable, str(GiB))
+    copy = tmp_path / f"{shipped}.yaml"
+    shutil.copy(shipped_config(shipped), copy)
+    settings, provenance = load_settings_with_provenance(copy)
+    assert provenance.shipped is None
+    for pool, rule in keys:
+        assert settings.pools[pool].rules[rule] != str(GiB)
+        assert provenance.explain(_key(pool, rule)).startswith(f"YAML file {copy}, over {engine}'s variable")
 
 
-def test_knob_is_above_defaults_and_empty_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset or empty, the built-in defaults apply; set, the knob replaces them."""
+@pytest.mark.parametrize(("variable", "engine", "shipped", "keys"), KNOBS, ids=KNOB_IDS)
+def test_wspool_variables_and_code_win_over_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, engine: str, shipped: str, keys: list[tuple[str, str]]
+) -> None:
+    """A WSPOOL_* variable for the key beats the engine's variable, and a value in code beats both."""
+    monkeypatch.setenv(variable, str(GiB))
+    pool, rule = keys[0]
+    wspool_var = f"WSPOOL_POOLS__{pool.upper()}__RULES__{rule.upper()}"
+    monkeypatch.setenv(wspool_var, "512MiB")
+    settings, provenance = load_settings_with_provenance(shipped)
+    assert settings.pools[pool].rules[rule] == "512MiB"
+    assert provenance.explain(_key(pool, rule)) == (
+        f"environment variable {wspool_var}, over {engine}'s variable {variable} = {GiB}"
+    )
+    coded = load_settings(shipped, pools={pool: {"rules": {rule: "2GiB"}}})
+    assert coded.pools[pool].rules[rule] == "2GiB"
+
+
+def test_unset_or_empty_variables_leave_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset or empty, a variable sets nothing: the engines' rules are not configured at all."""
     monkeypatch.setenv(VLLM, "")
-    assert _rules("flashinfer")["decode"].startswith("(512 * sm_count")
-    monkeypatch.setenv(VLLM, "1048576")
-    assert _rules("flashinfer")["decode"] == "1048576"
+    monkeypatch.setenv(SGLANG, " ")
+    settings = load_settings()
+    assert "vllm" not in settings.pools["flashinfer"].rules
+    assert "sglang" not in settings.pools["flashinfer"].rules
 
 
 @pytest.mark.parametrize("value", ["394MiB", "-1", "0", "1e9", "lots"])
 def test_bad_knob_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    """A knob that is not a positive whole number of bytes is a ConfigError naming it and the keys it sets."""
+    """A variable that is not a positive whole number of bytes is a ConfigError naming it and the keys it sets."""
     monkeypatch.setenv(VLLM, value)
     with pytest.raises(ConfigError, match=rf"invalid environment variable {VLLM} = '{value}': vLLM reads it as a "
-                       r"positive whole number of bytes.*pools\.flashinfer\.rules\.decode"):  # fmt: skip
+                       r"positive whole number of bytes, and wspool sizes pools\.flashinfer\.rules\.vllm, "
+                       r"pools\.flashinfer_mla_sparse\.rules\.default with it"):  # fmt: skip
         load_settings()
 
 
-def test_show_names_the_knob(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """wspool show gives the engine's variable as the source of the values it set."""
-    monkeypatch.setenv(VLLM, str(394 * MiB))
-    assert main(["show"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("pools.flashinfer.rules.prefill "))
-    assert " ".join(line.split()).endswith(f"{394 * MiB} environment variable {VLLM}")
+def test_show_names_the_variable_and_what_it_wins_over(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """wspool show --config vllm gives the variable as the source, over the shipped configuration's value."""
+    monkeypatch.setenv(VLLM, str(GiB))
+    assert main(["show", "--config", "vllm"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"pools.flashinfer.rules.vllm = {GiB} (from vLLM's variable {VLLM}, over shipped configuration vllm = '394MiB')"
+    ) in text
+
+
+def test_show_says_the_users_file_wins(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Where the user's file and the variable both give a key, show names both and the file as the winner."""
+    monkeypatch.setenv(SGLANG, str(GiB))
+    path = tmp_path / "c.yaml"
+    path.write_text("pools:\n  flashinfer:\n    rules:\n      sglang: 300MiB\n")
+    assert main(["show", "--config", str(path), "--json"]) == 0
+    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["settings"]}
+    row = rows["pools.flashinfer.rules.sglang"]
+    assert (row["value"], row["source"]) == ("300MiB", f"YAML file {path}")
+    assert row["overrides"] == [{"source": f"SGLang's variable {SGLANG}", "value": GiB}]

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.paged_inputs import make_paged_inputs
-from wspool.devices import DEVICE_FACTS
 from wspool.errors import ConfigError
 from wspool.flashinfer import COUNTER_POOL, MLA_POOL, PAGED_POOL
 from wspool.flashinfer.backends import call_facts
@@ -22,6 +21,7 @@ from wspool.rules import compile_rule
 from wspool.settings.profiles import PROFILE_NAMES, shipped_config_names
 from wspool.settings.schema import (
     BUILTIN_DEFAULTS,
+    DEVICE_FACTS,
     OWN_POOLS,
     SHAPE_FACTS,
     load_settings,

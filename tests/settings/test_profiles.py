@@ -112,12 +112,13 @@ def test_yaml_environment_and_code_override_the_profile_key_by_key(
         assert coded.resolve("flashinfer_mla", "lse", device="cpu") == 5 * MiB
 
 
-def test_engine_knobs_sit_above_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine's own workspace variable is a user setting: it overrides the profile's rules."""
+def test_engine_knobs_sit_above_profiles_and_leave_their_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's variable sets its engine's rule under every profile; the profile's own rules stay."""
     monkeypatch.setenv("SGLANG_FLASHINFER_WORKSPACE_SIZE", str(64 * MiB))
     with fake_device("cpu", H200):
         reg = wspool.PoolRegistry()
-        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == 64 * MiB
+        assert reg.resolve("flashinfer_mla", "sglang_mla", device="cpu") == 64 * MiB
+        assert reg.resolve("flashinfer_mla", "lse", device="cpu") == HOPPER_MLA_BYTES
 
 
 def test_devices_of_different_kinds_each_get_their_own_profile() -> None:
@@ -171,3 +172,49 @@ def test_the_old_name_of_vllms_fixed_sizes_still_works_with_a_warning() -> None:
     assert dict(schema.VLLM_FIXED_MLA_WORKSPACE_BYTES) == {"default": 128 * MiB, "lse": 256 * MiB}
     with pytest.warns(DeprecationWarning, match="SEED_MLA_WORKSPACE_BYTES is deprecated; use VLLM_FIXED_MLA"):
         assert schema.SEED_MLA_WORKSPACE_BYTES is schema.VLLM_FIXED_MLA_WORKSPACE_BYTES
+
+
+#: The kernel each shipped configuration sizes MLA decode for; ``None``: it leaves flashinfer_mla's
+#: rules to the profile (or vLLM's fixed sizes for every kernel).
+SHIPPED_KERNEL = {
+    "blackwell": "trtllm-gen",
+    "default": None,
+    "hopper": "fa3",
+    "kimi_dcp": "trtllm-gen",
+    "sglang": None,
+    "vllm": None,
+}
+#: Headroom each trtllm-gen configuration keeps for the unchecked scratch behind the softmax slab.
+TRTLLM_HEADROOM = {"blackwell": 64 * MiB, "kimi_dcp": 32 * MiB, "profile blackwell": 64 * MiB}
+#: One decode step with decode-context parallelism: 32 heads per rank, a DCP group of 4, 256 requests.
+DCP_FACTS = {"num_heads": 32, "cp_world": 4, "batch_size": 256, "q_len": 1, "kv_lora_rank": 512}
+
+
+def _lse_bytes(config: str | None, device: DeviceDescription) -> int:
+    settings = wspool.load_settings(config)
+    registry = wspool.PoolRegistry(settings, describe_device=lambda _: device, allocator=meta_allocator)
+    return registry.resolve("flashinfer_mla", "lse", device="cpu", **DCP_FACTS)
+
+
+def test_every_shipped_configuration_and_profile_read_num_heads_as_heads_per_rank() -> None:
+    """At 32 heads per rank, DCP 4 and batch 256, each trtllm-gen rule is the launcher's slab for 128 heads plus
+    its headroom, each fa3 rule the planner's SM-count formula: one meaning of num_heads and cp_world throughout."""
+    from wspool.flashinfer.layouts import fa_mla_float_workspace_bytes
+    from wspool.settings.profiles import shipped_config_names
+
+    assert sorted(SHIPPED_KERNEL) == shipped_config_names()
+    heads_seen = DCP_FACTS["num_heads"] * DCP_FACTS["cp_world"]
+    slab = softmax_slab_bytes(heads_seen, DCP_FACTS["batch_size"], DCP_FACTS["q_len"])
+    fa3 = fa_mla_float_workspace_bytes(sm_count=H200.sm_count, num_heads=heads_seen, q_len=1, kv_lora_rank=512)
+    # The profiles themselves, with no file: auto picks blackwell on a B200 and hopper on an H200.
+    assert _lse_bytes(None, B200) == slab + TRTLLM_HEADROOM["profile blackwell"]
+    assert _lse_bytes(None, H200) == fa3
+    for name, kernel in SHIPPED_KERNEL.items():
+        if kernel == "trtllm-gen":
+            assert _lse_bytes(name, B200) == slab + TRTLLM_HEADROOM[name], name
+        elif kernel == "fa3":
+            assert _lse_bytes(name, H200) == fa3, name
+        else:  # the profile's rule on each device, or vLLM's fixed 256 MiB where the file fixes it
+            assert _lse_bytes(name, B200) in (slab + TRTLLM_HEADROOM["profile blackwell"], 256 * MiB), name
+    # The issue's figure: the blackwell configuration and profile agree (129 MiB + 64 MiB here).
+    assert _lse_bytes("blackwell", B200) == _lse_bytes(None, B200)

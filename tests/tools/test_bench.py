@@ -146,7 +146,10 @@ def test_plot_from_json(tmp_path: Path) -> None:
         (["bench", "--sections", "hot_path,bogus"], "--sections takes a subset of"),
         (["bench", "--runs", "0"], "--runs and --repeats must be at least 1"),
         (["bench", "--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
-        (["bench", "--plot-from", "/nonexistent.json", "--plot", "x.png"], "cannot read /nonexistent.json"),
+        (
+            ["bench", "--plot-from", "/nonexistent.json", "--plot", "x.png"],
+            "figures file /nonexistent.json does not exist or is not a file",
+        ),
         (["bench", "--repeats", "3", "--sections", "hot_path", "--plot", "x.png"], "no memory sweep to plot"),
         (["bench", "--rules", "/nonexistent.yaml", "--repeats", "3"], "does not exist"),
         (["bench", "--shapes", "/nonexistent.yaml", "--repeats", "3"], "shapes file /nonexistent.yaml does not exist"),

@@ -1,40 +1,60 @@
-"""The ``wspool`` command: demo, show, resolve, stats, bench, calibrate.
+"""The ``wspool`` command: doctor, demo, show, resolve, stats, bench, calibrate.
 
 Bad input exits with status 2 and one line on stderr naming the option and
-what it expects, never a traceback. The commands themselves live in
-:mod:`wspool.cli.commands` and :mod:`wspool.tools`.
+what it expects, never a traceback; a bare ``wspool`` prints the usage. The
+parser imports neither torch nor FlashInfer, so ``--help`` and ``--version``
+start at once: each command imports what it needs when it runs. The commands
+live in :mod:`wspool.cli.commands`, :mod:`wspool.cli.doctor` and
+:mod:`wspool.tools`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
 import sys
+import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from wspool.cli.commands import cmd_resolve, cmd_show, cmd_stats
+from wspool import __version__
 from wspool.errors import WspoolError, printable
-from wspool.registry import PoolRegistry
 from wspool.settings.profiles import shipped_config_names
-from wspool.settings.schema import RESERVED_FACT_NAMES
-from wspool.units import format_size
 
 __all__ = [
+    "BENCH_DEFAULT_SECTIONS",
+    "BENCH_SECTIONS",
     "PACKAGE_LOGGER",
+    "WIDTH",
     "Parser",
     "UsageError",
     "add_config_option",
+    "build_parser",
     "device_arg",
     "fact_arg",
     "main",
     "shape_arg",
+    "wrap",
     "write_text",
 ]
+
+#: The widest line the commands print (longer ones are wrapped, with an indented continuation).
+WIDTH = 100
+
+
+def wrap(text: str, indent: str = "    ") -> str:
+    """Return ``text`` wrapped to :data:`WIDTH` columns, continuation lines indented by ``indent``.
+
+    Words are never split: a path or an expression longer than a line stays whole.
+    """
+    return textwrap.fill(
+        text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
+    )
 
 
 class UsageError(Exception):
@@ -48,6 +68,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's default (where it has one worth showing) and keeps descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.option_strings == []:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def __getattr__(name: str) -> object:
     """Serve the deprecated ``RESERVED_FACTS`` (the settings' :data:`RESERVED_FACT_NAMES` now)."""
     if name == "RESERVED_FACTS":
@@ -56,12 +86,16 @@ def __getattr__(name: str) -> object:
             DeprecationWarning,
             stacklevel=2,
         )
+        from wspool.settings.schema import RESERVED_FACT_NAMES
+
         return RESERVED_FACT_NAMES
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fact_arg(text: str) -> tuple[str, int]:
     """Parse ``--fact NAME=INTEGER``."""
+    from wspool.settings.schema import RESERVED_FACT_NAMES
+
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier() or not name.isascii():
         raise argparse.ArgumentTypeError(f"expected NAME=INTEGER, got {text!r}")
@@ -104,7 +138,7 @@ def add_config_option(parser: argparse.ArgumentParser) -> None:
         "--config",
         metavar="FILE|NAME",
         help="YAML configuration file, or a shipped configuration's name: "
-        f"{', '.join(shipped_config_names())} (default: $WSPOOL_CONFIG)",
+        f"{', '.join(shipped_config_names())} (default: $WSPOOL_CONFIG, else none)",
     )
 
 
@@ -128,6 +162,21 @@ def write_text(path: str, text: str) -> None:
 
 
 _Handler = Callable[[argparse.Namespace], int]
+_DEVICE_HELP = "device (default: the current one: CUDA when available, else cpu)"
+#: bench's sections, in the order it runs them (wspool.tools.bench.SECTIONS; a test keeps them equal).
+BENCH_SECTIONS = ("hot_path", "engine_path", "mla_decode", "decode_step", "memory")
+#: The sections bench runs by default: engine_path, which imports the installed engines, is asked for by name.
+BENCH_DEFAULT_SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
+
+
+def _handler(module: str, name: str) -> _Handler:
+    """A command's handler, imported when the command runs (the parser stays free of torch)."""
+
+    def run(args: argparse.Namespace) -> int:
+        function: _Handler = getattr(importlib.import_module(module), name)
+        return function(args)
+
+    return run
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -177,6 +226,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from wspool.tools.calibrate import run_calibration
     from wspool.tools.mla_probe import MLAWorkspaceProbe
     from wspool.tools.sweep import DEFAULT_SHAPES, load_shapes
+    from wspool.units import format_size
 
     shapes = [*(load_shapes(args.shapes) if args.shapes else []), *(args.shape or [])] or list(DEFAULT_SHAPES)
     probe = MLAWorkspaceProbe(args.device, backend=args.backend)
@@ -205,59 +255,95 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from wspool.tools.demo import run_demo
-
-    registry = PoolRegistry.from_config(args.config)
-    return 0 if run_demo(registry, args.device) else 1
+def _command(commands: Any, name: str, summary: str, description: str | None = None) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=summary, description=description or summary[0].upper() + summary[1:] + ".",
+        formatter_class=_HelpFormatter,
+    )  # fmt: skip
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the ``wspool`` argument parser."""
-    parser = Parser(prog="wspool", description="Configurable GPU workspace pools.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    """Return the ``wspool`` argument parser (it imports nothing heavy)."""
+    parser = Parser(
+        prog="wspool",
+        description="Configurable, shared GPU workspace pools for LLM inference kernels.",
+        epilog="Start with `wspool doctor`. Each command's options: wspool COMMAND --help.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"wspool {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
-    demo = commands.add_parser("demo", help="run MLA decode through the pool and check the results")
-    demo.add_argument("--device", default=None, help="device (default: CUDA when available, else cpu)")
+    doctor = _command(
+        commands, "doctor", "check this environment: versions, devices, engines, configuration, problems",
+        "Report wspool's version, Python, torch, CUDA and each device's profile, FlashInfer, each engine wspool "
+        "integrates (installed, supported, active, what it patches), the active configuration with every value "
+        "that differs from the built-in defaults and its source, and the problems found, one line each with the "
+        "setting that fixes it. Exit status 0: no problem; 1: problems found. Imports no engine and creates no "
+        "CUDA context.",
+    )  # fmt: skip
+    add_config_option(doctor)
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(handler=_handler("wspool.cli.doctor", "cmd_doctor"))
+
+    demo = _command(commands, "demo", "run MLA decode through the pool and check the results")
+    demo.add_argument("--device", default=None, help=_DEVICE_HELP)
     add_config_option(demo)
-    demo.set_defaults(handler=_cmd_demo)
+    demo.set_defaults(handler=_handler("wspool.cli.commands", "cmd_demo"))
 
-    show = commands.add_parser("show", help="print the effective configuration and where each value came from")
+    show = _command(commands, "show", "print the effective configuration and where each value came from")
     add_config_option(show)
     show.add_argument("--json", action="store_true", help="machine-readable output")
-    show.set_defaults(handler=cmd_show)
+    show.set_defaults(handler=_handler("wspool.cli.commands", "cmd_show"))
 
-    resolve = commands.add_parser("resolve", help="print the size a call would get")
-    resolve.add_argument("pool")
-    resolve.add_argument("rule", nargs="?", default="default")
+    resolve = _command(commands, "resolve", "print the size a call would get, and the setting that sizes it")
+    resolve.add_argument("pool", help="a pool that `wspool show` lists, e.g. flashinfer_mla")
+    resolve.add_argument("rule", nargs="?", default="default", help="the pool's rule (default: %(default)s)")
     resolve.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the call")
     resolve.add_argument("--bytes", action="store_true", help="print only the integer")
-    resolve.add_argument("--device", default=None, help="the device whose profile and facts apply (default: current)")
+    resolve.add_argument("--json", action="store_true", help="machine-readable output")
+    resolve.add_argument(
+        "--device", default=None, help="the device whose profile and facts apply (default: the current one)"
+    )
     add_config_option(resolve)
-    resolve.set_defaults(handler=cmd_resolve)
+    resolve.set_defaults(handler=_handler("wspool.cli.commands", "cmd_resolve"))
 
-    bench = commands.add_parser("bench", help="measure the per-call path, MLA decode and memory (GPU parts on a GPU)")
+    stats = _command(
+        commands, "stats", "what the pools would hold for given facts (a dry run)",
+        "Request every configured rule once with the given facts on the meta device, which allocates nothing, "
+        "and print what each buffer would hold and which backends share it. A running process reports its own "
+        "pools with PoolRegistry.memory_summary() / memory_stats().",
+    )  # fmt: skip
+    stats.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the calls")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    add_config_option(stats)
+    stats.set_defaults(handler=_handler("wspool.cli.commands", "cmd_stats"))
+
+    bench = _command(commands, "bench", "measure the per-call path, MLA decode and memory (GPU parts on a GPU)")
     bench.add_argument("--device", default=None, help="device of the hot-path pools (default: the GPU, else cpu)")
     bench.add_argument("--repeats", type=int, default=101, help="timed batches per hot-path figure")
     bench.add_argument(
         "--runs", type=int, default=None,
-        help="timed pairs per GPU figure, after warm-up (default 1000 for mla_decode, 100 for decode_step)",
+        help="timed pairs per GPU figure, after warm-up (default: 1000 for mla_decode, 100 for decode_step)",
     )  # fmt: skip
     bench.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="write the figures to FILE (no FILE: print JSON only)"
     )
     bench.add_argument("--plot", metavar="FILE.png", help="draw reserved against needed bytes (needs matplotlib)")
     bench.add_argument("--plot-from", metavar="FILE.json", help="plot figures a --json run wrote; measure nothing")
-    bench.add_argument("--rules", metavar="FILE", help="measured rules (default: configs/hopper.yaml, or blackwell)")
+    bench.add_argument("--rules", metavar="FILE", help="measured rules (default: shipped hopper, or blackwell)")
     bench.add_argument("--shapes", metavar="FILE", help="YAML shapes of the memory sweep (default: the built-in sweep)")
-    bench.add_argument("--sections", default="hot_path,mla_decode,decode_step,memory", help="comma-separated subset")
+    bench.add_argument(
+        "--sections", default=",".join(BENCH_DEFAULT_SECTIONS), metavar="LIST",
+        help=f"comma-separated subset of {', '.join(BENCH_SECTIONS)}",
+    )  # fmt: skip
     bench.set_defaults(handler=_cmd_bench)
 
-    calibrate = commands.add_parser("calibrate", help="measure MLA decode's workspace on this GPU; write the rules")
+    calibrate = _command(commands, "calibrate", "measure MLA decode's workspace on this GPU; write the rules")
     calibrate.add_argument("--shapes", metavar="FILE", help="YAML file: shapes: [{batch_size: 1, num_heads: 128, ...}]")
     calibrate.add_argument(
         "--shape", action="append", type=shape_arg, metavar="SPEC",
-        help="a shape, e.g. batch_size=1,num_heads=128,max_seq_len=4096,lse (repeatable)",
+        help="a shape, e.g. batch_size=1,num_heads=128,max_seq_len=4096,lse (repeatable; default: the built-in sweep)",
     )  # fmt: skip
     calibrate.add_argument("--out", metavar="FILE", help="write the rules YAML here (default: print it)")
     calibrate.add_argument("--table", metavar="FILE", help="also write the Markdown table here")
@@ -265,19 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--device", default=None, help="CUDA device (default: the current one)")
     calibrate.add_argument("--backend", default="auto", choices=("auto", "fa3", "fa2"), help="wrapper backend")
     calibrate.add_argument("--max-ratio", type=float, default=1.1, help="most a formula may reserve over a minimum")
-    calibrate.add_argument("--granularity", type=int, default=1, help="search resolution in bytes (default exact)")
+    calibrate.add_argument("--granularity", type=int, default=1, help="search resolution in bytes (1: exact)")
     calibrate.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     calibrate.set_defaults(handler=_cmd_calibrate)
-    stats = commands.add_parser("stats", help="what the pools would hold for given facts (a dry run; see --help)")
-    stats.description = (
-        "Request every configured rule once with the given facts on the meta device, which allocates nothing, "
-        "and print what each buffer would hold and which backends share it. A running process reports its own "
-        "pools with PoolRegistry.memory_summary() / memory_stats()."
-    )
-    stats.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the calls")
-    stats.add_argument("--json", action="store_true", help="machine-readable output")
-    add_config_option(stats)
-    stats.set_defaults(handler=cmd_stats)
     return parser
 
 
@@ -313,6 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `wspool`: the usage, as git and uv give it
+        with contextlib.suppress(OSError, ValueError):
+            parser.print_help(sys.stderr)
+        return 2
     handler: _Handler = args.handler
     if sys.stdout is None:  # started with file descriptor 1 closed
         return _error(args.command, "cannot write the output: standard output is closed")

@@ -1,9 +1,12 @@
-"""The ``wspool`` commands that inspect the configuration: show, resolve and stats.
+"""The ``wspool`` commands that inspect or exercise the configuration: show, resolve, stats and demo.
 
-They read the settings and resolve rules; ``stats`` requests every rule on
-the meta device, so none of them allocates device memory. Each prints to
-stdout and returns the exit status; bad input raises for :func:`wspool.cli.main`
-to report in one line.
+``show``, ``resolve`` and ``stats`` read the settings and resolve rules;
+``stats`` requests every rule on the meta device, so none of them allocates
+device memory. Every value they print names its real origin (a file and its
+key, a ``WSPOOL_*`` variable, an engine's own variable, a shipped
+configuration, a profile, a built-in default). Each prints to stdout, wrapped
+to 100 columns, and returns the exit status; bad input raises for
+:func:`wspool.cli.main` to report in one line.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wspool.errors import describe_setting, printable
-from wspool.registry import PoolRegistry
+from wspool.cli import wrap
+from wspool.errors import describe_setting, printable, setting_names
 from wspool.settings.schema import (
     OWN_POOLS,
     Provenance,
@@ -26,9 +29,16 @@ from wspool.settings.schema import (
     profile_settings,
     unknown_rule_facts,
 )
+from wspool.settings.sources import quote
 from wspool.units import format_size
 
-__all__ = ["cmd_resolve", "cmd_show", "cmd_stats"]
+if TYPE_CHECKING:  # the registry imports torch: each command imports it when it runs
+    from wspool.registry import PoolRegistry
+
+__all__ = ["DECLARED_INT_RULES", "cmd_demo", "cmd_resolve", "cmd_show", "cmd_stats", "config_line", "setting_rows"]
+
+#: The origin of a ``pools.flashinfer_int`` rule no source configures: wspool declares it in code.
+DECLARED_INT_RULES = "wspool's default for FlashInfer wrappers' int workspaces (declared in code)"
 
 
 def _show_devices() -> list[str]:
@@ -40,8 +50,33 @@ def _show_devices() -> list[str]:
     return ["cpu"]
 
 
+def config_line(provenance: Provenance) -> str:
+    """Say which configuration file is active and how it was named (``show`` and ``doctor``)."""
+    if provenance.config_file is None:
+        return "config file: none (built-in defaults, WSPOOL_* variables and engines' variables)"
+    how = provenance.config_how.split(":")[0]
+    if provenance.shipped is not None:
+        return f"config file: shipped configuration {provenance.shipped} ({how}; {provenance.config_file})"
+    return f"config file: {printable(str(provenance.config_file))} ({how})"
+
+
+def setting_rows(settings: WspoolSettings, provenance: Provenance) -> list[dict[str, Any]]:
+    """Every value of ``settings`` with its source, and what it overrides where an engine's variable is involved."""
+    return [
+        {
+            "key": ".".join(path),
+            "value": value,
+            "source": provenance.source_of(path),
+            "overrides": [{"source": label, "value": lower} for label, lower in provenance.overridden(path)],
+        }
+        for path, value in iter_settings(settings)
+    ]
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     """``wspool show``: the effective settings per profile, with where each value came from."""
+    from wspool.registry import PoolRegistry
+
     given, provenance = load_settings_with_provenance(args.config)
     registry = PoolRegistry(given)
     devices: list[dict[str, Any]] = []
@@ -55,17 +90,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         if entry["profile"] not in profiles:
             profiles[entry["profile"]] = profile_settings(given, entry["profile"])
     warnings = _fact_warnings(profiles.values())
-    int_workspaces = _int_workspaces(registry, devices[0]["device"])
+    int_workspaces = _int_workspaces(registry, devices[0]["device"], profiles[devices[0]["profile"]][1])
+    tables = {name: setting_rows(settings, prov) for name, (settings, prov) in profiles.items()}
     if args.json:
-        tables = {
-            name: [
-                {"key": ".".join(path), "value": value, "source": prov.source_of(path)}
-                for path, value in iter_settings(settings)
-            ]
-            for name, (settings, prov) in profiles.items()
-        }
         data = {
             "config_file": str(provenance.config_file or ""),
+            "config_named": provenance.config_how,
+            "shipped_config": provenance.shipped,
             "profile": {"value": given.profile, "source": provenance.source_of(("profile",))},
             "devices": devices,
             "settings": tables[devices[0]["profile"]],
@@ -76,43 +107,65 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     for warning in warnings:
-        print(f"wspool show: warning: {printable(warning)}", file=sys.stderr)
-    print(f"config file: {printable(str(provenance.config_file or '(none: built-in defaults and environment)'))}")
-    print(f"profile: {printable(given.profile)} (from {printable(provenance.source_of(('profile',)))})")
-    for entry in devices:
-        shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
-        reason = printable(entry["reason"])
-        print(f"device {entry['device']}: profile {entry['profile']} ({reason}); device facts: {shown}")
+        print(f"wspool show: warning: {printable(warning)}", file=sys.stderr)  # one line, as errors are
+    print(wrap(config_line(provenance)))
+    print(wrap(f"profile: {printable(given.profile)} (from {printable(provenance.source_of(('profile',)))})"))
     from wspool.settings.profiles import load_profile
 
+    for entry in devices:
+        shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
+        print(wrap(f"device {entry['device']}: profile {entry['profile']} ({printable(entry['reason'])}); "
+                   f"device facts: {shown}"))  # fmt: skip
     for name in profiles:
-        print(f"profile {name}: {load_profile(name).description}")
-    print(f"FlashInfer wrappers' int workspaces: {printable(int_workspaces['mla'])}; paged wrappers take theirs "
-          "through reset_workspace_buffer")  # fmt: skip
-    for rule, source in int_workspaces["rules"].items():
-        print(f"  pools.flashinfer_int.rules.{rule} = {printable(source)}")
-    for name, (settings, prov) in profiles.items():
-        if len(profiles) > 1:
-            print(f"settings under profile {name}:")
-        table = [
-            (printable(".".join(path)), _show_value(path, value), printable(prov.source_of(path)))
-            for path, value in iter_settings(settings)
-        ]
-        width = max(len(key) for key, _, _ in table)
-        vwidth = max(len(value) for _, value, _ in table)
-        for key, value, source in table:
-            print(f"{key:<{width}}  {value:<{vwidth}}  {source}")
+        print(wrap(f"profile {name}: {load_profile(name).description}"))
+    print(wrap(f"FlashInfer wrappers' int workspaces: {printable(int_workspaces['mla'])}; paged wrappers take "
+               "theirs through reset_workspace_buffer"))  # fmt: skip
+    for rule, entry in int_workspaces["rules"].items():
+        print(wrap(f"  pools.flashinfer_int.rules.{rule} = {printable(entry['value'])} (from {entry['source']})"))
+    for name, rows in tables.items():
+        print(f"settings under profile {name}:")
+        for row in rows:
+            print(wrap(f"{printable(row['key'])} = {_show_value(row['key'], row['value'])} (from {_origin(row)})"))
     return 0
 
 
-def _int_workspaces(registry: PoolRegistry, device: str) -> dict[str, Any]:
-    """Whether MLA wrappers take wspool's int workspaces here, and the rules that size them (configured or declared)."""
+def _origin(row: dict[str, Any]) -> str:
+    """A row's source, with what it overrides: ``YAML file c.yaml, over vLLM's variable VLLM_... = 1073741824``."""
+    over = ", ".join(f"{o['source']} = {quote(o['value'])}" for o in row["overrides"])
+    return printable(f"{row['source']}, over {over}" if over else row["source"])
+
+
+def _int_workspaces(registry: PoolRegistry, device: str, provenance: Provenance) -> dict[str, Any]:
+    """Whether MLA wrappers take wspool's int workspaces here, and the rules that size them, with their origins.
+
+    FlashInfer is imported to tell; where its import fails (missing, or a missing CUDA
+    library: an ``OSError``, a ``RuntimeError``), the status says so and why, and the
+    rules, which need no FlashInfer, are still listed.
+    """
     from wspool.flashinfer import wrapper_buffers
 
     wrapper_buffers.declare_int_pool(registry)
     rules = registry.spec(wrapper_buffers.INT_POOL, device).rules
-    sources = {name: str(rule.source) for name, rule in sorted(rules.items())}
-    return {"mla": wrapper_buffers.mla_hook_status(), "rules": sources}
+    listed = {
+        name: {"value": str(rule.source), "source": _rule_origin(provenance, (wrapper_buffers.INT_POOL, name))}
+        for name, rule in sorted(rules.items())
+    }
+    try:
+        status = wrapper_buffers.mla_hook_status()
+    except Exception as exc:  # FlashInfer's own import can raise anything; show still shows the configuration
+        why = " ".join(str(exc).split()) or "no message"
+        status = f"FlashInfer could not be loaded ({type(exc).__name__}: {why})"
+    return {"mla": status, "rules": listed}
+
+
+def _rule_origin(provenance: Provenance, pool_rule: tuple[str, str]) -> str:
+    """Where a rule came from: a configured source, or wspool's declaration in code (pool ``flashinfer_int``)."""
+    path = ("pools", pool_rule[0], "rules", pool_rule[1])
+    if provenance.givers(path):
+        return provenance.explain(path)
+    from wspool.flashinfer.wrapper_buffers import INT_POOL
+
+    return DECLARED_INT_RULES if pool_rule[0] == INT_POOL else "declared in code"
 
 
 def _fact_warnings(profiles: Iterable[tuple[WspoolSettings, Provenance]]) -> list[str]:
@@ -136,29 +189,51 @@ def _fact_warnings(profiles: Iterable[tuple[WspoolSettings, Provenance]]) -> lis
     return list(lines.values())
 
 
-def _show_value(path: tuple[str, ...], value: object) -> str:
-    if path and path[-1] == "max_bytes" and isinstance(value, int):
+def _show_value(key: str, value: object) -> str:
+    if key.endswith(".max_bytes") and isinstance(value, int):
         return f"{value} ({format_size(value)})"
     return printable(str(value))
 
 
+def _registry(config: str | None) -> tuple[PoolRegistry, WspoolSettings]:
+    """The registry ``resolve`` and ``demo`` use: the configuration, and the int pool wspool declares in code.
+
+    So every pool ``show`` lists (``flashinfer_int`` included) resolves here too.
+    """
+    from wspool.flashinfer import wrapper_buffers
+    from wspool.registry import PoolRegistry
+
+    settings, _ = load_settings_with_provenance(config)
+    registry = PoolRegistry(settings)
+    wrapper_buffers.declare_int_pool(registry)
+    return registry, settings
+
+
 def cmd_resolve(args: argparse.Namespace) -> int:
-    """``wspool resolve``: the size a call would get, and the setting that sizes it."""
+    """``wspool resolve``: the size a call would get, the rule that sizes it and where that rule came from."""
     from wspool.devices import resolve_device
 
-    registry = PoolRegistry.from_config(args.config)
+    registry, settings = _registry(args.config)
     facts = dict(args.fact or [])
     device = resolve_device(args.device)
     nbytes = registry.resolve(args.pool, args.rule, device=device, **facts)
-    if args.bytes:
+    rule = registry.spec(args.pool, device).rules[args.rule]
+    choice = registry.profile_of(device)
+    _, provenance = profile_settings(settings, choice.profile)
+    origin = _rule_origin(provenance, (args.pool, args.rule))
+    key, variable = setting_names(("pools", args.pool, "rules", args.rule))
+    if args.json:
+        print(json.dumps({
+            "pool": args.pool, "rule": args.rule, "bytes": nbytes, "size": format_size(nbytes),
+            "rule_source": str(rule.source), "source": origin, "key": key, "variable": variable,
+            "device": str(device), "profile": choice.profile, "facts": facts,
+        }, indent=2))  # fmt: skip
+    elif args.bytes:
         print(nbytes)
     else:
-        rule = registry.spec(args.pool, device).rules[args.rule]
-        profile = registry.profile_of(device).profile
-        print(
-            f"{args.pool}.{args.rule} = {nbytes} bytes ({format_size(nbytes)})  [rule {rule.source!r}, profile "
-            f"{profile}; set {describe_setting(('pools', args.pool, 'rules', args.rule))}]"
-        )
+        print(f"{args.pool}.{args.rule} = {nbytes} bytes ({format_size(nbytes)})")
+        print(wrap(f"  rule {printable(repr(rule.source))}, from {printable(origin)}"))
+        print(wrap(f"  on {device}, profile {choice.profile}; set {key} / {variable}"))
     return 0
 
 
@@ -166,6 +241,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """``wspool stats``: what the pools would hold for given facts (a dry run on the meta device)."""
     from wspool.devices import describe_device, resolve_device
     from wspool.memory import dry_run, memory_summary
+    from wspool.registry import PoolRegistry
     from wspool.settings.schema import load_settings
 
     # The meta device stands in for the current one: its profile and device facts size the rules.
@@ -178,13 +254,35 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     choice = registry.profile_of("meta")
-    print(f"every rule requested once with these facts, on the meta device (nothing is allocated), as {current} "
-          f"(profile {choice.profile}: {choice.reason}):")  # fmt: skip
+    print(wrap(f"every rule requested once with these facts, on the meta device (nothing is allocated), as "
+               f"{current} (profile {choice.profile}: {choice.reason}):"))  # fmt: skip
     print(memory_summary(registry))
     print(
         f"held: {format_size(data['held_bytes'])}; with a buffer per pool (no shared_with): "
         f"{format_size(data['separate_bytes'])}"
     )
     for key, why in data["skipped"].items():
-        print(f"skipped {key} (give its facts with --fact NAME=VALUE): {why}")
+        print(wrap(f"skipped {key} (give its facts with --fact NAME=VALUE): {why}"))
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``wspool demo``: MLA decode through the pool, checked; refused, as ``resolve`` is, where a fact is missing."""
+    from wspool.devices import resolve_device
+    from wspool.flashinfer.backends import call_facts
+    from wspool.flashinfer.mla import MLA_POOL
+    from wspool.settings.schema import DEVICE_FACTS
+    from wspool.tools.demo import run_demo
+
+    registry, _ = _registry(args.config)
+    device = resolve_device(args.device)
+    # The demo's calls pass their shape; the device facts come from the device, as for `resolve`. A rule
+    # that reads one this device lacks (sm_count on the CPU under --config hopper) is refused here with
+    # resolve's error, rather than sized for a stand-in.
+    shape = call_facts(batch_size=1, q_len=1, num_heads=1, max_seq_len=1, page_size=64, dtype_bytes=2, sm_count=0,
+                       cp_world=None)  # fmt: skip
+    for name in DEVICE_FACTS:
+        shape.pop(name, None)
+    for rule in ("default", "lse"):
+        registry.resolve(MLA_POOL, rule, device=device, **shape)
+    return 0 if run_demo(registry, device, echo=lambda line: print(wrap(line))) else 1

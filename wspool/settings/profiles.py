@@ -4,8 +4,10 @@ A profile is a named set of pool settings for a kind of device (``hopper``,
 ``blackwell``, ``fixed``), layered just above the built-in defaults;
 ``profile: auto`` picks one per device from its compute capability. Profiles
 and shipped configurations (``vllm``, ``hopper``, ...) are package data, so a
-configuration's name works wherever a file does (``--config hopper``). Pure
-functions; thread-safe. Tables: docs/profiles.md.
+configuration's name works wherever a file does (``--config hopper``); a
+shipped configuration counts as a shipped default, which the engines' own
+workspace variables override. Pure functions; thread-safe. Tables:
+docs/profiles.md.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wspool.devices import DeviceDescription
 from wspool.errors import ConfigError
 from wspool.settings.sources import config_file_from, parse_yaml
+
+if TYPE_CHECKING:  # wspool.devices imports torch; the settings load without it
+    from wspool.devices import DeviceDescription
 
 __all__ = [
     "AUTO",
@@ -35,6 +39,7 @@ __all__ = [
     "load_profile",
     "shipped_config",
     "shipped_config_names",
+    "shipped_name_of",
     "shipped_text",
 ]
 
@@ -70,6 +75,20 @@ def shipped_config(name: str) -> Path:
         entry = resources.files(_PACKAGE).joinpath("data", "configs", f"{name}.yaml")
         found = _paths[name] = Path(_files.enter_context(resources.as_file(entry)))
     return found
+
+
+def shipped_name_of(path: Path) -> str | None:
+    """Return the name of the shipped configuration ``path`` is (its package data file), else ``None``.
+
+    A copy elsewhere, even an unchanged one, is the user's own file.
+    """
+    name = path.name.removesuffix(".yaml")
+    if not path.name.endswith(".yaml") or name not in shipped_config_names():
+        return None
+    try:
+        return name if path.resolve() == shipped_config(name).resolve() else None
+    except (OSError, ValueError, RuntimeError):  # a path that cannot be resolved is no shipped file
+        return None
 
 
 def find_config_file(config_file: str | os.PathLike[str] | None) -> tuple[Path | None, str]:

@@ -1,8 +1,9 @@
 """The configuration schema and its loading: pools, rules, facts, profile, with every value checked.
 
 :func:`load_settings` merges code overrides > ``WSPOOL_*`` variables > the
-YAML file > engine knobs > the device profile > built-in defaults, key by key
-(pydantic-settings sources, each read once per load), and validates the
+user's YAML file > the engines' own variables > a shipped configuration > the
+device profile > built-in defaults, key by key (pydantic-settings sources,
+each read once per load), and validates the
 result: a bad value, or a rule of wspool's own pools that reads a fact nothing
 supplies, raises one :class:`~wspool.errors.ConfigError` naming the YAML key,
 the variable, the value and its source; nothing is allocated. The settings are
@@ -11,10 +12,12 @@ immutable and thread-safe; nothing here touches CUDA. Keys: docs/profiles.md.
 
 from __future__ import annotations
 
+import difflib
 import keyword
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any
@@ -30,10 +33,9 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from wspool.devices import DEVICE_FACTS
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
 from wspool.rules import FUNCTIONS, MAX_MAGNITUDE, LiteralRule, compile_rule
-from wspool.settings.profiles import AUTO, PROFILE_NAMES, find_config_file, load_profile
+from wspool.settings.profiles import AUTO, PROFILE_NAMES, find_config_file, load_profile, shipped_name_of
 from wspool.settings.sources import (
     CONFIG_ENV_VAR,
     MAX_CONFIG_DEPTH,
@@ -42,6 +44,7 @@ from wspool.settings.sources import (
     MAX_REPORTED_ERRORS,
     Provenance,
     SettingsLayer,
+    Source,
     config_error,
     deep_copy,
     engine_knob_layers,
@@ -55,6 +58,7 @@ from wspool.units import MiB, format_size, parse_size
 __all__ = [
     "BUILTIN_DEFAULTS",
     "CONFIG_ENV_VAR",
+    "DEVICE_FACTS",
     "EXTRA_ENV_VARS",
     "GROWTH_POLICIES",
     "LAYERS_KEYWORD",
@@ -158,6 +162,10 @@ SHAPE_FACTS = frozenset(
         "kv_dtype_size", "q_heads", "min_bytes", "sglang_bytes", "batch_tokens",
     }
 )  # fmt: skip
+#: The facts a CUDA device supplies to every rule of every pool
+#: (:meth:`wspool.devices.DeviceDescription.facts`; a test keeps the two in step). Kept here,
+#: beside :data:`SHAPE_FACTS`, so the settings check a rule's names without importing torch.
+DEVICE_FACTS = ("sm_count", "cc_major", "cc_minor", "device_memory")
 #: The pools of wspool's own ops and integrations. Their callers pass :data:`SHAPE_FACTS` and
 #: nothing else, so a rule of theirs that reads another name (not a device fact or one of the
 #: pool's default facts either) can never resolve: it is refused when the configuration loads.
@@ -316,12 +324,27 @@ def check_env_names(
         known_names = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
         shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
         more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
+        meant = [m for m in (_meant_variable(n, fields, extra) for n in unknown[:MAX_REPORTED_ERRORS]) if m]
         raise ConfigError(
             f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
             f"(check the spelling; the variables are {known_names}, and pools are set through "
-            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)",
+            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)"
+            + (f"; did you mean {', '.join(meant)}?" if meant else ""),
             path=(unknown[0][len(ENV_PREFIX) :].lower(),),
         )
+
+
+def _meant_variable(name: str, fields: set[str], extra: Iterable[str]) -> str | None:
+    """The variable ``name`` most likely misspells (``WSPOOL_POOL__P__RULES__X`` -> ``WSPOOL_POOLS__...``)."""
+    upper = name.upper()
+    whole = difflib.get_close_matches(upper, list(extra), n=1, cutoff=0.8)
+    if whole:
+        return whole[0]
+    head, nested, rest = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
+    found = difflib.get_close_matches(head, sorted(fields), n=1, cutoff=0.6)
+    if not found or (nested and found[0] != "POOLS"):
+        return None
+    return f"{ENV_PREFIX}{found[0]}{nested}{rest}"
 
 
 def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:
@@ -511,11 +534,8 @@ class WspoolSettings(BaseSettings):
     debug_streams: bool = False
     profile: ProfileSetting = AUTO
 
-    # What load_settings read (the file's path, the code overrides, the layers read from the environment, the
-    # file and the engine knobs), so profile_settings can layer a profile under them without reading anything again.
-    _load_inputs: tuple[Path | None, dict[str, Any], list[tuple[str, Mapping[str, Any]]]] | None = PrivateAttr(
-        default=None
-    )
+    # What load_settings read for these settings, so profile_settings layers a profile under the same inputs.
+    _load_inputs: _LoadInputs | None = PrivateAttr(default=None)
 
     @classmethod
     def settings_customise_sources(
@@ -579,9 +599,9 @@ def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSett
     """Return ``settings`` with the profile ``profile`` layered just above the built-in defaults.
 
     The profile goes under what :func:`load_settings` read for ``settings`` (the
-    code overrides, the environment, the file, the engine knobs), which override
-    it key by key; nothing is read again, so a file edited or deleted since, or an
-    environment changed, makes no difference. Settings not built by
+    code overrides, the environment, the file, the engines' variables), which
+    override it key by key; nothing is read again, so a file edited or deleted
+    since, or an environment changed, makes no difference. Settings not built by
     :func:`load_settings` are returned as they are.
 
     Raises:
@@ -589,14 +609,24 @@ def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSett
     """
     inputs = settings._load_inputs
     if inputs is None:
-        return settings, Provenance([("default", BUILTIN_DEFAULTS)], None)
-    path, overrides, layers = inputs
-    return _layered(path, overrides, layers, profile)
+        return settings, Provenance([Source("default", BUILTIN_DEFAULTS)])
+    return _build(inputs, profile)
 
 
-def _load(
-    config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
-) -> tuple[WspoolSettings, Provenance]:
+@dataclass(frozen=True)
+class _LoadInputs:
+    """What one load read, highest precedence first; settings built from equal sources are equal."""
+
+    overrides: dict[str, Any]
+    sources: tuple[Source, ...]  # the environment, the file or the shipped configuration, the engines' variables
+    path: Path | None = field(compare=False)
+    how: str = field(compare=False)
+    shipped: str | None = field(compare=False)
+    environ_names: frozenset[str] = field(compare=False)
+
+
+def _read(config_file: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> _LoadInputs:
+    """Read every source once: ``WSPOOL_*``, the YAML file, the engines' variables."""
     check_env_names()
     path, how = find_config_file(config_file)
     yaml_data = read_yaml(path, how, WspoolSettings.model_fields) if path is not None else {}
@@ -604,30 +634,65 @@ def _load(
         env_data = EnvSettingsSource(WspoolSettings)()
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
-    layers: list[tuple[str, Mapping[str, Any]]] = [("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
-    # Kept with the settings for profile_settings: a copy, so that the caller's later edits of what it passed
-    # in code reach neither.
-    return _layered(path, deep_copy(overrides), layers, profile)
+    shipped = shipped_name_of(path) if path is not None else None
+    engines = engine_knob_layers()
+    sources = [Source("environment", env_data)]
+    if path is None:
+        sources += engines
+    elif shipped is None:  # the user's own file: over the engines' variables
+        sources += [Source("file", yaml_data, name=str(path)), *engines]
+    else:  # a shipped configuration is a shipped default: the engines' variables override it
+        sources += [*engines, Source("shipped", yaml_data, name=shipped)]
+    return _LoadInputs(
+        # A copy, so that the caller's later edits of what it passed in code reach neither.
+        overrides=deep_copy(overrides),
+        sources=tuple(sources),
+        path=path,
+        how=how,
+        shipped=shipped,
+        environ_names=frozenset(n for n in os.environ if n.startswith(ENV_PREFIX)),
+    )
 
 
-def _layered(
-    path: Path | None, overrides: dict[str, Any], layers: list[tuple[str, Mapping[str, Any]]], profile: str | None
+def _load(
+    config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
 ) -> tuple[WspoolSettings, Provenance]:
-    """Validate the layers read for a configuration, with ``profile``'s just above the built-in defaults."""
-    below_code = layers if profile is None else [*layers, (f"profile {profile}", load_profile(profile).settings)]
-    provenance = Provenance([("code", overrides), *below_code, ("default", BUILTIN_DEFAULTS)], path)
+    return _build(_read(config_file, overrides), profile)
+
+
+def _build(inputs: _LoadInputs, profile: str | None) -> tuple[WspoolSettings, Provenance]:
+    """Validate the settings of ``inputs``, with ``profile``'s settings under them (``None``: none)."""
+    layers = list(inputs.sources)
+    if profile is not None:
+        layers.append(Source("profile", load_profile(profile).settings, name=profile))
+    provenance = Provenance(
+        [Source("code", inputs.overrides), *layers, Source("default", BUILTIN_DEFAULTS)],
+        inputs.path,
+        config_how=inputs.how,
+        shipped=inputs.shipped,
+        environ_names=inputs.environ_names,
+    )
     try:
-        given: dict[str, Any] = {**overrides, LAYERS_KEYWORD: [data for _, data in below_code]}
+        given: dict[str, Any] = {**inputs.overrides, LAYERS_KEYWORD: [layer.data for layer in layers]}
         settings = WspoolSettings(**given)
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
     except ValidationError as exc:
-        raise config_error(exc, provenance) from None
+        raise config_error(exc, provenance, keys_at=_schema_keys) from None
     _check_names(settings, provenance)
     check_shared_pools(settings, provenance)
     check_rule_facts(settings, provenance)
-    settings._load_inputs = (path, overrides, layers)
+    settings._load_inputs = inputs
     return settings, provenance
+
+
+def _schema_keys(parent: tuple[str, ...]) -> list[str]:
+    """The keys the schema has under ``parent`` (top level, or one pool's), for an unknown key's suggestion."""
+    if not parent:
+        return list(WspoolSettings.model_fields)
+    if len(parent) == 2 and parent[0] == "pools":
+        return list(PoolConfig.model_fields)
+    return []
 
 
 def validate_pool(name: str, values: Mapping[str, Any]) -> PoolConfig:
@@ -636,13 +701,13 @@ def validate_pool(name: str, values: Mapping[str, Any]) -> PoolConfig:
     Raises:
         ConfigError: Naming each offending key, as for a file.
     """
-    provenance = Provenance([("code (declare_pool)", {"pools": {name: dict(values)}})], None)
+    provenance = Provenance([Source("code", {"pools": {name: dict(values)}}, name="declare_pool")])
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"invalid pool name {quote(name)}: a pool name must be a non-empty string")
     try:
         pool = PoolConfig(**values)
     except ValidationError as exc:
-        raise config_error(exc, provenance, prefix=("pools", name)) from None
+        raise config_error(exc, provenance, prefix=("pools", name), keys_at=_schema_keys) from None
     check_pool_names({name: pool}, provenance.source_of)
     return pool
 

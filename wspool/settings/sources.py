@@ -3,18 +3,22 @@
 Every YAML file wspool reads goes through :func:`read_yaml_file`, which refuses
 duplicate keys, unsafe tags and documents over its bounds; every value keeps
 where it came from (:class:`Provenance`), so an error names the source, the
-YAML key and the ``WSPOOL_*`` variable. The engine knobs
-(``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``...) sit just above the profile.
-Pure functions over files, text and mappings; thread-safe. Precedence: README.
+YAML key and the ``WSPOOL_*`` variable. An engine's own workspace variable
+(``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``...) sits below the user's file and
+``WSPOOL_*``, and above a shipped configuration. Pure functions over files,
+text and mappings; thread-safe. Precedence: README.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
 import reprlib
-from collections.abc import Iterable, Mapping, Sequence
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,15 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, readable_int, setting_names
+from wspool.errors import (
+    ENV_DELIMITER,
+    ENV_PREFIX,
+    ConfigError,
+    WspoolError,
+    describe_setting,
+    readable_int,
+    setting_names,
+)
 from wspool.units import KiB, format_size
 
 __all__ = [
@@ -33,8 +45,10 @@ __all__ = [
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
     "MAX_REPORTED_ERRORS",
+    "SOURCE_KINDS",
     "Provenance",
     "SettingsLayer",
+    "Source",
     "config_error",
     "config_file_from",
     "deep_copy",
@@ -43,6 +57,7 @@ __all__ = [
     "env_error",
     "parse_yaml",
     "quote",
+    "read_text_file",
     "read_yaml",
     "read_yaml_file",
 ]
@@ -76,36 +91,143 @@ class SettingsLayer(PydanticBaseSettingsSource):
         return dict(deep_copy(self.data))
 
 
+#: The kinds of :class:`Source`, highest precedence first (README's "Configuration").
+SOURCE_KINDS = ("code", "environment", "file", "engine", "shipped", "profile", "default")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One layer of settings, and where it came from.
+
+    Attributes:
+        kind: One of :data:`SOURCE_KINDS`: values given in code, ``WSPOOL_*`` variables,
+            the user's YAML file, an engine's own workspace variable, a shipped
+            configuration, a device profile, the built-in defaults.
+        data: The layer's settings, in the configuration's schema.
+        name: The file's path, the shipped configuration's or the profile's name, or
+            the engine's variable; empty for the other kinds.
+        engine: The engine whose variable it is (``"vLLM"``), for kind ``engine``.
+    """
+
+    kind: str
+    data: Mapping[str, Any]
+    name: str = ""
+    engine: str = ""
+
+    def value_at(self, path: Sequence[str]) -> tuple[bool, Any]:
+        """Return ``(True, value)`` where this layer gives ``path``, else ``(False, None)``."""
+        node: Any = self.data
+        for part in path:
+            if not isinstance(node, Mapping):
+                return False, None
+            # YAML keys need not be strings (``1:``), while error paths are.
+            found = part if part in node else next((k for k in node if str(k) == part), _ABSENT)
+            if found is _ABSENT:
+                return False, None
+            node = node[found]
+        return True, node
+
+
+_ABSENT = object()
+#: The kinds a user sets on purpose, or that ship for an engine: when an engine's variable and
+#: one of these give one key, ``show`` and ``doctor`` name both and say which wins.
+_EXPLICIT_KINDS = frozenset({"code", "environment", "file", "engine", "shipped"})
+
+
 class Provenance:
     """Where each value of a loaded configuration came from.
 
     Attributes:
         config_file: The YAML file that was read, if any.
+        config_how: How it was named: ``"given explicitly"``, ``"named by WSPOOL_CONFIG"``,
+            with ``": the shipped configuration NAME"`` where a name found a shipped file;
+            empty without a file.
+        shipped: The shipped configuration the file is, if it is one.
     """
 
-    def __init__(self, layers: Sequence[tuple[str, Mapping[str, Any]]], config_file: Path | None) -> None:
-        self._layers = layers
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        config_file: Path | None = None,
+        *,
+        config_how: str = "",
+        shipped: str | None = None,
+        environ_names: Iterable[str] = (),
+    ) -> None:
+        self.sources = tuple(sources)
         self.config_file = config_file
+        self.config_how = config_how
+        self.shipped = shipped
+        self._environ_names = frozenset(environ_names)
 
-    def source_of(self, path: tuple[str, ...]) -> str:
-        """Return ``"code"``, ``"environment variable WSPOOL_..."``, ``"YAML file ..."`` or ``"default"``."""
-        for label, data in self._layers:
-            node: Any = data
-            for part in path:
-                if not isinstance(node, Mapping):
-                    break
-                # YAML keys need not be strings (``1:``), while error paths are.
-                found = part if part in node else next((k for k in node if str(k) == part), None)
-                if found is None:
-                    break
-                node = node[found]
-            else:
-                if label == "env":
-                    return f"environment variable {setting_names(path)[1]}"
-                if label == "yaml":
-                    return f"YAML file {self.config_file}"
-                return label
-        return "default"
+    def givers(self, path: Sequence[str]) -> list[Source]:
+        """Return every source that gives ``path``, highest precedence first (the first one wins)."""
+        return [source for source in self.sources if source.value_at(path)[0]]
+
+    def label(self, source: Source, path: Sequence[str]) -> str:
+        """Name ``source`` as the origin of ``path``: the variable, file, profile... it is."""
+        if source.kind == "environment":
+            return f"environment variable {self._variable_of(path)}"
+        if source.kind == "file":
+            return f"YAML file {source.name}"
+        if source.kind == "engine":
+            return f"{source.engine}'s variable {source.name}"
+        if source.kind == "shipped":
+            return f"shipped configuration {source.name}"
+        if source.kind == "profile":
+            return f"profile {source.name}"
+        if source.kind == "default":
+            return "built-in default"
+        return f"code ({source.name})" if source.name else "code"
+
+    def source_of(self, path: Sequence[str]) -> str:
+        """Return where ``path``'s value came from, e.g. ``"environment variable WSPOOL_..."``.
+
+        One of ``"code"``, ``"environment variable NAME"`` (the variable that was set),
+        ``"YAML file PATH"``, ``"<engine>'s variable NAME"``, ``"shipped configuration NAME"``,
+        ``"profile NAME"`` or ``"built-in default"``.
+        """
+        givers = self.givers(path)
+        return self.label(givers[0], path) if givers else "built-in default"
+
+    def overridden(self, path: Sequence[str]) -> list[tuple[str, Any]]:
+        """Return ``(source, value)`` of what the winner of ``path`` overrides, where an engine's variable is involved.
+
+        Empty unless an engine's variable and another explicit source (code, ``WSPOOL_*``,
+        the user's file, a shipped configuration) both give the key: then the variable the
+        winner beats, or what the winning variable beats.
+        """
+        givers = [s for s in self.givers(path) if s.kind in _EXPLICIT_KINDS]
+        if len(givers) < 2 or not any(s.kind == "engine" for s in givers):
+            return []
+        losers = [s for s in givers[1:] if s.kind == "engine" or givers[0].kind == "engine"]
+        return [(self.label(s, path), s.value_at(path)[1]) for s in losers]
+
+    def explain(self, path: Sequence[str]) -> str:
+        """Return :meth:`source_of`, naming too an engine's variable that gives the key and what wins.
+
+        ``"YAML file my.yaml, over vLLM's variable VLLM_... = 1073741824"`` where the
+        user's rule wins; ``"vLLM's variable VLLM_..., over shipped configuration vllm
+        = '394MiB'"`` where the variable does.
+        """
+        losers = self.overridden(path)
+        if not losers:
+            return self.source_of(path)
+        return f"{self.source_of(path)}, over {', '.join(f'{label} = {quote(value)}' for label, value in losers)}"
+
+    def variables_under(self, path: Sequence[str]) -> list[str]:
+        """Return the ``WSPOOL_*`` variables that were set for ``path`` or a key below it, sorted."""
+        name = setting_names(path)[1]
+        return sorted(n for n in self._environ_names if n == name or n.startswith(name + ENV_DELIMITER))
+
+    def _variable_of(self, path: Sequence[str]) -> str:
+        """The ``WSPOOL_*`` variable that set ``path``: the one named for it, or for a key above it (JSON)."""
+        for end in range(len(path), 0, -1):
+            name = setting_names(path[:end])[1]
+            if name in self._environ_names:
+                return name
+        below = self.variables_under(path)  # a key the schema refuses, set through a variable for a key below it
+        return below[0] if below else setting_names(path)[1]
 
 
 #: Validation errors quoted in one ConfigError; the rest are counted.
@@ -170,7 +292,21 @@ def _undecodable_env_var(field: str, doc: object) -> str | None:
     return None
 
 
-def config_error(exc: ValidationError, provenance: Provenance, prefix: tuple[str, ...] = ()) -> ConfigError:
+def config_error(
+    exc: ValidationError,
+    provenance: Provenance,
+    prefix: tuple[str, ...] = (),
+    keys_at: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
+) -> ConfigError:
+    """Turn a validation error into one :class:`ConfigError` naming each key, its source and its fix.
+
+    Args:
+        exc: The validation error.
+        provenance: Where each value came from.
+        prefix: The key path the validated model sits at (``("pools", "mine")``).
+        keys_at: The keys the schema has under a key path, for the suggestion an unknown
+            key gets (``rule`` -> ``rules``); ``None``: no suggestion.
+    """
     lines = []
     first_path: tuple[str, ...] | None = None
     for error in exc.errors(include_url=False):
@@ -178,10 +314,11 @@ def config_error(exc: ValidationError, provenance: Provenance, prefix: tuple[str
         path = tuple(p for p in loc if p != "[key]")
         if first_path is None:
             first_path = path
+        if error["type"] == "extra_forbidden":
+            lines.append(_unknown_key(path, error.get("input"), provenance, keys_at))
+            continue
         key, env = setting_names(path)
         message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
-            message = "unknown key (check its spelling and nesting)"
         if "[key]" in loc and not isinstance(error.get("input"), str):
             message = f"a key must be a string, not {type(error.get('input')).__name__}"
         if error["type"] == "rule_above_max_bytes":
@@ -196,6 +333,34 @@ def config_error(exc: ValidationError, provenance: Provenance, prefix: tuple[str
     if count > MAX_REPORTED_ERRORS:
         reported.append(f"and {count - MAX_REPORTED_ERRORS} more")
     return ConfigError(header + ": " + "; ".join(reported), path=first_path)
+
+
+def _unknown_key(
+    path: tuple[str, ...],
+    value: object,
+    provenance: Provenance,
+    keys_at: Callable[[tuple[str, ...]], Sequence[str]] | None,
+) -> str:
+    """Say that ``path`` names no setting, and name the key meant: its variable as the user spelt the rest."""
+    key = setting_names(path)[0]
+    source = provenance.source_of(path)
+    known = list(keys_at(path[:-1])) if keys_at is not None else []
+    if not known:
+        return f"{key} (from {source}): unknown key (check its spelling and nesting)"
+    meant = difflib.get_close_matches(path[-1].lower(), known, n=1, cutoff=0.6)
+    if not meant:
+        return f"{key} (from {source}): unknown key; the keys there are {', '.join(known)}"
+    fixed = (*path[:-1], meant[0])
+    # The rest of the path as the user wrote it: the variable's tail, or a single key below it in YAML.
+    variables = provenance.variables_under(path)
+    if variables:
+        tail = variables[0][len(setting_names(path)[1]) :]
+        fixed_env = setting_names(fixed)[1] + tail
+        fixed_key = setting_names(fixed)[0] + tail.replace(ENV_DELIMITER, ".").lower()
+    else:
+        below = (str(next(iter(value))),) if isinstance(value, Mapping) and len(value) == 1 else ()
+        fixed_key, fixed_env = setting_names((*fixed, *below))
+    return f"{key} (from {source}): unknown key; did you mean {meant[0]!r}? set {fixed_key} / {fixed_env}"
 
 
 def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provenance: Provenance) -> str:
@@ -246,21 +411,10 @@ def read_yaml_file(
     Raises:
         ConfigError: The file is missing, unreadable, malformed or over a bound (as ``error``).
     """
-    named = f" ({how})" if how else ""
     config = what == "config file"
+    typical = "; a wspool configuration is a few hundred bytes" if config else ""
+    text = read_text_file(path, what=what, how=how, max_bytes=MAX_CONFIG_FILE_BYTES, error=error, typical=typical)
     try:
-        is_file = path.is_file()
-    except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
-        why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
-        raise error(f"cannot read {what} {quote(str(path))}{named}: {why}") from None
-    if not is_file:
-        raise error(f"{what} {path}{named} does not exist or is not a file")
-    try:
-        with path.open(encoding="utf-8") as handle:
-            text = handle.read(MAX_CONFIG_FILE_BYTES + 1)
-        if len(text) > MAX_CONFIG_FILE_BYTES:
-            typical = "; a wspool configuration is a few hundred bytes" if config else ""
-            raise error(f"{what} {path}{named} is larger than {format_size(MAX_CONFIG_FILE_BYTES)}{typical}")
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -269,8 +423,6 @@ def read_yaml_file(
         raise error(f"invalid YAML in {what} {where}: {problem}") from None
     except RecursionError:
         raise error(f"invalid YAML in {what} {path}: it nests too deeply") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise error(f"cannot read {what} {path}{named}: {exc}") from None
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
@@ -280,6 +432,63 @@ def read_yaml_file(
         raise error(f"invalid YAML value in {what} {path}: {detail}") from None
     _check_size_and_depth(data, f"{what} {path}", config, error)
     return data
+
+
+def read_text_file(
+    path: Path,
+    *,
+    what: str,
+    max_bytes: int,
+    how: str = "",
+    error: type[WspoolError] = ConfigError,
+    typical: str = "",
+) -> str:
+    """Read a regular file of at most ``max_bytes`` as UTF-8: every file input wspool takes goes through here.
+
+    A FIFO, a device (``/dev/zero``), a directory or a file over the bound is refused
+    before anything is read from it: opening never waits for a FIFO's writer, and
+    the file is checked once open, so it cannot be swapped in between.
+
+    Args:
+        path: The file.
+        what: What the file is, named in errors (``"config file"``, ``"figures file"``).
+        max_bytes: The largest file read.
+        how: How it was named (``"given explicitly"``), named in errors; empty: not named.
+        error: The :class:`~wspool.errors.WspoolError` subclass to raise.
+        typical: Appended to the error for a file over the bound (what such a file usually holds).
+
+    Raises:
+        WspoolError: The file is missing, not a regular file, unreadable, over the bound or not UTF-8
+            (as ``error``).
+    """
+    named = f" ({how})" if how else ""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise error(f"{what} {path}{named} does not exist or is not a file") from None
+    except (OSError, ValueError) as exc:  # a name too long, a directory that cannot be searched, a NUL
+        why = getattr(exc, "strerror", None) or type(exc).__name__  # not str(exc): it repeats the whole path
+        raise error(f"cannot read {what} {quote(str(path))}{named}: {why}") from None
+    try:
+        try:
+            regular = stat.S_ISREG(os.fstat(descriptor).st_mode)
+        except OSError:
+            os.close(descriptor)
+            raise
+        if not regular:
+            os.close(descriptor)
+            raise error(f"{what} {path}{named} does not exist or is not a file (a FIFO, device or directory)")
+        with os.fdopen(descriptor, "rb") as handle:
+            raw = handle.read(max_bytes + 1)
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}{named}: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:
+        raise error(f"{what} {path}{named} is larger than {format_size(max_bytes)}{typical}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        why = f"it is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise error(f"cannot read {what} {path}{named}: {why}") from None
 
 
 def read_yaml(path: Path, how: str, keys: Iterable[str]) -> dict[str, Any]:
@@ -393,43 +602,36 @@ def _check_size_and_depth(data: object, where: str, config: bool, error: type[Co
             stack.extend((child, depth + 1) for child in node)
 
 
-#: (variable, engine, the (pool, rule) keys it sets), highest precedence first.
+#: (variable, engine, the (pool, rule) keys it sets). Each key is the rule that sizes the buffer
+#: the engine sizes with that variable (wspool.integrations' vLLM and SGLang workspaces); the
+#: engines' variables set no key in common.
 ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     (
         "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE",
         "vLLM",
-        (
-            ("flashinfer", "decode"),
-            ("flashinfer", "prefill"),
-            ("flashinfer", "vllm"),
-            ("flashinfer_mla_sparse", "default"),
-        ),
+        # FlashInferMetadataBuilder's workspace (batch-invariant mode takes 2 GiB whatever the
+        # variable says, as in vLLM) and sparse FlashInfer MLA's.
+        (("flashinfer", "vllm"), ("flashinfer_mla_sparse", "default")),
     ),
     (
         "SGLANG_FLASHINFER_WORKSPACE_SIZE",
         "SGLang",
-        (
-            ("flashinfer", "decode"),
-            ("flashinfer", "prefill"),
-            ("flashinfer_mla", "default"),
-            ("flashinfer_mla", "lse"),
-            # The SGLang integration's rules for the workspaces SGLang sizes with this variable alone.
-            ("flashinfer", "sglang"),
-            ("flashinfer_mla", "sglang_mla"),
-            ("sglang_dsa_sparse_mla", "default"),
-        ),
+        # flashinfer_workspace, flashinfer_mla_workspace and dsa_flashinfer_sparse_mla_workspace:
+        # the workspaces SGLang sizes with this variable alone (deterministic inference takes
+        # 2 GiB through its own rule, as in SGLang).
+        (("flashinfer", "sglang"), ("flashinfer_mla", "sglang_mla"), ("sglang_dsa_sparse_mla", "default")),
     ),
 )
 
 
-def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """Return ``(source label, settings)`` for each knob that is set, highest precedence first.
+def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[Source]:
+    """Return a :class:`Source` of kind ``engine`` for each engine variable that is set.
 
     Args:
         environ: The environment to read; default ``os.environ``.
 
     Raises:
-        ConfigError: A knob is set to something other than a positive whole number of bytes.
+        ConfigError: A variable is set to something other than a positive whole number of bytes.
     """
     environ = os.environ if environ is None else environ
     layers = []
@@ -445,20 +647,20 @@ def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[tuple[s
             names = ", ".join(setting_names(("pools", pool, "rules", rule))[0] for pool, rule in keys)
             raise ConfigError(
                 f"invalid environment variable {name} = {raw[:80]!r}: {engine} reads it as a positive whole "
-                f"number of bytes, and wspool sizes {names} with it; fix or unset it (the YAML file and "
-                f"WSPOOL_* variables take precedence over it)"
+                f"number of bytes, and wspool sizes {names} with it; fix or unset it (a rule for those keys "
+                f"in your YAML file or a WSPOOL_* variable takes precedence over it)"
             )
         data: dict[str, Any] = {"pools": {}}
         for pool, rule in keys:
             data["pools"].setdefault(pool, {"rules": {}})["rules"][rule] = nbytes
-        layers.append((f"environment variable {name}", data))
+        layers.append(Source("engine", data, name=name, engine=engine))
     return layers
 
 
 def engine_knob_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Return the settings of every knob that is set, merged (the first knob wins a shared key)."""
+    """Return the settings of every engine variable that is set, merged (they set no key in common)."""
     merged: dict[str, Any] = {"pools": {}}
-    for _, data in reversed(engine_knob_layers(environ)):
-        for pool, config in data["pools"].items():
+    for layer in engine_knob_layers(environ):
+        for pool, config in layer.data["pools"].items():
             merged["pools"].setdefault(pool, {"rules": {}})["rules"].update(config["rules"])
     return merged if merged["pools"] else {}

@@ -15,9 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from wspool.errors import WspoolError
+from wspool.settings.sources import read_text_file
 from wspool.units import MiB, format_size
 
-__all__ = ["BenchError", "failed_sections", "format_report", "load_figures", "plot_memory", "save_figures"]
+__all__ = [
+    "MAX_FIGURES_BYTES",
+    "BenchError",
+    "failed_sections",
+    "format_report",
+    "load_figures",
+    "plot_memory",
+    "save_figures",
+]
+
+#: The largest figures file ``--plot-from`` reads; ``bench --json`` writes a few hundred KiB at most.
+MAX_FIGURES_BYTES = 16 * MiB
 
 
 class BenchError(WspoolError):
@@ -196,17 +208,19 @@ def save_figures(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> No
 
 
 def load_figures(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read figures that ``--json`` wrote.
+    """Read figures that ``--json`` wrote: a regular file of at most :data:`MAX_FIGURES_BYTES`.
 
     Raises:
-        BenchError: The file is missing or not such a JSON object.
+        BenchError: The file is missing, not a regular file (a FIFO, ``/dev/zero``), too large,
+            or not such a JSON object.
     """
+    text = read_text_file(Path(path), what="figures file", max_bytes=MAX_FIGURES_BYTES, error=BenchError)
     try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise BenchError(f"cannot read {path}: {exc.strerror or exc}") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BenchError(f"{path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise BenchError(f"{path} is not such JSON: it nests too deeply") from None
     if not isinstance(data, dict) or "machine" not in data:
         raise BenchError(f"{path} does not hold wspool bench figures (no 'machine' key)")
     return data
