@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -104,11 +105,16 @@ def test_an_unknown_switch_value_is_an_error_naming_the_variable() -> None:
 
 
 def test_the_engines_are_declared_and_light() -> None:
-    """ENGINES names vLLM and SGLang with their entry points; declaring them imported neither engine."""
+    """ENGINES names vLLM and SGLang with their entry points; importing them, or their targets, imports no engine."""
+    probe = (
+        "import sys, wspool.integrations as i; i.targets_of('vllm'); i.targets_of('sglang'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang')))"
+    )
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"
     assert [info.key for info in ENGINES][:2] == ["vllm", "sglang"]
     assert VLLM.entry_point == "wspool.integrations.vllm:register" and VLLM.allowlist_var == "VLLM_PLUGINS"
     assert SGLANG.entry_point == "wspool.integrations.sglang:register" and SGLANG.switch_var == "WSPOOL_SGLANG"
-    assert "vllm.config" not in sys.modules and "sglang.srt" not in sys.modules
     assert targets_of("vllm")[0].name == "the MLA decode workspace"
     with pytest.raises(KeyError, match="no wspool integration for 'nope'"):
         integration("nope")
