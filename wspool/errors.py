@@ -8,7 +8,7 @@ already catch the builtin kinds keep working.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
     "MAX_EXACT_DIGITS",
@@ -20,6 +20,7 @@ __all__ = [
     "WorkspaceLimitError",
     "WorkspaceOverflowError",
     "WspoolError",
+    "missing_facts",
     "printable",
     "readable_int",
     "setting_names",
@@ -146,3 +147,18 @@ def unknown_rule(pool: str, rule: str, known: Iterable[str]) -> RuleError:
         f"pool {pool!r} has no rule {rule!r} (rules: {listed}); set {describe_setting(('pools', pool, 'rules', rule))}",
         path=("pools", pool, "rules", rule),
     )
+
+
+def missing_facts(exc: Exception, passer: str, known: Mapping[str, int], names: Iterable[str], see: str) -> RuleError:
+    """Return ``exc`` (a rule that read a fact the call lacks) with what an engine's call site passes.
+
+    Args:
+        exc: The rule's error.
+        passer: Who passes the facts, e.g. ``"the vLLM plugin"``.
+        known: The facts it passed.
+        names: Every fact it can pass.
+        see: Where the engine's facts are documented, or what gives them.
+    """
+    given = ", ".join(f"{k}={v}" for k, v in known.items()) or "none"
+    unknown = ", ".join(name for name in names if name not in known) or "none"
+    return RuleError(f"{exc} ({passer} passes the facts it knows: {given}; unknown here: {unknown}; {see})")

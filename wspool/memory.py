@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 
-_STATE_KEY = "kernel_buffers"
 #: What FlashInfer allocates per wrapper for its int workspace (and as much again pinned) by default.
 FLASHINFER_INT_DEFAULT_BYTES = 8 * 1024 * 1024
 
@@ -89,9 +88,7 @@ def track_kernel_buffers(
         wrapper: The FlashInfer wrapper (held weakly).
         supplied: Tensors the caller gave the wrapper (index buffers), not counted.
     """
-    tracked: _Tracked | None = registry.op_state.get(_STATE_KEY)
-    if tracked is None:
-        tracked = registry.op_state.setdefault(_STATE_KEY, _Tracked())
+    tracked = registry.state(_Tracked)
     key = id(wrapper)
     found = tracked.entries.get(key)
     if found is not None and found[0]() is wrapper:
@@ -112,7 +109,7 @@ def _own_tensors(wrapper: Any) -> Iterable[torch.Tensor]:
 
 def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
     """Return, per pool, device and lane, what the live wrappers hold besides the pool's buffer; sorted."""
-    tracked: _Tracked | None = registry.op_state.get(_STATE_KEY)
+    tracked = registry.peek_state(_Tracked)
     if tracked is None:
         return []
     with tracked.lock:

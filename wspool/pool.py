@@ -20,13 +20,14 @@ One buffer used from two streams at once is a race: give each a lane.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import torch
 
@@ -39,6 +40,7 @@ from wspool.errors import (
     readable_int,
     unknown_rule,
 )
+from wspool.handles import bump_epoch
 from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.streams import StreamOrderWatch
 from wspool.units import MAX_SIZE_BYTES, format_size
@@ -57,6 +59,8 @@ __all__ = [
     "zeros_allocator",
 ]
 
+
+_T = TypeVar("_T")
 
 #: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
 Allocator = Callable[[int, torch.device], torch.Tensor]
@@ -163,17 +167,36 @@ class FreezeState:
 
     Frozen while held or while any counted ``frozen()`` block is open; ``epoch``
     counts the times it became frozen, so a pool can tell whether its buffer was
-    current during a freeze (and so may be in a graph).
+    current during a freeze (and so may be in a graph). A context (thread or
+    task) inside :meth:`allowing_growth` may grow pools while frozen; every
+    other context is still refused.
     """
 
-    __slots__ = ("_blocks", "_held", "_lock", "_resets", "epoch")
+    __slots__ = ("_allowed", "_blocks", "_held", "_lock", "_resets", "epoch")
 
     def __init__(self) -> None:
         self._held = False
         self._blocks = 0
         self._resets = 0
         self._lock = threading.Lock()
+        self._allowed: contextvars.ContextVar[bool] = contextvars.ContextVar("wspool_growth_allowed", default=False)
         self.epoch = 0
+
+    def refuses_growth(self) -> bool:
+        """Whether growth is refused to the calling context now: frozen, and not inside :meth:`allowing_growth`."""
+        return (self._held or self._blocks > 0) and not self._allowed.get()
+
+    @contextlib.contextmanager
+    def allowing_growth(self) -> Iterator[None]:
+        """Let the calling context (its thread or task) grow pools inside the block, even while frozen.
+
+        Capture still refuses growth; other threads and tasks stay refused.
+        """
+        token = self._allowed.set(True)
+        try:
+            yield
+        finally:
+            self._allowed.reset(token)
 
     @property
     def frozen(self) -> bool:
@@ -569,7 +592,7 @@ class WorkspacePool:
         """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
         refusal = _growth_refusal(
             self.spec, self.device, self.lane, nbytes=nbytes, old=self._state[1], reason=reason, setting=setting,
-            frozen=self._freeze.frozen, capturing=capturing,
+            frozen=self._freeze.refuses_growth(), capturing=capturing,
         )  # fmt: skip
         if refusal is not None:
             self._refused += 1
@@ -600,7 +623,7 @@ class WorkspacePool:
                 spec, self.device, self.lane, exc, old=old, capacity=capacity, reason=reason, setting=setting
             ) from exc
         with self._lock:
-            refusal = self._refusal_locked(nbytes, reason, setting, False) if self._freeze.frozen else None
+            refusal = self._refusal_locked(nbytes, reason, setting, False) if self._freeze.refuses_growth() else None
             if refusal is None:
                 previous = self._state[0]
                 if previous is not None and (self._captured or self._buffer_epoch != self._freeze.epoch):
@@ -611,12 +634,37 @@ class WorkspacePool:
                 self._buffer_epoch = self._freeze.epoch
                 self._grows += 1
                 self.generation += 1
+                bump_epoch()
                 self._last_reason = f"{reason}: {format_size(nbytes)}"
         if refusal is not None:  # frozen while allocating: the new buffer is dropped
             self._report_refusal(*refusal)
         grown = (self._where, format_size(old), format_size(capacity), reason, nbytes)
         logger.info("wspool: pool %s grew %s -> %s for %s (requested %d bytes)", *grown)
         return buffer
+
+    # -- what a bound handle reads ---------------------------------------------
+
+    @property
+    def capture_probe(self) -> Callable[[], bool] | None:
+        """Whether the calling thread's stream captures a CUDA graph; ``None`` where it never can (off CUDA)."""
+        return self._capture_probe
+
+    @property
+    def watches_streams(self) -> bool:
+        """Whether every call is checked for unordered streams (``debug_streams``), so none may skip the pool."""
+        return self._watch is not None
+
+    def note_captured(self) -> None:
+        """Record that a graph captured the current buffer, so it is retired, not freed, when replaced."""
+        self._captured = True
+
+    def request_counter(self, rule: str) -> Callable[[], object]:
+        """Return the callable that counts one request of ``rule`` (a bound handle's calls count as requests).
+
+        Raises:
+            RuleError: The rule is unknown.
+        """
+        return self._rule_slot(rule)[0].counter.__next__
 
     # -- inspection and maintenance -----------------------------------------
 
@@ -680,7 +728,9 @@ class WorkspacePool:
 class PoolSource(Protocol):
     """What accounting and agreement read from a registry (:class:`~wspool.PoolRegistry` is one); thread-safe."""
 
-    op_state: dict[str, Any]
+    def state(self, kind: type[_T], make: Callable[[], _T] | None = None) -> _T: ...
+
+    def peek_state(self, kind: type[_T]) -> _T | None: ...
 
     @property
     def is_frozen(self) -> bool: ...

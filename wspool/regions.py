@@ -41,7 +41,6 @@ __all__ = [
     "wrapper_regions",
 ]
 
-_REGIONS_KEY = "wrapper_regions"
 #: Regions start on this boundary, as FlashInfer's planners assume of their int workspaces.
 REGION_ALIGNMENT = 16
 #: Pinned copies are carved from page-locked chunks of this size: PyTorch's pinned allocator
@@ -288,20 +287,16 @@ class WrapperRegions:
 
 def wrapper_regions(registry: PoolSource, pool: str = "flashinfer_int") -> WrapperRegions:
     """Return ``registry``'s :class:`WrapperRegions` (made on first use), capped by ``pools.<pool>.max_bytes``."""
-    regions: WrapperRegions | None = registry.op_state.get(_REGIONS_KEY)
-    if regions is None:
 
-        def max_bytes(device: str) -> int | None:
-            try:
-                return registry.spec(pool, device).max_bytes
-            except ConfigError:  # the pool is not declared (yet): no cap
-                return None
+    def max_bytes(device: str) -> int | None:
+        try:
+            return registry.spec(pool, device).max_bytes
+        except ConfigError:  # the pool is not declared (yet): no cap
+            return None
 
-        regions = registry.op_state.setdefault(_REGIONS_KEY, WrapperRegions(pool, max_bytes))
-    return regions
+    return registry.state(WrapperRegions, lambda: WrapperRegions(pool, max_bytes))
 
 
 def existing_regions(registry: PoolSource) -> WrapperRegions | None:
     """Return ``registry``'s :class:`WrapperRegions` if one was made (nothing is created), else ``None``."""
-    found: WrapperRegions | None = registry.op_state.get(_REGIONS_KEY)
-    return found
+    return registry.peek_state(WrapperRegions)

@@ -13,203 +13,30 @@ refuses all growth (docs/profiles.md, README's CUDA-graph rules).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, TypeVar
 
 import torch
 
 from wspool.devices import DeviceDescription, DeviceLike, is_dynamic, resolve_device
 from wspool.devices import describe_device as describe_any_device
-from wspool.errors import ConfigError, describe_setting, unknown_pool, unknown_rule
+from wspool.errors import ConfigError, unknown_rule
+from wspool.handles import WorkspaceHandle, bump_epoch
 from wspool.pool import Allocator, FreezeState, PoolSource, PoolSpec, PoolStats, WorkspacePool
-from wspool.rules import LiteralRule
+from wspool.profile_views import ProfileView, check_rule_facts
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
-from wspool.settings.schema import WspoolSettings, check_shared_pools, load_settings, profile_settings, validate_pool
+from wspool.settings.schema import WspoolSettings, load_settings, profile_settings
 from wspool.streams import current_lane
 
 __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
 
 
-def _check_rule_facts(
-    pool: str, spec: PoolSpec, rules: Iterable[str] | None, *, available: set[str], profile: str
-) -> None:
-    """Check that ``rules`` of ``pool`` (``None``: all) read only ``available`` facts.
-
-    Raises:
-        ConfigError: A rule is unknown, or reads a fact that is not available; the
-            message names ``pools.<pool>.facts.<name>`` / ``WSPOOL_POOLS__<POOL>__FACTS__<NAME>``.
-    """
-    for rule in sorted(spec.rules) if rules is None else rules:
-        compiled = spec.rules.get(rule)
-        if compiled is None:
-            raise unknown_rule(pool, rule, spec.rules)
-        missing = [name for name in compiled.names if name not in available]
-        if missing:
-            keys = ", ".join(describe_setting(("pools", pool, "facts", name)) for name in missing)
-            raise ConfigError(
-                f"rule {describe_setting(('pools', pool, 'rules', rule))} = {compiled.source!r} (profile "
-                f"{profile}) needs fact(s) {', '.join(missing)}, which this call site does not pass "
-                f"and no default supplies; set {keys}",
-                path=("pools", pool, "facts", missing[0]),
-            )
-
-
-class _Declaration(NamedTuple):
-    """A pool declaration staged for one profile view: applied only once every view validated it."""
-
-    spec: PoolSpec  # what declare_pool returns
-    specs: dict[str, PoolSpec] | None  # the view's new specs; None: nothing changes
-    host: str  # the pool whose buffer it draws from
-    linked: PoolSpec | None  # the host buffer's new spec, when it is shared
-
-
-def _build_declaration(
-    name: str,
-    declared: Mapping[str, Any],
-    *,
-    settings: WspoolSettings,
-    specs: Mapping[str, PoolSpec],
-    hosts: Mapping[str, str],
-    shared_hosts: Mapping[str, PoolSpec],
-    host_in_use: Callable[[str], bool],
-    spec_of: Callable[[str], PoolSpec],
-    replay: bool = False,
-) -> _Declaration:
-    """Build one profile view's spec for a declaration, validated as YAML is; change nothing.
-
-    ``settings`` are the view's (configured values override declared ones rule by rule);
-    ``replay`` replays an earlier declaration on a new view (in-use pools are no obstacle).
-
-    Raises:
-        ConfigError: A declared rule is invalid, or the pool is in use with other rules.
-    """
-    values: dict[str, Any] = {**declared, "rules": dict(declared["rules"])}
-    configured = settings.pools.get(name)
-    if configured is not None:
-        values["rules"].update(configured.rules)
-        for key in ("growth", "max_bytes"):
-            if key in configured.model_fields_set:
-                values[key] = getattr(configured, key)
-    # Validated as YAML is (max_bytes 0, a fixed rule above max_bytes, growth's case).
-    validated = validate_pool(name, values)
-    spec = PoolSpec(
-        name, validated.rules, validated.growth, validated.max_bytes, facts=configured.facts if configured else None
-    )
-    host = hosts.get(name, name)
-    current = specs.get(name)
-    if not replay and current is not None and host_in_use(host):
-        if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
-            raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
-        return _Declaration(current, None, host, None)
-    new_specs = {**specs, name: spec}
-    # May raise: nothing is set yet.
-    linked = _linked_spec(host, new_specs, hosts, spec_of) if host in shared_hosts else None
-    return _Declaration(spec, new_specs, host, linked)
-
-
-def _linked_spec(
-    host: str, specs: Mapping[str, PoolSpec], hosts: Mapping[str, str], spec_of: Callable[[str], PoolSpec]
-) -> PoolSpec:
-    """Return the spec of ``host``'s buffer: its own rules and those of the pools that share it.
-
-    Raises:
-        ConfigError: Two pools sharing the buffer have a rule of the same name.
-    """
-    own = specs[host] if host in specs else spec_of(host)
-    rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
-    owners: dict[str, str] = {}
-    facts: dict[str, Mapping[str, int]] = {}
-    for guest in sorted(g for g, h in hosts.items() if h == host):
-        facts.update(dict.fromkeys(specs[guest].rules, specs[guest].facts))
-        for rule, compiled in specs[guest].rules.items():
-            if rule in rules:
-                raise ConfigError(
-                    f"pools {guest!r} and {host!r} share one buffer (pools.{guest}.shared_with) and both "
-                    f"have a rule {rule!r}; rename one, or set {describe_setting(('pools', guest, 'shared_with'))} "
-                    f"empty to give {guest!r} its own buffer",
-                    path=("pools", guest, "rules", rule),
-                )
-            rules[rule] = compiled.source
-            owners[rule] = guest
-    return PoolSpec(host, rules, own.growth, own.max_bytes, rule_pools=owners, facts=own.facts, rule_facts=facts)
-
-
-def _check_guest_literals(buffer: PoolSpec) -> None:
-    """Raise a ConfigError naming both keys for a fixed rule a guest brings to ``buffer`` above its ``max_bytes``."""
-    for rule, compiled in buffer.rules.items():
-        owner = buffer.rule_pools.get(rule, buffer.name)
-        if owner == buffer.name or buffer.max_bytes is None or not isinstance(compiled, LiteralRule):
-            continue
-        if compiled.nbytes > buffer.max_bytes:
-            raise ConfigError(
-                f"{describe_setting(('pools', owner, 'rules', rule))} = {compiled.source!r} is above "
-                f"{describe_setting(('pools', buffer.name, 'max_bytes'))} = {buffer.max_bytes}, the cap of the buffer "
-                f"it shares (pools.{owner}.shared_with = {buffer.name}), so it could never be served; lower the rule "
-                f"or raise the cap",
-                path=("pools", owner, "rules", rule),
-            )
-
-
-class _ProfileView:
-    """One profile's configuration of a registry's pools: its settings, specs and shared buffers.
-
-    A registry holds one per profile in use; they share nothing mutable but
-    what the registry passes in. Thread semantics: the registry changes a view
-    under its lock and swaps whole dicts, so lock-free readers stay consistent.
-    """
-
-    def __init__(self, settings: WspoolSettings) -> None:
-        self.settings = settings
-        self.specs: dict[str, PoolSpec] = {
-            name: PoolSpec(name, pool.rules, pool.growth, pool.max_bytes, facts=pool.facts)
-            for name, pool in settings.pools.items()
-        }
-        check_shared_pools(settings)
-        # A pool configured with shared_with draws from its host's buffer, whose spec
-        # carries the rules of both (self.specs keeps each pool's own).
-        self.hosts = {name: p.shared_with for name, p in settings.pools.items() if p.shared_with}
-        self.buffer_specs: dict[str, PoolSpec] = {}
-        for host in sorted(set(self.hosts.values())):
-            self.buffer_specs[host] = _linked_spec(host, self.specs, self.hosts, self.spec)
-            _check_guest_literals(self.buffer_specs[host])
-
-    def spec(self, pool: str) -> PoolSpec:
-        """Return ``pool``'s own configuration under this profile.
-
-        Raises:
-            ConfigError: No pool of that name is configured or declared.
-        """
-        spec = self.specs.get(pool)
-        if spec is None:
-            raise unknown_pool(pool, self.specs)
-        return spec
-
-    def buffer_spec(self, host: str) -> PoolSpec:
-        """Return the spec of ``host``'s buffer: its own, or with the rules of the pools that share it."""
-        return self.buffer_specs.get(host) or self.spec(host)
-
-    def stage(
-        self, name: str, declared: Mapping[str, Any], host_in_use: Callable[[str], bool], replay: bool = False
-    ) -> _Declaration:
-        """Build this view's spec for a declaration, validated as YAML is; change nothing."""
-        return _build_declaration(
-            name, declared, settings=self.settings, specs=self.specs, hosts=self.hosts,
-            shared_hosts=self.buffer_specs, host_in_use=host_in_use, spec_of=self.spec, replay=replay,
-        )  # fmt: skip
-
-    def apply(self, change: _Declaration) -> None:
-        """Install a staged declaration; swapping whole dicts keeps lock-free readers consistent."""
-        if change.specs is None:
-            return
-        self.specs = change.specs
-        if change.linked is not None:
-            self.buffer_specs = {**self.buffer_specs, change.host: change.linked}
-
-
 _PoolKey = tuple[str, torch.device, str]
+_State = TypeVar("_State")
 #: Describes a device for its facts and profile; ``None`` for a device that is not a GPU.
 DeviceDescriber = Callable[[torch.device], DeviceDescription | None]
 
@@ -254,14 +81,14 @@ class PoolRegistry:
         self.freeze_state = FreezeState()
         self._declared: dict[str, dict[str, Any]] = {}
         self._pools: dict[_PoolKey, WorkspacePool] = {}
-        # (pool, device as given, lane, rule) -> the pool instance that serves it: filled on a
-        # call's first miss, once the rule is known to be the named pool's own.
-        self._fast: dict[tuple[str, DeviceLike, str, str], WorkspacePool] = {}
-        self._views: dict[str, _ProfileView] = {}
-        self._devices: dict[torch.device, tuple[_ProfileView, ProfileChoice, Mapping[str, int]]] = {}
-        #: Per-registry state of the ops built on it (e.g. the plans ``mla_decode`` reuses),
-        #: keyed by the op; it lives and dies with the registry and :meth:`reset` clears it.
-        self.op_state: dict[str, Any] = {}
+        # (pool, device as given, lane, rule) -> the pool instance that serves it and a handle of
+        # that rule: filled on a call's first miss, once the rule is known to be the pool's own.
+        self._fast: dict[tuple[str, DeviceLike, str, str], tuple[WorkspacePool, WorkspaceHandle]] = {}
+        self._views: dict[str, ProfileView] = {}
+        self._devices: dict[torch.device, tuple[ProfileView, ProfileChoice, Mapping[str, int]]] = {}
+        # The state objects of what is built on this registry (plan caches, an engine's views),
+        # one per type: see state(). They live and die with the registry; reset() drops them.
+        self._states: dict[type, object] = {}
         # Every profile is layered now over the sources read for ``given``, so the registry holds
         # to the configuration it was built with whatever the file or the environment says
         # later; a profile that does not validate fails when a device first uses it.
@@ -278,7 +105,7 @@ class PoolRegistry:
         self._base = self._view(choose_profile(given.profile, None).profile)
         self.settings = self._base.settings
 
-    def _view(self, profile: str) -> _ProfileView:
+    def _view(self, profile: str) -> ProfileView:
         """Return the view of ``profile`` (made on first use, with every earlier declaration replayed).
 
         Raises:
@@ -290,7 +117,7 @@ class PoolRegistry:
         settings = self._profile_settings[profile]
         if isinstance(settings, ConfigError):
             raise settings
-        view = _ProfileView(settings)
+        view = ProfileView(settings)
         with self._lock:
             for name, declared in self._declared.items():
                 view.apply(view.stage(name, declared, self._host_in_use, replay=True))
@@ -299,7 +126,7 @@ class PoolRegistry:
     def _host_in_use(self, host: str) -> bool:
         return any(key[0] == host for key in self._pools)
 
-    def _device_entry(self, device: torch.device) -> tuple[_ProfileView, ProfileChoice, Mapping[str, int]]:
+    def _device_entry(self, device: torch.device) -> tuple[ProfileView, ProfileChoice, Mapping[str, int]]:
         entry = self._devices.get(device)
         if entry is None:
             description = self._describe(device)
@@ -348,7 +175,7 @@ class PoolRegistry:
         view, choice, _ = self._device_entry(resolve_device(device))
         spec = view.spec(pool)
         available = set(supplied) | set(self.default_facts(pool, device))
-        _check_rule_facts(pool, spec, rules, available=available, profile=choice.profile)
+        check_rule_facts(pool, spec, rules, available=available, profile=choice.profile)
 
     @classmethod
     def from_config(cls, config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> PoolRegistry:
@@ -404,19 +231,70 @@ class PoolRegistry:
                 found = self._fast.get((pool, device, lane, rule))
             if found is None:
                 found = self._serving(pool, device, lane, rule)
-        return found.workspace(rule, facts)
+        if facts:
+            return found[0].workspace(rule, facts)
+        return found[1]()
 
-    def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> WorkspacePool:
-        """Return the pool instance that serves ``pool``'s ``rule`` (a call's first miss), remembering it.
+    def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> tuple[WorkspacePool, WorkspaceHandle]:
+        """Return the pool instance that serves ``pool``'s ``rule`` and its handle (a call's first miss).
 
         A pool serves the rules it has: for pools that share one buffer, the host's
         instance serves each pool's own rules only, as :meth:`resolve` says.
         """
         found = self.pool(pool, device, lane=lane)
         self._own_rule(pool, rule, device)
+        served = (found, WorkspaceHandle(lambda: self.serving_pool(pool, rule, device, lane), rule))
         if not is_dynamic(device):
-            self._fast[(pool, device, lane, rule)] = found
+            self._fast[(pool, device, lane, rule)] = served
+        return served
+
+    def serving_pool(self, pool: str, rule: str, device: DeviceLike = None, lane: str | None = None) -> WorkspacePool:
+        """Return the pool instance that serves ``pool``'s ``rule`` on ``device`` and ``lane`` (what handles bind).
+
+        Raises:
+            ConfigError: Unknown pool, or ``rule`` is not the pool's own (for
+                pools sharing a buffer, the host serves each pool's own rules).
+        """
+        found = self.pool(pool, device, lane=lane)
+        self._own_rule(pool, rule, device)
         return found
+
+    def handle(
+        self,
+        pool: str,
+        rule: str = "default",
+        *,
+        device: DeviceLike = None,
+        lane: str | None = None,
+        call_facts: Iterable[str] = (),
+        dtype: torch.dtype | None = None,
+    ) -> WorkspaceHandle:
+        """Bind ``pool``'s ``rule`` on one device and lane, for a call site that asks many times.
+
+        The handle returns the buffer with no lookup while nothing changed
+        (:mod:`wspool.handles`); it binds again after growth, :meth:`reset`, a
+        declaration or :func:`set_registry`, through the full path, so every
+        check of :meth:`workspace` still holds.
+
+        Args:
+            pool: The pool's name.
+            rule: The pool's rule that sizes every call.
+            device: The device, resolved now (``None``/``"cuda"``: the current one).
+            lane: The lane; ``None``: the current lane, now.
+            call_facts: The facts the call site may pass to :meth:`WorkspaceHandle.sized`;
+                a rule that reads none of them is resolved once per binding.
+            dtype: The dtype of the view returned; default ``uint8``.
+
+        Raises:
+            ConfigError: Unknown pool or rule.
+        """
+        resolved = resolve_device(device)
+        bound_lane = current_lane() if lane is None else lane
+        self.pool(pool, resolved, lane=bound_lane)
+        self._own_rule(pool, rule, resolved)
+        return WorkspaceHandle(
+            lambda: self.serving_pool(pool, rule, resolved, bound_lane), rule, call_facts=call_facts, dtype=dtype
+        )
 
     def _own_rule(self, pool: str, rule: str, device: DeviceLike) -> None:
         """Raise the error naming the setting unless ``rule`` is ``pool``'s own under ``device``'s profile."""
@@ -512,7 +390,8 @@ class PoolRegistry:
             for view, change in zip(views, staged, strict=True):
                 view.apply(change)
             self._declared[name] = declared
-            return staged[0].spec
+        bump_epoch()
+        return staged[0].spec
 
     def pool_names(self) -> list[str]:
         """Return the names of every configured or declared pool, sorted."""
@@ -529,12 +408,36 @@ class PoolRegistry:
         yield from found
 
     def reset(self) -> None:
-        """Drop every pool instance and its buffers and statistics; unfreeze (for tests)."""
+        """Drop every pool instance and its buffers, statistics and state objects; unfreeze (for tests)."""
         with self._lock:
             self._pools.clear()
             self._fast.clear()
-            self.op_state.clear()
+            self._states.clear()
             self.freeze_state.clear()
+        bump_epoch()
+
+    def state(self, kind: type[_State], make: Callable[[], _State] | None = None) -> _State:
+        """Return this registry's one object of type ``kind``, made on first use.
+
+        What is built on a registry (an op's plan cache, an engine's declared
+        pools and views) keeps its state here, typed, living as long as the
+        registry; :meth:`reset` drops it. Thread-safe: concurrent first calls
+        keep one object (``make`` may run in more than one of them).
+
+        Args:
+            kind: The state's type.
+            make: Builds it; default ``kind()``. It runs without the registry's lock.
+        """
+        found = self._states.get(kind)
+        if found is None:
+            made = make() if make is not None else kind()
+            with self._lock:
+                found = self._states.setdefault(kind, made)
+        return found  # type: ignore[return-value]
+
+    def peek_state(self, kind: type[_State]) -> _State | None:
+        """Return this registry's object of type ``kind`` if one was made, without making it."""
+        return self._states.get(kind)  # type: ignore[return-value]
 
     # -- reserve, warm up, freeze, release, report --------------------------------
 
@@ -632,6 +535,16 @@ class PoolRegistry:
         """Undo :meth:`freeze`; growth stays refused while a :meth:`frozen` block is open."""
         self.freeze_state.frozen = False
 
+    def allowing_growth(self) -> contextlib.AbstractContextManager[None]:
+        """Let the calling thread or task grow this registry's pools inside the block, even while frozen.
+
+        For an engine that builds a backend after a capture froze the registry:
+        the graphs captured before keep their buffers (a replaced buffer is
+        retired, not freed); every other context is still refused, and so is
+        growth while the current stream captures.
+        """
+        return self.freeze_state.allowing_growth()
+
     @property
     def is_frozen(self) -> bool:
         """Whether growth is refused."""
@@ -682,10 +595,11 @@ def get_registry() -> PoolRegistry:
 
 
 def set_registry(registry: PoolRegistry | None) -> None:
-    """Replace the process-wide registry (``None``: rebuild on next use)."""
+    """Replace the process-wide registry (``None``: rebuild on next use); handles bind again."""
     global _default
     with _default_lock:
         _default = registry
+    bump_epoch()
 
 
 def reset_registry() -> None:

@@ -77,12 +77,12 @@ def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
     """Tensors resized in place (another batch) get a new plan, never a replan of the old shapes."""
     inputs = make_inputs(3, 4, [10, 20, 30])
     run_mla_decode(inputs)
-    first = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
+    first = mla_cache.MLAPlanCache.of(wspool.get_registry())[("flashinfer_mla", "main", "auto", False)]
     inputs.seq_lens.resize_(2)
     inputs.block_tables.resize_(2, inputs.block_tables.shape[1])
     inputs.query = inputs.query[:2].clone()
     torch.testing.assert_close(run_mla_decode(inputs), mla_reference(inputs)[0])
-    second = wspool.get_registry().op_state["mla_decode"][("flashinfer_mla", "main", "auto", False)]
+    second = mla_cache.MLAPlanCache.of(wspool.get_registry())[("flashinfer_mla", "main", "auto", False)]
     assert second is not first and second.step.batch_size == 2
 
 
@@ -91,9 +91,9 @@ def test_reset_forgets_the_plans(hopper: None) -> None:
     inputs = make_inputs(2, 4, [10, 20])
     run_mla_decode(inputs)
     registry = wspool.get_registry()
-    assert registry.op_state["mla_decode"]
+    assert registry.peek_state(mla_cache.MLAPlanCache)
     registry.reset()
-    assert registry.op_state == {}
+    assert registry.peek_state(mla_cache.MLAPlanCache) is None
     torch.testing.assert_close(run_mla_decode(inputs), mla_reference(inputs)[0])
 
 
@@ -111,7 +111,7 @@ def test_mla_decode_takes_packed_queries(path: str, request: pytest.FixtureReque
     )  # fmt: skip
     torch.testing.assert_close(got_out, want_out.view(6, 4, 512))
     torch.testing.assert_close(got_lse, want_lse.view(6, 4))
-    plans = wspool.get_registry().op_state["mla_decode"]
+    plans = mla_cache.MLAPlanCache.of(wspool.get_registry())
     (plan,) = plans.values()
     assert plan.step.q_len == 2
     four_d_out, _ = run_mla_decode(inputs, return_lse=True)  # type: ignore[misc]
@@ -173,7 +173,7 @@ def test_the_plan_cache_is_keyed_by_the_lane_in_effect() -> None:
         run_mla_decode(inputs)
     lanes = {s.lane: s.request_count for s in reg.all_stats() if s.pool == "flashinfer_mla"}
     assert lanes == {"a": 1, "b": 1}
-    plans = reg.op_state["mla_decode"]
+    plans = mla_cache.MLAPlanCache.of(reg)
     assert {key[1] for key in plans} == {"a", "b"}
 
 
@@ -181,7 +181,7 @@ def test_other_facts_make_a_new_plan() -> None:
     """A call whose facts differ from the remembered plan's plans again; the same facts reuse it."""
     inputs = make_inputs(2, 4, [10, 20])
     run_mla_decode(inputs, facts={"cp_world": 2})
-    plans = wspool.get_registry().op_state["mla_decode"]
+    plans = mla_cache.MLAPlanCache.of(wspool.get_registry())
     (first,) = plans.values()
     run_mla_decode(inputs, facts={"cp_world": 2})
     assert list(plans.values()) == [first]

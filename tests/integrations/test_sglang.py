@@ -27,6 +27,7 @@ import wspool
 from tests.helpers.sglang_model import publish_tiny_llama
 from wspool.errors import WorkspaceFrozenError, WspoolError
 from wspool.integrations import sglang as sg
+from wspool.targets import Target, TargetGroup
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -127,7 +128,10 @@ def test_sglang_finds_the_entry_point_and_patches_every_target(srt: SGLang, load
     for name, wrapper in _originals(srt).items():
         assert wrapper is not before[name] and wrapper.__wrapped__ is before[name], name
     assert "Executed general plugin: wspool" in caplog.text
-    assert "wspool: SGLang integration loaded; patched RuntimeContext.get_buffer -> pools for" in caplog.text
+    loaded = [r.getMessage() for r in caplog.records if r.name == sg.logger.name and r.levelno == logging.INFO]
+    line = f"wspool: SGLang 0.5.23: {len(sg.TARGETS)} targets patched; config: built-in defaults; profile auto"
+    assert loaded == [line]
+    assert "RuntimeContext.get_buffer -> pools for" in caplog.text  # the details, at debug level
 
 
 @pytest.mark.parametrize(
@@ -188,8 +192,8 @@ def test_loading_twice_patches_once(srt: SGLang, loaded: None, load: Any, caplog
     load()
     sg.register()
     assert _originals(srt) == first and sg.patched() == [t.name for t in sg.TARGETS]
-    assert "SGLang integration loaded" in "".join(r.getMessage() for r in caplog.get_records("setup"))
-    assert "SGLang integration loaded" not in caplog.text  # not again, in this test's own calls
+    assert "targets patched" in "".join(r.getMessage() for r in caplog.get_records("setup"))
+    assert "targets patched" not in caplog.text  # not again, in this test's own calls
     assert caplog.text.count("the SGLang integration is already loaded") == 2
 
 
@@ -199,7 +203,7 @@ def test_switched_off_it_patches_nothing(srt: SGLang, load: Any, monkeypatch: py
     before = _originals(srt)
     load()
     assert sg.patched() == [] and _originals(srt) == before
-    assert "WSPOOL_SGLANG=0: SGLang's FlashInfer workspaces are left as they are" in caplog.text
+    assert "WSPOOL_SGLANG=0: SGLang's own workspaces stay in use" in caplog.text
     mine = torch.empty(16, dtype=torch.uint8)
     assert srt.rc.get_buffer("flashinfer_workspace", lambda: mine) is mine
 
@@ -240,12 +244,13 @@ def test_a_failure_while_patching_rolls_everything_back(
         raise RuntimeError("cannot wrap")
 
     last = sg.TARGETS[-1]
-    broken = sg.Target(last.module, last.path, last.parameters, explode, "explodes")
-    monkeypatch.setattr(sg, "TARGETS", (*sg.TARGETS[:-1], broken))
+    broken = Target(last.module, last.path, last.parameters, explode, "explodes")
+    monkeypatch.setattr(sg.plugin, "GROUPS", (TargetGroup("SGLang's workspaces", (*sg.TARGETS[:-1], broken)),))
     before = _originals(srt)
     load()
     assert sg.patched() == [] and _originals(srt) == before
-    assert "the SGLang integration failed to load; SGLang's own workspaces stay in use" in caplog.text
+    said = "the SGLang integration failed to load and patched nothing; SGLang's own workspaces stay in use"
+    assert said in caplog.text
     assert "RuntimeError: cannot wrap" in caplog.text
 
 

@@ -1,4 +1,4 @@
-"""Tests for wspool.integrations.sglang_facts: what SGLang tells the rules, without SGLang."""
+"""Tests for wspool.integrations.sglang.facts: what SGLang tells the rules, without SGLang."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from wspool.integrations import sglang_facts as sf
+from wspool.integrations.sglang import facts as sf
 
 MiB = 1 << 20
 

@@ -70,7 +70,7 @@ def test_capture_freezes_and_a_later_constructor_grows_without_moving_the_graphs
             workspace = _serve("flashinfer_mla_workspace", MiB)  # fits: served during capture
             workspace[:MiB].view(torch.float32).mul_(2)
 
-    sg._capturing(capture)(object())
+    sg.buffers.wrap_capture(capture)(object())
     registry = wspool.get_registry()
     assert registry.is_frozen
     captured = _serve("flashinfer_mla_workspace", MiB)
@@ -81,7 +81,7 @@ def test_capture_freezes_and_a_later_constructor_grows_without_moving_the_graphs
         def __init__(self, model_runner: object, skip_prefill: bool = False) -> None:
             self.workspace = _serve("flashinfer_mla_workspace", 2 * MiB)
 
-    Backend.__init__ = sg._constructor(Backend.__init__)  # type: ignore[method-assign]
+    Backend.__init__ = sg.buffers.wrap_constructor(Backend.__init__)  # type: ignore[method-assign]
     grown = Backend(object()).workspace
     stats = registry.stats("flashinfer_mla", on_cuda)
     assert grown.data_ptr() != captured.data_ptr() and registry.is_frozen

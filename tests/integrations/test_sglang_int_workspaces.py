@@ -1,4 +1,4 @@
-"""Tests for wspool.integrations.sglang_wrappers: SGLang 0.5.23's FlashInfer wrappers on right-sized int workspaces.
+"""Tests for wspool.integrations.sglang.wrappers: SGLang 0.5.23's FlashInfer wrappers on right-sized int workspaces.
 
 They build SGLang's real ``FlashInferAttnBackend`` and ``FlashInferMLAAttnBackend``
 with the integration registered, let SGLang's own code make its eager and
@@ -39,7 +39,7 @@ from wspool.devices import fake_device
 from wspool.errors import RuleError
 from wspool.flashinfer import wrapper_buffers
 from wspool.integrations import sglang as sg
-from wspool.integrations import sglang_wrappers as sw
+from wspool.integrations.sglang import wrappers as sw
 from wspool.memory import FLASHINFER_INT_DEFAULT_BYTES
 from wspool.regions import binding_of
 
@@ -446,7 +446,8 @@ def test_a_registry_that_keeps_flashinfers_buffers_binds_nothing(
 def test_unregister_restores_sglang(srt: SGLang, loaded: None) -> None:
     """After unregister() the seams are SGLang's own, and new wrappers keep FlashInfer's 8 MiB."""
     sg.unregister()
-    for module, path, *_ in sw.SEAMS:
+    for seam in sw.SEAMS:
+        module, path = seam.module, seam.path
         cls_name, attr = path.split(".")
         method = vars(getattr(importlib.import_module(module), cls_name))[attr]
         assert not hasattr(method, "__wrapped__"), path

@@ -26,7 +26,7 @@ import wspool
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError
 from wspool.integrations import sglang as sg
-from wspool.integrations import sglang_facts as sf
+from wspool.integrations.sglang import facts as sf
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -86,7 +86,7 @@ def test_other_names_get_exactly_sglangs_own_object() -> None:
     """A name that is not a workspace reaches SGLang's get_buffer; its factory is not touched."""
     mine = torch.ones(3)
     assert sg.serve("trtllm_mha_default_kv_scale", lambda: pytest.fail("factory called"), lambda: mine) is mine
-    assert "sglang" not in wspool.get_registry().op_state
+    assert wspool.get_registry().peek_state(sg.buffers.SglangPools) is None
 
 
 @pytest.mark.parametrize("name", sorted(FACTORY_DTYPES))
@@ -221,9 +221,9 @@ class _Paged:
 @pytest.fixture
 def wrapped(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The stand-ins' constructors wrapped as register() wraps SGLang's."""
-    monkeypatch.setattr(_Parent, "__init__", sg._constructor(_Parent.__init__))
-    monkeypatch.setattr(_CuteDsl, "__init__", sg._constructor(_CuteDsl.__init__, cute_dsl=True))
-    monkeypatch.setattr(_Paged, "__init__", sg._constructor(_Paged.__init__, new_workspace=True))
+    monkeypatch.setattr(_Parent, "__init__", sg.buffers.wrap_constructor(_Parent.__init__))
+    monkeypatch.setattr(_CuteDsl, "__init__", sg.buffers.wrap_constructor(_CuteDsl.__init__, cute_dsl=True))
+    monkeypatch.setattr(_Paged, "__init__", sg.buffers.wrap_constructor(_Paged.__init__, new_workspace=True))
     yield
     monkeypatch.setattr(sys.modules[__name__], "global_cute_dsl_workspace_buffer", None)
 
@@ -261,7 +261,7 @@ def test_capture_freezes_and_constructors_may_still_grow(wrapped: None) -> None:
     """A capture leaves the registry frozen; a backend built after it may grow pools, nothing else may."""
     registry = wspool.get_registry()
     seen: list[bool] = []
-    capture = sg._capturing(lambda runner: seen.append(registry.is_frozen))
+    capture = sg.buffers.wrap_capture(lambda runner: seen.append(registry.is_frozen))
     _Paged(_runner())
     capture(object())
     assert seen == [False] and registry.is_frozen
@@ -280,19 +280,19 @@ def test_a_failed_capture_still_freezes() -> None:
         raise RuntimeError("capture failed")
 
     with pytest.raises(RuntimeError, match="capture failed"):
-        sg._capturing(fails)(object())
+        sg.buffers.wrap_capture(fails)(object())
     assert wspool.get_registry().is_frozen
 
 
 def test_register_without_sglang_patches_nothing(log: pytest.LogCaptureFixture) -> None:
-    """Where SGLang does not import, loading warns once, names the missing targets and patches nothing."""
+    """Where SGLang is not installed, loading warns once, says so with the versions supported, and patches nothing."""
     if "sglang" in sys.modules or _importable("sglang"):
         pytest.skip("SGLang is installed here; test_sglang.py tests a missing target against it")
     sg.register()
     assert sg.patched() == []
     warnings = [r for r in log.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "patched nothing" in warnings[0].getMessage() and "sglang.srt.runtime_context" in warnings[0].getMessage()
+    assert "SGLang is not installed (wspool supports >=0.5.23,<0.5.24); nothing patched" in warnings[0].getMessage()
 
 
 def _importable(name: str) -> bool:

@@ -1,4 +1,4 @@
-"""Tests for wspool.integrations.vllm_facts: the facts read from a vLLM configuration and from call sites."""
+"""Tests for wspool.integrations.vllm.facts: the facts read from a vLLM configuration and from call sites."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from wspool.integrations.vllm_facts import (
+from wspool.integrations.vllm.facts import (
     REQUESTS,
     TOKENS,
     ConfigFacts,

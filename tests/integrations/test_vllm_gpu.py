@@ -17,7 +17,7 @@ import torch
 import wspool
 from wspool.errors import WorkspaceFrozenError
 from wspool.integrations import vllm as plugin
-from wspool.integrations import vllm_workspaces as ws
+from wspool.integrations.vllm import getters as ws
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Tests for wspool.integrations.vllm_wrappers: vLLM's FlashInfer paged wrappers on right-sized int workspaces.
+"""Tests for wspool.integrations.vllm.wrappers: vLLM's FlashInfer paged wrappers on right-sized int workspaces.
 
 The vLLM tests build vLLM's real ``FlashInferMetadataBuilder`` (0.33.0 or 0.34.0) on
 the CPU, from a real ``VllmConfig`` of a two-layer model described by a local
@@ -33,7 +33,7 @@ from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import RuleError
 from wspool.flashinfer.wrapper_buffers import planner_backend
 from wspool.integrations import vllm as plugin
-from wspool.integrations.vllm_wrappers import step_bounds, wrapper_record
+from wspool.integrations.vllm.wrappers import step_bounds, wrapper_record
 from wspool.memory import FLASHINFER_INT_DEFAULT_BYTES
 from wspool.regions import binding_of
 from wspool.units import ceil_div, round_up

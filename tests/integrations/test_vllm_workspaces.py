@@ -1,4 +1,4 @@
-"""Tests for wspool.integrations.vllm_workspaces: the replacements' logic on the CPU, without vLLM."""
+"""Tests for wspool.integrations.vllm.getters: the replacements' logic on the CPU, without vLLM."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import wspool
 from tests.helpers.dcp_config import use_lse_rule_without_facts
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError
-from wspool.integrations import vllm_workspaces as ws
-from wspool.integrations.vllm_facts import call_facts
+from wspool.integrations.vllm import getters as ws
+from wspool.integrations.vllm.facts import call_facts
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -54,13 +54,17 @@ def test_mla_view_is_int8_and_cached_per_buffer() -> None:
     assert grown.data_ptr() == reg.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
 
 
-def test_views_are_dropped_with_the_registry() -> None:
-    """The views live in the registry's op_state, so reset() forgets them with the buffers."""
+def test_reset_drops_the_buffers_the_getters_hold() -> None:
+    """After reset() the getter binds again: a new buffer from the reset registry, not the one it held."""
     reg = _small()
-    ws.get_mla_workspace_buffer(False)
-    assert reg.op_state["vllm"].views
+    first = ws.get_mla_workspace_buffer(False)
+    assert reg.peek_state(ws.VllmPools) is not None
     reg.reset()
-    assert "vllm" not in reg.op_state
+    assert reg.peek_state(ws.VllmPools) is None
+    second = ws.get_mla_workspace_buffer(False)
+    assert second is not first and second.data_ptr() == reg.stats("flashinfer_mla", "cpu").capacity_bytes * 0 + (
+        reg.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
+    )
 
 
 def test_plugin_pools_are_declared_below_the_configuration() -> None:
@@ -176,6 +180,7 @@ def test_missing_facts_name_what_the_plugin_knows(monkeypatch: pytest.MonkeyPatc
 
 def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
     """The wrapper gives the call's heads and DCP size to the rules during the call, and clears them after."""
+    _small(flashinfer_mla={"rules": {"default": "1MiB", "lse": "num_heads * cp_world * 1KiB"}})
     seen: list[object] = []
 
     def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> str:
@@ -192,6 +197,21 @@ def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
     with pytest.raises(RuntimeError, match="kernel failed"):
         wrapped(impl, torch.zeros(2, 16, 8), None, "fail", None)
     assert call_facts() is None and wrapped.__wrapped__ is forward_mqa
+
+
+def test_forward_mqa_passes_straight_through_when_no_rule_reads_its_facts() -> None:
+    """With fixed MLA rules the wrapper records nothing: the call goes to vLLM's method as it is."""
+    _small()
+    seen: list[object] = []
+
+    def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> str:
+        seen.append(call_facts())
+        return "out"
+
+    wrapped = ws.wrap_forward_mqa(forward_mqa)
+    assert not ws.mla_reads_call_facts()
+    assert wrapped(SimpleNamespace(dcp_world_size=4), torch.zeros(2, 32, 8), None, None, None) == "out"
+    assert seen == [None]
 
 
 def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -309,7 +329,7 @@ def test_folded_draft_decode_gets_a_workspace_for_the_folded_query(monkeypatch: 
     # A buffer of vLLM's own (the CAKE workspace) passes through untouched.
     mine = torch.zeros(16, dtype=torch.int8)
     assert wrapped(*args, workspace=mine, return_lse=True, dcp_world_size=4, **_SCALES) is mine
-    assert list(reg.pools()) == []
+    assert [p.capacity_bytes for p in reg.pools()] in ([], [0])  # nothing allocated
     # The pool's view, fetched before the fold, is asked for again with the folded kernel's facts.
     before = ws.get_mla_workspace_buffer(True)
     got = wrapped(*args, workspace=before, return_lse=True, dcp_world_size=4, **_SCALES)

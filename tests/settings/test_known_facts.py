@@ -14,8 +14,10 @@ from wspool.flashinfer.backends import call_facts
 from wspool.flashinfer.mla import COUNTER_RULE
 from wspool.flashinfer.paged import paged_decode_plan
 from wspool.flashinfer.wrapper_buffers import INT_POOL
-from wspool.integrations import sglang, sglang_facts, vllm_workspaces
-from wspool.integrations.vllm_facts import FACT_NAMES
+from wspool.integrations import sglang
+from wspool.integrations.sglang import facts as sglang_facts
+from wspool.integrations.vllm import getters as vllm_workspaces
+from wspool.integrations.vllm.facts import FACT_NAMES
 from wspool.rules import compile_rule
 from wspool.settings.profiles import PROFILE_NAMES, shipped_config_names
 from wspool.settings.schema import (

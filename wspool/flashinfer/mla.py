@@ -51,6 +51,10 @@ COUNTER_POOL = "flashinfer_mla_counters"
 COUNTER_RULE = "round_up(max(batch_size * num_heads, sm_count), 8) * 4"
 
 
+class _RulesBelowNeed(set[tuple[str, str, str]]):
+    """(pool, rule, path) of a registry whose rule resolved below FlashInfer's need: warned once each."""
+
+
 @dataclass(frozen=True)
 class MLAGeometry:
     """The MLA shape a plan's kernel is built for.
@@ -299,7 +303,7 @@ class MLADecodePlan:
         self._nbytes = max(rule_bytes, self.need_bytes)
         if self.need_bytes > rule_bytes:
             # Said once per registry, pool, rule and path.
-            warned: set[tuple[str, str, str]] = self._registry.op_state.setdefault("mla_rule_below_need", set())
+            warned = self._registry.state(_RulesBelowNeed)
             if (pool, self.rule, self.path) not in warned:
                 warned.add((pool, self.rule, self.path))
                 logger.warning(

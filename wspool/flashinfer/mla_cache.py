@@ -1,6 +1,6 @@
 """``mla_decode``: MLA decode for one layer, reusing the previous call's plan while the metadata is unchanged.
 
-Plans live in an :class:`MLAPlanCache` in the registry's ``op_state`` (so
+Plans live in an :class:`MLAPlanCache` (:meth:`~wspool.PoolRegistry.state`, so
 :meth:`~wspool.PoolRegistry.reset` forgets them with the buffers), the last one
 per pool, lane, backend and LSE mode. Device: the metadata's. Threads: the cache
 is thread-safe; a plan serves one lane at a time. Capture: these plans are eager;
@@ -24,20 +24,14 @@ __all__ = ["MLAPlanCache", "mla_decode"]
 
 logger = logging.getLogger(__name__)
 
-#: The registry's ``op_state`` key of the plan cache.
-PLAN_CACHE_KEY = "mla_decode"
-
 
 class MLAPlanCache(dict[tuple[Any, ...], MLADecodePlan]):
     """The last plan per (pool, lane, backend, LSE mode) of one registry: one plan per step."""
 
     @classmethod
     def of(cls, registry: PoolRegistry) -> MLAPlanCache:
-        """Return ``registry``'s cache, creating it on first use (thread-safe: ``setdefault``)."""
-        found: MLAPlanCache | None = registry.op_state.get(PLAN_CACHE_KEY)
-        if found is None:
-            found = registry.op_state.setdefault(PLAN_CACHE_KEY, cls())
-        return found
+        """Return ``registry``'s cache, creating it on first use (thread-safe)."""
+        return registry.state(MLAPlanCache)
 
     def reusable(
         self,

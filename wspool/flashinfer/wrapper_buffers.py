@@ -97,7 +97,12 @@ _hook: dict[str, Any] = {}  # "status": None (installed) or why not; "class", "o
 _hook_lock = threading.Lock()
 
 
-_OFF_KEY = "flashinfer_int_off"
+class _IntPoolState:
+    """Per registry: whether pool ``flashinfer_int`` is declared, and whether wrappers keep FlashInfer's buffers."""
+
+    def __init__(self) -> None:
+        self.declared = False
+        self.keep_flashinfer = False
 
 
 def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
@@ -105,14 +110,15 @@ def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
 
     For comparing against FlashInfer's defaults; wrappers already bound keep their regions.
     """
-    registry.op_state[_OFF_KEY] = keep
+    registry.state(_IntPoolState).keep_flashinfer = keep
 
 
 def declare_int_pool(registry: PoolRegistry) -> None:
     """Declare pool ``flashinfer_int`` with :data:`INT_RULES` (once per registry; configured rules win)."""
-    if "int_pool_declared" not in registry.op_state:
+    state = registry.state(_IntPoolState)
+    if not state.declared:
         registry.declare_pool(INT_POOL, dict(INT_RULES))
-        registry.op_state["int_pool_declared"] = True
+        state.declared = True
 
 
 def int_bytes(registry: PoolRegistry, rule: str, device: torch.device, facts: Mapping[str, int]) -> int:
@@ -200,7 +206,7 @@ def bind_paged_wrapper(
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
-    if registry.op_state.get(_OFF_KEY):
+    if registry.state(_IntPoolState).keep_flashinfer:
         return None
     device = float_workspace.device
     nbytes = int_bytes(registry, rule, device, facts)
@@ -330,7 +336,7 @@ def bind_mla_wrapper(
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
-    if registry.op_state.get(_OFF_KEY) or install_mla_hook() is not None:
+    if registry.state(_IntPoolState).keep_flashinfer or install_mla_hook() is not None:
         return None
     current = binding_of(wrapper)
     if current is not None:

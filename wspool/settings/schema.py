@@ -145,8 +145,8 @@ RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "nbytes", "se
 
 #: The facts wspool's own ops and integrations pass to their pools' rules: MLA decode
 #: (``wspool.flashinfer.backends.call_facts``, the trtllm-gen counters), paged attention
-#: (``wspool.flashinfer.paged``), and the vLLM plugin (``wspool.integrations.vllm_facts``, its
-#: counters' ``min_bytes``), and the SGLang integration (``wspool.integrations.sglang_facts``,
+#: (``wspool.flashinfer.paged``), and the vLLM plugin (``wspool.integrations.vllm.facts``, its
+#: counters' ``min_bytes``), and the SGLang integration (``wspool.integrations.sglang.facts``,
 #: with ``sglang_bytes``, what SGLang's own code would allocate). The one list of them: tests
 #: keep it in step with those modules.
 SHAPE_FACTS = frozenset(

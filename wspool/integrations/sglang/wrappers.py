@@ -83,8 +83,9 @@ import torch
 import wspool
 from wspool.errors import RuleError
 from wspool.flashinfer import wrapper_buffers
-from wspool.integrations import sglang_facts as facts_of
+from wspool.integrations.sglang import facts as facts_of
 from wspool.regions import binding_of
+from wspool.targets import Target
 from wspool.units import format_size
 
 __all__ = [
@@ -393,19 +394,19 @@ _INT = "int workspaces from pool flashinfer_int"
 #: The methods wrapped besides ``FlashInferAttnBackend.__init__`` (which calls :func:`bind_eager_wrappers`),
 #: each ``(module, "Class.method", SGLang 0.5.23's parameter names, the replacement's maker, what it becomes)``:
 #: the SGLang integration patches them with its other targets.
-SEAMS: tuple[tuple[str, str, tuple[str, ...], Callable[[Callable[..., Any]], Any], str], ...] = (
-    (
+SEAMS: tuple[Target, ...] = (
+    Target(
         _PAGED, "FlashInferAttnBackend._prepare_cuda_graph_metadata",
         ("self", "bs", "num_tokens", "forward_mode", "spec_info"), binding_graph_wrappers,
         f"CUDA-graph wrappers' {_INT}",
     ),
-    (
+    Target(
         _MLA, "FlashInferMLAIndicesUpdaterDecode.call_begin_forward",
         ("self", "wrapper", "paged_kernel_lens", "paged_kernel_lens_sum", "q_indptr", "kv_indptr",
          "init_metadata_replay", "spec_info", "plan", "req_pool_indices", "fast_decode_kwargs"),
         supplying_mla_decode, f"MLA decode plans with {_INT}",
     ),
-    (
+    Target(
         _MLA, "FlashInferMLAIndicesUpdaterPrefill.call_begin_forward",
         ("self", "wrapper_ragged", "wrapper_paged", "req_pool_indices", "paged_kernel_lens", "paged_kernel_lens_sum",
          "seq_lens", "prefix_lens", "kv_indptr", "qo_indptr", "use_ragged", "spec_info", "attn_dcp_metadata",

@@ -1,44 +1,20 @@
 """Pool-backed replacements for vLLM's FlashInfer workspace functions (vLLM 0.33 and 0.34).
 
 Each function has the signature, dtype and semantics of the vLLM function it
-replaces (:mod:`wspool.integrations.vllm` installs them) and draws its buffer
-from a wspool pool of the process-wide registry (:func:`wspool.get_registry`):
+replaces and draws its buffer from a pool of the process-wide registry through
+a bound handle (:mod:`wspool.handles`): in the steady state a call reads the
+lane and returns the buffer the handle holds. docs/vllm.md tables the
+functions, pools, rules and what vLLM relies on. The MLA rules see the
+engine's facts (:mod:`wspool.integrations.vllm.facts`) only where a configured
+rule reads them; otherwise the wrapped call sites pass straight through.
 
-==========================================================  ===========================  ======================
-vLLM function                                               pool, rule                   what vLLM relies on
-==========================================================  ===========================  ======================
-``flashinfer_mla._get_workspace_buffer(return_lse)``        ``flashinfer_mla``,          ``torch.int8``, zeroed
-                                                            ``lse`` / ``default``
-``flashinfer_mla._get_multi_ctas_kv_counter_buffer(``       ``flashinfer_mla_counters``, ``uint8``, zeroed once,
-``min_bytes, device)``                                      ``counters``                 the same tensor after
-``flashinfer_mla_sparse._get_workspace_buffer(``            ``flashinfer_mla_sparse``,   ``torch.int8``, at least
-``device, min_bytes=None)``                                 ``default``                  ``min_bytes``
-``FlashInferMetadataBuilder._get_workspace_buffer(self)``   ``flashinfer``, ``vllm`` /   ``uint8``, cached on
-                                                            ``vllm_batch_invariant``     ``self``
-``flashinfer._get_multi_ctas_kv_counter_buffer(``           ``flashinfer_counters``,     as the MLA counters
-``min_bytes, device)``                                      ``counters``
-``deepseek_v4...get_flashinfer_dsv4_workspace(device)``     ``flashinfer_dsv4``,         ``uint8``, zeroed once,
-(0.34; ``_get_flashinfer_dsv4_workspace`` in 0.33)          ``default``                  its own buffer
-``dash_attention._workspace(device)`` (0.34)                ``flashinfer_dash``,         ``uint8``, kept by the
-                                                            ``default``                  FlashInfer wrappers
-==========================================================  ===========================  ======================
-
-The MLA rules see the engine's facts (:mod:`wspool.integrations.vllm_facts`):
-:func:`wrap_forward_mqa` and :func:`wrap_folded_decode` record the shape of the
-query the kernel receives, and a call from elsewhere gets the widest facts the
-configuration allows, so the MLA workspace is never sized for fewer rows than
-the kernel gets.
-
-Device semantics: the device vLLM names (``"cuda"`` for the MLA workspace: the
-current CUDA device at each call), unless :data:`DEVICE_ENV_VAR` names
-another one when the plugin loads: tests point every function at the CPU with
-``WSPOOL_VLLM_DEVICE=cpu``. Lanes: vLLM's workspace lane and micro-batch
-(``use_workspace_lane``, DBO's ubatch id) select wspool lane ``main`` for
-``(0, 0)`` (or the lane set with :func:`wspool.lane`) and ``vllm-u<ubatch>-l<lane>``
-otherwise, so concurrent micro-batches never share a buffer. Thread semantics:
-thread-safe, as the registry is. Capture semantics: a call that would grow a
-pool while vLLM's workspace is locked (CUDA-graph capture and replay) or
-during capture raises :class:`~wspool.errors.WorkspaceFrozenError`.
+Device semantics: the device vLLM names; the MLA workspace (vLLM's ``"cuda"``)
+takes the current CUDA device when its handle binds (vLLM runs one device per
+worker process). ``WSPOOL_VLLM_DEVICE`` overrides every device (tests: ``cpu``).
+Lanes: vLLM's workspace lane and micro-batch select wspool lane ``main`` (or
+the one :func:`wspool.lane` set) for ``(0, 0)``, else ``vllm-u<ubatch>-l<lane>``.
+Thread semantics: thread-safe. Capture semantics: growth while vLLM's workspace
+is locked or during capture raises :class:`~wspool.errors.WorkspaceFrozenError`.
 """
 
 from __future__ import annotations
@@ -50,8 +26,10 @@ from typing import Any
 import torch
 
 import wspool
-from wspool.errors import ConfigError, RuleError
-from wspool.integrations.vllm_facts import (
+from wspool.errors import ConfigError, RuleError, missing_facts
+from wspool.handles import WorkspaceHandle
+from wspool.integrations.vllm import internals
+from wspool.integrations.vllm.facts import (
     FACT_NAMES,
     ConfigFacts,
     call_facts,
@@ -72,6 +50,7 @@ __all__ = [
     "POOL_PAGED_COUNTERS",
     "POOL_SPARSE",
     "VLLM_POOLS",
+    "VllmPools",
     "configure",
     "current_lane",
     "get_dash_workspace",
@@ -81,6 +60,7 @@ __all__ = [
     "get_paged_multi_ctas_kv_counter_buffer",
     "get_paged_workspace_buffer",
     "get_sparse_workspace_buffer",
+    "mla_reads_call_facts",
     "wrap_folded_decode",
     "wrap_forward_mqa",
 ]
@@ -117,7 +97,8 @@ VLLM_POOLS: dict[str, dict[str, str]] = {
     POOL_DASH: {"default": "128MiB"},
 }
 
-_STATE_KEY = "vllm"
+# Every fact a vLLM getter may pass: the engine's, and the counters' ``min_bytes``.
+_CALL_FACTS = frozenset((*FACT_NAMES, "min_bytes"))
 
 
 class _Hooks:
@@ -126,7 +107,7 @@ class _Hooks:
     def __init__(self) -> None:
         self.device: str | None = None
         self.config_facts = ConfigFacts(None)
-        self.vllm_lane: Callable[[], tuple[int, int]] | None = None
+        self.vllm_lane: Callable[[], tuple[int, int] | None] | None = None
         self.batch_invariant: Callable[[], bool] = _env_batch_invariant
 
 
@@ -137,29 +118,12 @@ def _env_batch_invariant() -> bool:
 _hooks = _Hooks()
 
 
-def configure(
-    *,
-    get_config: Callable[[], Any] | None = None,
-    vllm_lane: Callable[[], tuple[int, int]] | None = None,
-    batch_invariant: Callable[[], bool] | None = None,
-    device: str | None = None,
-) -> None:
-    """Tell the replacements where vLLM keeps its configuration, lanes and batch-invariant flag.
+class VllmPools:
+    """Per registry: the plugin's pools declared and checked (made when a handle first binds there).
 
-    Args:
-        get_config: ``vllm.config.get_current_vllm_config_or_none``.
-        vllm_lane: Returns vLLM's ``(ubatch id, workspace lane)`` of the calling context.
-        batch_invariant: Returns ``vllm.envs.VLLM_BATCH_INVARIANT``; default: the variable itself.
-        device: Overrides every device (``"cpu"`` in tests); default :data:`DEVICE_ENV_VAR`'s value.
+    Raises:
+        ConfigError: A declared rule is invalid, or a pool that must own its buffer shares one.
     """
-    _hooks.config_facts = ConfigFacts(get_config)
-    _hooks.vllm_lane = vllm_lane
-    _hooks.batch_invariant = batch_invariant or _env_batch_invariant
-    _hooks.device = device if device is not None else (os.environ.get(DEVICE_ENV_VAR, "").strip() or None)
-
-
-class _RegistryState:
-    """Per-registry state: the plugin's pools declared, and the int8 views of the current buffers."""
 
     def __init__(self, registry: PoolRegistry) -> None:
         for pool, rules in VLLM_POOLS.items():
@@ -173,14 +137,36 @@ class _RegistryState:
                     f"/ WSPOOL_POOLS__{own.upper()}__SHARED_WITH empty",
                     path=("pools", own, "shared_with"),
                 )
-        self.views: dict[tuple[str, object, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, registry: PoolRegistry) -> VllmPools:
+        """Return ``registry``'s, declaring the pools on first use."""
+        return registry.state(cls, lambda: cls(registry))
 
 
-def _state(registry: PoolRegistry) -> _RegistryState:
-    found = registry.op_state.get(_STATE_KEY)
-    if found is None:
-        found = registry.op_state.setdefault(_STATE_KEY, _RegistryState(registry))
-    return found  # type: ignore[no-any-return]
+def configure(
+    *,
+    get_config: Callable[[], Any] | None = None,
+    vllm_lane: Callable[[], tuple[int, int] | None] | None = None,
+    batch_invariant: Callable[[], bool] | None = None,
+    device: str | None = None,
+) -> None:
+    """Tell the replacements where vLLM keeps its configuration, lanes and batch-invariant flag.
+
+    Args:
+        get_config: ``vllm.config.get_current_vllm_config_or_none``.
+        vllm_lane: Returns vLLM's ``(ubatch id, workspace lane)`` of the calling
+            context, or ``None`` for ``(0, 0)``.
+        batch_invariant: Returns ``vllm.envs.VLLM_BATCH_INVARIANT``; default: the variable itself.
+        device: Overrides every device (``"cpu"`` in tests); default :data:`DEVICE_ENV_VAR`'s value.
+    """
+    _hooks.config_facts = ConfigFacts(get_config)
+    _hooks.vllm_lane = vllm_lane
+    _hooks.batch_invariant = batch_invariant or _env_batch_invariant
+    _hooks.device = device if device is not None else (os.environ.get(DEVICE_ENV_VAR, "").strip() or None)
+    for table in _TABLES:
+        table.clear()
+    _mla_flags.clear()
 
 
 _LANE_NAMES: dict[tuple[int, int], str] = {}
@@ -188,10 +174,8 @@ _LANE_NAMES: dict[tuple[int, int], str] = {}
 
 def _lane() -> str:
     get = _hooks.vllm_lane
-    if get is None:
-        return wspool.current_lane()
-    key = get()
-    if key == (0, 0):
+    key = None if get is None else get()
+    if key is None or key == (0, 0):
         return wspool.current_lane()
     name = _LANE_NAMES.get(key)
     if name is None:
@@ -204,15 +188,37 @@ def current_lane() -> str:
     return _lane()
 
 
-def _int8(state: _RegistryState, pool: str, device: object, lane: str, buffer: torch.Tensor) -> torch.Tensor:
-    """Return the int8 view of ``buffer``, the same tensor while the buffer is the same."""
-    views = state.views
-    key = (pool, device, lane)
-    cached = views.get(key)
-    if cached is None or cached[0] is not buffer:
-        cached = (buffer, buffer.view(torch.int8))
-        views[key] = cached
-    return cached[1]
+class _Handles(dict[tuple[Any, ...], WorkspaceHandle]):
+    """One getter's bound handles of one pool, by (rule, device, lane); emptied by :func:`configure`."""
+
+    def __init__(self, pool: str, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.pool = pool
+        self.dtype = dtype
+
+    def make(self, rule: str, device: Any, lane: str) -> WorkspaceHandle:
+        """Bind a handle (declaring the plugin's pools in the current registry) and keep it."""
+        pool = self.pool
+
+        def bind() -> wspool.WorkspacePool:
+            registry = get_registry()
+            VllmPools.of(registry)
+            where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+            return registry.serving_pool(pool, rule, where, lane)
+
+        return self.setdefault(
+            (rule, device, lane), WorkspaceHandle(bind, rule, call_facts=_CALL_FACTS, dtype=self.dtype)
+        )
+
+
+_MLA = _Handles(POOL_MLA, torch.int8)
+_SPARSE = _Handles(POOL_SPARSE, torch.int8)
+_COUNTERS = _Handles(POOL_COUNTERS)
+_PAGED_COUNTERS = _Handles(POOL_PAGED_COUNTERS)
+_PAGED = _Handles(POOL_PAGED)
+_DSV4 = _Handles(POOL_DSV4)
+_DASH = _Handles(POOL_DASH)
+_TABLES = (_MLA, _SPARSE, _COUNTERS, _PAGED_COUNTERS, _PAGED, _DSV4, _DASH)
 
 
 def _facts() -> Mapping[str, int]:
@@ -223,13 +229,27 @@ def _facts() -> Mapping[str, int]:
     return _hooks.config_facts.widest()
 
 
-def _missing_facts(exc: RuleError, facts: Mapping[str, int]) -> RuleError:
-    known = ", ".join(f"{k}={v}" for k, v in facts.items()) or "none"
-    unknown = ", ".join(name for name in FACT_NAMES if name not in facts) or "none"
-    return RuleError(
-        f"{exc} (the vLLM plugin passes the facts it knows: {known}; unknown here: {unknown}; "
-        f"vLLM's configuration gives them, see docs/vllm.md)"
-    )
+def _missing(exc: RuleError, facts: Mapping[str, int]) -> RuleError:
+    return missing_facts(exc, "the vLLM plugin", facts, FACT_NAMES, "vLLM's configuration gives them, see docs/vllm.md")
+
+
+def _mla_handle(return_lse: bool) -> WorkspaceHandle:
+    lane = _lane()
+    rule = "lse" if return_lse else "default"
+    found = _MLA.get((rule, _hooks.device, lane))
+    return found if found is not None else _MLA.make(rule, _hooks.device, lane)
+
+
+_mla_flags: list[WorkspaceHandle] = []  # the MLA rules' handles in lane main, for the wrappers' one test
+
+
+def mla_reads_call_facts() -> bool:
+    """Whether the MLA rules (``lse``, ``default``) read a fact the wrapped call sites record, under the
+    configuration in force (decided once per binding, not per call)."""
+    flags = _mla_flags
+    if not flags:
+        flags.extend((_mla_handle(True), _mla_handle(False)))
+    return flags[0].current_reads_call_facts() or flags[1].current_reads_call_facts()
 
 
 def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
@@ -249,16 +269,10 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
         RuleError: The rule reads a fact vLLM did not give (named in the message).
         WorkspaceFrozenError: It would have to grow while vLLM's workspace is locked, or during capture.
     """
-    registry = get_registry()
-    state = _state(registry)
-    lane = _lane()
-    device = _hooks.device or "cuda"
-    facts = _facts()
     try:
-        buffer = registry.workspace(POOL_MLA, device, rule="lse" if return_lse else "default", lane=lane, **facts)
+        return _mla_handle(return_lse).fetch(_facts)
     except RuleError as exc:
-        raise _missing_facts(exc, facts) from exc
-    return _int8(state, POOL_MLA, device, lane, buffer)
+        raise _missing(exc, _facts()) from exc
 
 
 def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
@@ -278,7 +292,7 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
     Raises:
         WorkspaceFrozenError: It would have to grow while locked or capturing.
     """
-    return _counters(POOL_COUNTERS, min_bytes, device)
+    return _counters(_COUNTERS, min_bytes, device)
 
 
 def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
@@ -287,13 +301,22 @@ def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device)
     Replaces ``vllm.v1.attention.backends.flashinfer._get_multi_ctas_kv_counter_buffer``,
     with the semantics of :func:`get_multi_ctas_kv_counter_buffer`.
     """
-    return _counters(POOL_PAGED_COUNTERS, min_bytes, device)
+    return _counters(_PAGED_COUNTERS, min_bytes, device)
 
 
-def _counters(pool: str, min_bytes: int, device: torch.device) -> torch.Tensor:
-    registry = get_registry()
-    _state(registry)
-    return registry.workspace(pool, _hooks.device or device, rule="counters", lane=_lane(), min_bytes=min_bytes)
+def _counters(table: _Handles, min_bytes: int, device: torch.device) -> torch.Tensor:
+    where = _hooks.device or device
+    lane = _lane()
+    handle = table.get(("counters", where, lane))
+    if handle is None:
+        handle = table.make("counters", where, lane)
+    facts = _MIN_BYTES.get(min_bytes)
+    if facts is None:  # one mapping per size: vLLM passes its largest batch's, the same each step
+        facts = _MIN_BYTES.setdefault(min_bytes, {"min_bytes": min_bytes})
+    return handle.sized(facts)
+
+
+_MIN_BYTES: dict[int, Mapping[str, int]] = {}
 
 
 def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = None) -> torch.Tensor:
@@ -309,18 +332,19 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
     Returns:
         A zero-filled ``torch.int8`` view, the same tensor while the buffer suffices.
     """
-    registry = get_registry()
-    state = _state(registry)
     lane = _lane()
     where = _hooks.device or device
-    facts = _facts()
+    handle = _SPARSE.get(("default", where, lane))
+    if handle is None:
+        handle = _SPARSE.make("default", where, lane)
     try:
-        buffer = registry.workspace(POOL_SPARSE, where, rule="default", lane=lane, **facts)
+        buffer = handle.fetch(_facts)
     except RuleError as exc:
-        raise _missing_facts(exc, facts) from exc
+        raise _missing(exc, _facts()) from exc
     if min_bytes is not None and min_bytes > buffer.numel():
-        buffer = registry.pool(POOL_SPARSE, where, lane=lane).request(min_bytes, "min_bytes")
-    return _int8(state, POOL_SPARSE, where, lane, buffer)
+        handle.pool.request(min_bytes, "min_bytes")
+        buffer = handle()
+    return buffer
 
 
 def get_paged_workspace_buffer(builder: Any, prefill_bytes_per_elem: int | None = None) -> torch.Tensor:
@@ -342,20 +366,19 @@ def get_paged_workspace_buffer(builder: Any, prefill_bytes_per_elem: int | None 
         or vLLM's prefill floor by default, 2 GiB (rule ``vllm_batch_invariant``)
         with ``VLLM_BATCH_INVARIANT``.
     """
-    buffer: torch.Tensor | None = getattr(builder, "_workspace_buffer", None)
+    buffer: torch.Tensor | None = internals.builder_workspace(builder)
     if buffer is None:
-        registry = get_registry()
-        _state(registry)
         lane = _lane()
         device = _hooks.device or builder.device
         if _hooks.batch_invariant():
-            buffer = registry.workspace(POOL_PAGED, device, rule="vllm_batch_invariant", lane=lane)
+            buffer = _PAGED.make("vllm_batch_invariant", device, lane)()
         else:
-            buffer = registry.workspace(POOL_PAGED, device, rule="vllm", lane=lane)
+            handle = _PAGED.make("vllm", device, lane)
+            buffer = handle()
             floor = _prefill_floor(builder, prefill_bytes_per_elem)
             if floor > buffer.numel():
-                buffer = registry.pool(POOL_PAGED, device, lane=lane).request(floor, "vLLM's prefill floor")
-        builder._workspace_buffer = buffer
+                buffer = handle.pool.request(floor, "vLLM's prefill floor")
+        internals.set_builder_workspace(builder, buffer)
     return buffer
 
 
@@ -388,9 +411,7 @@ def get_dsv4_workspace(device: torch.device) -> torch.Tensor:
         ConfigError: The pool is configured to share another pool's buffer.
         WorkspaceFrozenError: It would have to grow while locked or capturing.
     """
-    registry = get_registry()
-    _state(registry)
-    return registry.workspace(POOL_DSV4, _hooks.device or device, rule="default", lane=_lane())
+    return _default(_DSV4, device)
 
 
 def get_dash_workspace(device: torch.device) -> torch.Tensor:
@@ -411,9 +432,14 @@ def get_dash_workspace(device: torch.device) -> torch.Tensor:
         zero-filled when allocated (vLLM's is uninitialised; FlashInfer writes
         before it reads).
     """
-    registry = get_registry()
-    _state(registry)
-    return registry.workspace(POOL_DASH, _hooks.device or device, rule="default", lane=_lane())
+    return _default(_DASH, device)
+
+
+def _default(table: _Handles, device: torch.device) -> torch.Tensor:
+    where = _hooks.device or device
+    lane = _lane()
+    handle = table.get(("default", where, lane))
+    return (handle if handle is not None else table.make("default", where, lane))()
 
 
 def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -425,13 +451,15 @@ def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
     Returns:
         A method that records, for the calling thread and the duration of the
         call, the facts of the kernel call vLLM's branches make from ``q`` and
-        ``attn_metadata`` (:func:`~wspool.integrations.vllm_facts.decode_kernel_shape`:
+        ``attn_metadata`` (:func:`~wspool.integrations.vllm.facts.decode_kernel_shape`:
         one row per request, or per token in a ragged causal DCP batch or a
         non-causal block), at the configured maximum of that layout, then calls
         ``original``. Metadata the branches cannot read gives the widest facts.
     """
 
     def forward_mqa(self: Any, q: Any, kv_c_and_k_pe_cache: Any, attn_metadata: Any, layer: Any) -> Any:
+        if not mla_reads_call_facts():
+            return original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)
         query = q[0] if isinstance(q, tuple) else q
         cp_world = getattr(self, "dcp_world_size", 1) or 1
         tokens, heads = query.shape[0], query.shape[-2]
@@ -460,10 +488,12 @@ def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _is_mla_view(workspace: object) -> bool:
     """Whether ``workspace`` is a view :func:`get_mla_workspace_buffer` returned (not a buffer of vLLM's own)."""
-    state = get_registry().op_state.get(_STATE_KEY)
-    if state is None:
+    if not isinstance(workspace, torch.Tensor):
         return False
-    return any(key[0] == POOL_MLA and view is workspace for key, (_, view) in state.views.items())
+    address = workspace.data_ptr()
+    return any(
+        buffer is not None and buffer.data_ptr() == address for buffer in (h.pool.buffer for h in list(_MLA.values()))
+    )
 
 
 def wrap_folded_decode(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -511,7 +541,7 @@ def wrap_folded_decode(original: Callable[..., Any]) -> Callable[..., Any]:
         dcp_world_size: int = 1,
         **kwargs: Any,
     ) -> Any:
-        if _is_mla_view(workspace):
+        if mla_reads_call_facts() and _is_mla_view(workspace):
             cp_world = dcp_world_size or 1
             tokens, heads = q.shape[0], q.shape[-2]
             fold = _fold(tokens_per_request, heads, return_lse or cp_world > 1)

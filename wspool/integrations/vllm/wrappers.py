@@ -63,8 +63,8 @@ from typing import Any
 import torch
 
 from wspool.flashinfer.wrapper_buffers import bind_paged_wrapper, paged_int_rule, planner_backend
-from wspool.integrations.vllm_facts import facts_from_config
-from wspool.integrations.vllm_workspaces import current_lane
+from wspool.integrations.vllm.facts import facts_from_config
+from wspool.integrations.vllm.getters import current_lane
 from wspool.registry import get_registry
 
 __all__ = [

@@ -1,0 +1,218 @@
+"""Bound handles: a call site's binding of one pool rule, returning the buffer with no lookup.
+
+A :class:`WorkspaceHandle` is what an engine getter holds instead of calling
+:meth:`~wspool.PoolRegistry.workspace` per call: the pool, device, lane and
+rule are bound once; the size is resolved once where the rule reads no fact
+the call passes (decided once, at binding); and the buffer is returned as
+held while the process's workspace epoch is unchanged. The epoch moves when
+any pool replaces its buffer and when a registry is reset, reconfigured or
+replaced; the next call then binds again through the full path, which keeps
+every check (unknown rules, growth refused while frozen or capturing, limits).
+
+Capture semantics: a steady-state call still asks the pool's capture probe
+(on CUDA), so a buffer a graph captured is retired, not freed, when the pool
+grows. Thread semantics: thread-safe; two threads binding at once both bind
+correctly. Device and lane are fixed per handle: a call site that changes
+lanes holds a handle per lane.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from wspool.pool import WorkspacePool
+
+__all__ = ["WorkspaceHandle", "bump_epoch"]
+
+# The process's workspace epoch, one cell that every handle reads per call.
+_EPOCH = [0]
+_epoch_lock = threading.Lock()
+
+
+def bump_epoch() -> None:
+    """Invalidate every :class:`WorkspaceHandle` (each binds again at its next call).
+
+    Pools call it when they replace a buffer; registries when they are reset,
+    reconfigured or replaced.
+    """
+    with _epoch_lock:
+        _EPOCH[0] += 1
+
+
+def _view(pool: WorkspacePool, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return the one ``dtype`` view of ``buffer`` that every handle of the pool shares while it is current."""
+    key = ("view", dtype)
+    found = pool.buffer_cache.get(key)
+    if found is None or found.data_ptr() != buffer.data_ptr() or found.numel() != buffer.numel():
+        found = buffer.view(dtype)
+        if pool.buffer is buffer:  # the cache belongs to the buffer installed now
+            pool.buffer_cache[key] = found
+    return found
+
+
+class WorkspaceHandle:
+    """One pool rule bound on one device and lane; create through :meth:`wspool.PoolRegistry.handle`.
+
+    Args:
+        bind: Returns the pool instance that serves the rule now (the registry's).
+        rule: The pool's rule that sizes every call.
+        call_facts: The facts the call site may pass to :meth:`sized`; a rule
+            that reads none of them is resolved once per binding.
+        dtype: The dtype of the view returned (``None``: the pool's ``uint8``).
+    """
+
+    __slots__ = (
+        "_bind",
+        "_bound_epoch",
+        "_buffer",
+        "_call_facts",
+        "_count",
+        "_dtype",
+        "_epoch",
+        "_fast",
+        "_fast_facts",
+        "_last_facts",
+        "_pool",
+        "_probe",
+        "_raw",
+        "reads_call_facts",
+        "rule",
+    )
+
+    def __init__(
+        self,
+        bind: Callable[[], WorkspacePool],
+        rule: str,
+        *,
+        call_facts: Iterable[str] = (),
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self._bind = bind
+        self.rule = rule
+        self._call_facts = frozenset(call_facts)
+        self._dtype = None if dtype in (None, torch.uint8) else dtype
+        self._epoch = -1
+        self._bound_epoch = -1
+        self._buffer: torch.Tensor | None = None
+        self._raw: torch.Tensor | None = None
+        self._pool: WorkspacePool | None = None
+        self._probe: Callable[[], bool] | None = None
+        self._count: Callable[[], object] = int
+        self._fast = False
+        self._fast_facts = False
+        self._last_facts: object = None
+        #: Whether the rule reads any fact the call site passes (decided at binding).
+        self.reads_call_facts = False
+        self._rebind()
+
+    def __call__(self) -> torch.Tensor:
+        """Return the buffer for a call that passes no facts (the rule's size with its default facts).
+
+        Raises:
+            RuleError: The rule reads a fact no default supplies.
+            WorkspaceFrozenError: Growth was needed while frozen or capturing.
+            WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
+        """
+        if self._epoch == _EPOCH[0] and self._fast:
+            probe = self._probe
+            if probe is not None and probe():
+                self._pool.note_captured()  # type: ignore[union-attr]
+            self._count()
+            return self._buffer  # type: ignore[return-value]
+        return self._serve({})
+
+    def sized(self, facts: Mapping[str, object]) -> torch.Tensor:
+        """Return the buffer for a call with ``facts`` (pass the same mapping for a step's calls).
+
+        Where the rule reads none of the call's facts this is :meth:`__call__`;
+        otherwise a call with the very mapping of the previous call reuses its
+        size, and any other resolves the rule once.
+
+        Raises:
+            The errors of :meth:`__call__`, and ``RuleError`` for facts the rule cannot use.
+        """
+        if not self.reads_call_facts:
+            return self()
+        if self._epoch == _EPOCH[0] and facts is self._last_facts and self._fast_facts:
+            probe = self._probe
+            if probe is not None and probe():
+                self._pool.note_captured()  # type: ignore[union-attr]
+            self._count()
+            return self._buffer  # type: ignore[return-value]
+        buffer = self._serve(facts)
+        self._last_facts = facts
+        return buffer
+
+    def fetch(self, facts_of: Callable[[], Mapping[str, object]]) -> torch.Tensor:
+        """Return the buffer, asking ``facts_of()`` for the call's facts only where the rule reads them.
+
+        The getter of an engine that knows its facts only at some call sites
+        passes a reader of them; in the steady state of a rule that reads none,
+        this is :meth:`__call__`.
+
+        Raises:
+            The errors of :meth:`sized`.
+        """
+        if self._epoch == _EPOCH[0] and self._fast:
+            probe = self._probe
+            if probe is not None and probe():
+                self._pool.note_captured()  # type: ignore[union-attr]
+            self._count()
+            return self._buffer  # type: ignore[return-value]
+        if self.current_reads_call_facts():
+            return self.sized(facts_of())
+        return self._serve({})
+
+    def current_reads_call_facts(self) -> bool:
+        """Whether the rule reads a call fact under the configuration in force now (binding again if it moved)."""
+        if self._bound_epoch != _EPOCH[0]:
+            self._rebind()
+        return self.reads_call_facts
+
+    def _serve(self, facts: Mapping[str, object]) -> torch.Tensor:
+        """The full path: bind again if the epoch moved, then ask the pool (which counts, grows and checks)."""
+        epoch = _EPOCH[0]
+        if self._bound_epoch != epoch:
+            self._rebind()
+        pool = self._pool
+        assert pool is not None
+        buffer = pool.workspace(self.rule, facts)
+        if buffer is self._raw and self._buffer is not None:  # the same buffer: the same view, to compare tensors
+            view = self._buffer
+        else:
+            view = buffer if self._dtype is None else _view(pool, buffer, self._dtype)
+            self._raw = buffer
+        # Held only if nothing moved the epoch meanwhile (this call's own growth did: bind again next time).
+        self._buffer = view
+        self._last_facts = None
+        if _EPOCH[0] == epoch:
+            self._epoch = epoch
+        return view
+
+    def _rebind(self) -> None:
+        epoch = _EPOCH[0]
+        pool = self._bind()
+        compiled = pool.spec.rules.get(self.rule)
+        self._count = pool.request_counter(self.rule)
+        self._probe = pool.capture_probe
+        self.reads_call_facts = compiled is not None and bool(self._call_facts.intersection(compiled.names))
+        # A pool that watches streams sees every call; so does, without facts, a rule that reads them.
+        self._fast_facts = not pool.watches_streams
+        self._fast = self._fast_facts and not self.reads_call_facts
+        self._pool = pool
+        self._epoch = -1
+        self._bound_epoch = epoch
+
+    @property
+    def pool(self) -> WorkspacePool:
+        """The pool instance bound now."""
+        assert self._pool is not None
+        return self._pool
+
+    def __repr__(self) -> str:
+        return f"WorkspaceHandle({self.pool.spec.name!r}, rule={self.rule!r}, device={self.pool.device})"

@@ -1,0 +1,454 @@
+"""SGLang's named workspaces served from wspool's pools, and the wrappers that give them facts.
+
+SGLang 0.5.23 keeps its workspaces in one named-buffer registry,
+``RuntimeContext.get_buffer(name, factory)``; :func:`wrap_get_buffer` serves
+each name of :data:`BUFFERS` from a pool, with the dtype of SGLang's factory
+and the size of the pool's rule, and every other name SGLang's own way.
+:func:`wrap_constructor` gives a backend's rules the model runner's facts
+(:mod:`wspool.integrations.sglang.facts`) and lets its constructor grow pools
+after a capture froze the registry (that thread or task only);
+:func:`wrap_capture` freezes the registry after each CUDA-graph capture.
+docs/sglang.md lists every name, pool and rule.
+
+Device semantics: the device SGLang's factory names, unless ``WSPOOL_SGLANG_DEVICE``
+named another when the integration loaded. Lanes: the calling context's.
+Capture: growth is refused after a capture, except inside a backend's
+constructor (the graphs captured before keep their buffers, retired, not freed).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import itertools
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+import wspool
+from wspool.errors import ConfigError, RuleError, missing_facts
+from wspool.handles import WorkspaceHandle
+from wspool.integrations.sglang import facts as facts_of
+from wspool.integrations.sglang import wrappers as sglang_wrappers
+from wspool.units import format_size
+
+__all__ = [
+    "BUFFERS",
+    "CUTE_DSL_WORKSPACE",
+    "DEVICE_ENV_VAR",
+    "SGLANG_POOLS",
+    "SglangPools",
+    "Workspace",
+    "configure",
+    "device_override",
+    "forget_globals",
+    "serve",
+    "wrap_capture",
+    "wrap_constructor",
+    "wrap_get_buffer",
+]
+
+#: Names the device every pool buffer is allocated on (``cpu`` in tests); read when the integration loads.
+DEVICE_ENV_VAR = "WSPOOL_SGLANG_DEVICE"
+
+# SGLang configures the root logger (logging.basicConfig), so this module's own logger shows with its lines.
+logger = logging.getLogger("wspool.integrations.sglang")
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """One SGLang workspace and the pool that serves it.
+
+    Attributes:
+        name: SGLang's name for it (``get_buffer``'s, or the module global's).
+        pool: The wspool pool.
+        rule: The pool's rule that sizes it.
+        own_buffer: SGLang zeroes it because a kernel keeps semaphores or counters
+            in it, so its pool must never share a buffer with a scratch pool.
+        deterministic_rule: The rule used instead while SGLang's deterministic
+            inference is on (SGLang then overwrites its size variable), if any.
+    """
+
+    name: str
+    pool: str
+    rule: str
+    own_buffer: bool = False
+    deterministic_rule: str | None = None
+
+
+#: SGLang's ``get_buffer`` names served from pools. ``flashinfer`` and ``flashinfer_mla`` are the
+#: FlashInfer float workspaces wspool's own kernels and the vLLM plugin use (one buffer by default:
+#: ``pools.flashinfer.shared_with``); the zeroed trtllm-gen and DSA workspaces have pools of their own.
+BUFFERS: Mapping[str, Workspace] = MappingProxyType(
+    {
+        w.name: w
+        for w in (
+            Workspace("flashinfer_workspace", "flashinfer", "sglang", deterministic_rule="sglang_deterministic"),
+            Workspace("flashinfer_mla_workspace", "flashinfer_mla", "sglang_mla"),
+            Workspace("trtllm_mla_zero_workspace", "sglang_trtllm_mla", "default", own_buffer=True),
+            Workspace("trtllm_mha_zero_workspace", "sglang_trtllm_mha", "default", own_buffer=True),
+            Workspace("dsa_flashinfer_sparse_mla_workspace", "sglang_dsa_sparse_mla", "default", own_buffer=True),
+            Workspace("dsa_trtllm_workspace", "sglang_dsa_trtllm", "default"),
+            Workspace("trtllm_dsv4_zero_workspace", "sglang_trtllm_dsv4", "default", own_buffer=True),
+        )
+    }
+)
+#: ``trtllm_mla_backend.global_cute_dsl_workspace_buffer``: cute-dsl's split-KV scratch, kept
+#: apart from trtllm-gen's zeroed counters by SGLang and here too; FlashInfer's MLA float pool.
+CUTE_DSL_WORKSPACE = Workspace("global_cute_dsl_workspace_buffer", "flashinfer_mla", "sglang_cute_dsl")
+
+
+def _declared_pools() -> dict[str, dict[str, str]]:
+    pools: dict[str, dict[str, str]] = {}
+    for w in (*BUFFERS.values(), CUTE_DSL_WORKSPACE):
+        rules = pools.setdefault(w.pool, {})
+        for rule in filter(None, (w.rule, w.deterministic_rule)):
+            rules[rule] = "sglang_bytes"  # what SGLang's own code allocates at the call
+    return pools
+
+
+#: The rules the integration declares, below the configuration (YAML, ``WSPOOL_*`` and
+#: ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` override each); ``configs/sglang.yaml`` writes them out.
+SGLANG_POOLS: Mapping[str, Mapping[str, str]] = MappingProxyType(_declared_pools())
+
+_MiB = 1 << 20
+_CALL_FACTS = frozenset((*facts_of.FACT_NAMES, "sglang_bytes"))
+
+
+def _never() -> bool:
+    return False
+
+
+class _Settings:
+    """What the integration learned when it loaded (defaults: no SGLang)."""
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+        self.deterministic: Callable[[], bool] = _never
+
+
+_settings = _Settings()
+
+
+def configure(
+    *,
+    device: str | torch.device | None = None,
+    deterministic: Callable[[], bool] | None = None,
+    parallel: Callable[[], Any] | None = None,
+    spec: Callable[[], Any] | None = None,
+    schedule: Callable[[], Any] | None = None,
+    prefill_buffer_tokens: Callable[[], Any] | None = None,
+) -> None:
+    """Tell the integration where SGLang keeps what it reads (:func:`register` does; tests call it too).
+
+    Args:
+        device: Overrides every pool buffer's device (``"cpu"`` in tests); ``None``: the factory's.
+        deterministic: Whether SGLang's deterministic inference is on; ``None``: never.
+        parallel: ``sglang.srt.runtime_context.get_parallel`` (attention TP and DCP widths).
+        spec: ``sglang.srt.runtime_context.get_spec`` (speculative draft tokens).
+        schedule: ``sglang.srt.runtime_context.get_schedule`` (``max_prefill_tokens``).
+        prefill_buffer_tokens: ``sglang.srt.runtime_context.max_prefill_buffer_tokens`` (the chunk ceiling).
+    """
+    _settings.device = None if device is None else torch.device(device)
+    _settings.deterministic = deterministic or _never
+    facts_of.set_context_readers(parallel, spec)
+    sglang_wrappers.configure(schedule, prefill_buffer_tokens)
+
+
+class SglangPools:
+    """Per registry: the integration's pools declared and checked, its handles, and the freeze a capture set.
+
+    Raises:
+        ConfigError: A declared rule is invalid, or a pool SGLang zeroes shares a buffer.
+    """
+
+    def __init__(self, registry: wspool.PoolRegistry) -> None:
+        for pool, rules in SGLANG_POOLS.items():
+            registry.declare_pool(pool, rules)
+        for w in BUFFERS.values():
+            host = registry.buffer_pool(w.pool)
+            if w.own_buffer and host != w.pool:
+                raise ConfigError(
+                    f"pool {w.pool!r} must have its own buffer: SGLang zeroes {w.name} because a kernel keeps "
+                    f"semaphores or counters in it, which pool {host!r} would overwrite; set "
+                    f"pools.{w.pool}.shared_with / WSPOOL_POOLS__{w.pool.upper()}__SHARED_WITH empty",
+                    path=("pools", w.pool, "shared_with"),
+                )
+        self.registry = registry
+        self.handles: dict[tuple[str, str, Any, str, torch.dtype], WorkspaceHandle] = {}
+        # The freeze epoch a capture left (None: no capture froze it): a recapture thaws only that freeze.
+        self.capture_freeze: int | None = None
+
+    @classmethod
+    def of(cls, registry: wspool.PoolRegistry) -> SglangPools:
+        """Return ``registry``'s, declaring the pools on first use."""
+        return registry.state(cls, lambda: cls(registry))
+
+    def handle(self, w: Workspace, rule: str, device: Any, lane: str, dtype: torch.dtype) -> WorkspaceHandle:
+        """Return the handle serving ``w`` by ``rule`` on ``device`` and ``lane`` as ``dtype``."""
+        key = (w.name, rule, device, lane, dtype)
+        found = self.handles.get(key)
+        if found is None:
+            registry, pool = self.registry, w.pool
+
+            def bind() -> wspool.WorkspacePool:
+                return registry.serving_pool(pool, rule, device, lane)
+
+            found = self.handles.setdefault(key, WorkspaceHandle(bind, rule, call_facts=_CALL_FACTS, dtype=dtype))
+        return found
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def _missing(exc: RuleError, w: Workspace, known: Mapping[str, int]) -> RuleError:
+    passer = f"for SGLang's {w.name} the integration"
+    return missing_facts(exc, passer, known, facts_of.FACT_NAMES, "see docs/sglang.md")
+
+
+def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
+    """Return ``w``'s pool buffer as ``request.dtype``: the same tensor while the buffer is the same."""
+    pools = SglangPools.of(wspool.get_registry())
+    device: Any = _settings.device or request.device
+    lane = wspool.current_lane()
+    known = {**facts_of.current_facts(), "sglang_bytes": request.nbytes}
+    rule = w.deterministic_rule if w.deterministic_rule and _settings.deterministic() else w.rule
+    handle = pools.handle(w, rule, device, lane, request.dtype)
+    held = handle.pool.buffer
+    try:
+        view = handle.sized(known)
+    except RuleError as exc:
+        raise _missing(exc, w, known) from exc
+    buffer = handle.pool.buffer
+    assert buffer is not None
+    if buffer is not held or (w.name, rule, device, lane) not in _said:
+        _said.add((w.name, rule, device, lane))
+        setting = f"pools.{w.pool}.rules.{rule}"
+        if buffer.numel() < request.nbytes:
+            logger.warning(
+                "wspool: SGLang's %s gets %s from %s, less than the %s SGLang allocates here; raise it "
+                "(WSPOOL_POOLS__%s__RULES__%s) if FlashInfer reports a workspace overflow",
+                w.name, format_size(buffer.numel()), setting, format_size(request.nbytes), w.pool.upper(),
+                rule.upper(),
+            )  # fmt: skip
+        else:
+            logger.info(
+                "wspool: SGLang's %s is %s of pool %s (%s on %s, lane %s; SGLang's own: %s)",
+                w.name, format_size(buffer.numel()), w.pool, setting, device, lane, format_size(request.nbytes),
+            )  # fmt: skip
+    return view
+
+
+# (name, rule, device, lane) said in a log line for the buffer held now.
+_said: set[tuple[str, str, Any, str]] = set()
+
+
+def serve(name: str, factory: Callable[[], Any], own: Callable[[], Any]) -> Any:
+    """Return SGLang's buffer ``name``: from its pool for the names of :data:`BUFFERS`, else ``own()``.
+
+    Args:
+        name: ``get_buffer``'s name.
+        factory: SGLang's factory; for a pooled name it runs under PyTorch's
+            fake-tensor mode only (nothing allocated), to learn its size, dtype and device.
+        own: SGLang's own ``get_buffer`` for this call, for every other name.
+
+    Returns:
+        For a pooled name, a zero-filled (when allocated) view of the pool's
+        buffer with the factory's dtype, at least as large as the rule; the
+        same tensor while the buffer is the same. For any other name, ``own()``'s result.
+
+    Raises:
+        RuleError: The rule reads a fact SGLang did not give (named in the message).
+        WorkspaceFrozenError: The pool would have to grow after a capture, outside a backend's constructor.
+    """
+    w = BUFFERS.get(name)
+    if w is None:
+        return own()
+    try:
+        request = facts_of.probe_factory(factory)
+    except Exception as exc:  # an unforeseen factory: SGLang's own buffer, said once
+        _warn_once(name, "wspool: SGLang's %s stays SGLang's own: its factory cannot be sized (%s)", name, exc)
+        return own()
+    if len(request.shape) != 1 or request.dtype not in (torch.uint8, torch.int8):
+        _warn_once(
+            name, "wspool: SGLang's %s stays SGLang's own: it is %s %s, not a flat byte buffer",
+            name, request.dtype, list(request.shape),
+        )  # fmt: skip
+        return own()
+    return _from_pool(w, request)
+
+
+def wrap_get_buffer(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``RuntimeContext.get_buffer``: the names of :data:`BUFFERS` from pools, every other SGLang's own.
+
+    Every other name is SGLang 0.5.23's get-or-create in ``self.resources.buffers``,
+    done here without a second call, since SGLang asks for some per layer.
+    """
+    pooled = frozenset(BUFFERS)
+
+    def get_buffer(self: Any, name: str, factory: Any) -> Any:
+        if name in pooled:
+            return serve(name, factory, lambda: original(self, name, factory))
+        buffers = self.resources.buffers
+        buf = buffers.get(name)
+        if buf is None:
+            buf = buffers[name] = factory()
+        return buf
+
+    get_buffer.__wrapped__ = original  # type: ignore[attr-defined]
+    get_buffer.__doc__ = original.__doc__
+    return get_buffer
+
+
+_private_lanes = itertools.count(1)
+
+
+def _install_cute_dsl(module: Any, runner: Any) -> None:
+    """Put a pool buffer where SGLang lazily puts its cute-dsl workspace, as SGLang would size it."""
+    if getattr(module, CUTE_DSL_WORKSPACE.name, None) is not None:
+        return
+    # SGLang's own: torch.zeros(DEFAULT_WORKSPACE_SIZE_MB MiB, dtype=torch.int8, device=model_runner.device).
+    request = facts_of.Request((int(module.DEFAULT_WORKSPACE_SIZE_MB) * _MiB,), torch.int8, torch.device(runner.device))
+    buffer = _from_pool(CUTE_DSL_WORKSPACE, request)
+    setattr(module, CUTE_DSL_WORKSPACE.name, buffer)
+    _globals_set.append((module, CUTE_DSL_WORKSPACE.name, buffer))
+
+
+@dataclass
+class _AfterParent:
+    """Work a subclass's constructor leaves for its parent's, to run right after the parent's body."""
+
+    instance: Any
+    run: Callable[[], None]
+    done: bool = False
+
+
+_AFTER_PARENT: contextvars.ContextVar[_AfterParent | None] = contextvars.ContextVar(
+    "wspool_sglang_after_parent", default=None
+)
+
+
+def wrap_constructor(
+    original: Callable[..., Any], *, new_workspace: bool = False, cute_dsl: bool = False, wrappers: bool = False
+) -> Any:
+    """Wrap a backend's ``__init__``: its runner's facts, a growth window, and its special cases.
+
+    ``wrappers``: the FlashInfer wrappers the constructor built take int workspaces
+    from wspool (:func:`~wspool.integrations.sglang.wrappers.bind_eager_wrappers`),
+    in the lane the backend was built in.
+    """
+    signature = inspect.signature(original)
+    module = sys.modules[original.__module__]
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        runner = bound.arguments["model_runner"]
+
+        def construct() -> None:
+            original(*bound.args, **bound.kwargs)
+            if wrappers:
+                sglang_wrappers.bind_eager_wrappers(self)
+
+        with facts_of.building(runner), wspool.get_registry().allowing_growth():
+            if new_workspace and bound.arguments["init_new_workspace"]:
+                # SGLang's torch.empty here is a buffer no other backend shares: a lane of its own.
+                bound.arguments["init_new_workspace"] = False
+                with wspool.lane(f"sglang-new-workspace-{next(_private_lanes)}"):
+                    construct()
+            elif cute_dsl and bound.arguments["backend"] == "cute-dsl":
+                # SGLang allocates the cute-dsl buffer after its parent's MLA workspace; so does wspool,
+                # so a pool shared by both grows once, to the larger.
+                after = _AfterParent(self, lambda: _install_cute_dsl(module, runner))
+                token = _AFTER_PARENT.set(after)
+                try:
+                    original(*bound.args, **bound.kwargs)
+                finally:
+                    _AFTER_PARENT.reset(token)
+                if not after.done:
+                    _warn_once(
+                        CUTE_DSL_WORKSPACE.name,
+                        "wspool: SGLang's %s stays SGLang's own: %s's parent constructor is not one wspool wraps",
+                        CUTE_DSL_WORKSPACE.name, type(self).__name__,
+                    )  # fmt: skip
+            else:
+                construct()
+            pending = _AFTER_PARENT.get()
+            if pending is not None and pending.instance is self and not pending.done:
+                pending.done = True
+                pending.run()
+
+    return __init__
+
+
+def wrap_capture(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a CUDA-graph runner's ``capture``: growth allowed while it runs, the registry frozen after.
+
+    A recapture thaws the freeze the last capture left, unless the registry was
+    unfrozen or frozen by someone else since; a failed capture still freezes
+    (graphs captured before it may replay).
+    """
+
+    @functools.wraps(original)
+    def capture(self: Any) -> Any:
+        registry = wspool.get_registry()
+        pools = SglangPools.of(registry)
+        state = registry.freeze_state
+        if registry.is_frozen and pools.capture_freeze == state.epoch:
+            registry.unfreeze()
+        try:
+            return original(self)
+        finally:
+            if not registry.is_frozen:
+                registry.freeze()
+                pools.capture_freeze = state.epoch
+
+    return capture
+
+
+# (module, global, buffer) for each SGLang module global set to a pool buffer.
+_globals_set: list[tuple[Any, str, torch.Tensor]] = []
+
+
+def forget_globals() -> None:
+    """Reset each SGLang module global wspool set (to ``None``, SGLang's value before its first backend).
+
+    Backends built meanwhile keep the buffers they hold. Also forgets what was said once.
+    """
+    for module, attr, buffer in _globals_set:
+        if getattr(module, attr, None) is buffer:
+            setattr(module, attr, None)
+    _globals_set.clear()
+    _warned.clear()
+    _said.clear()
+
+
+def device_override() -> torch.device | None:
+    """Return the device :data:`DEVICE_ENV_VAR` names, or ``None`` where it is unset.
+
+    Raises:
+        ConfigError: It names no device.
+    """
+    raw = os.environ.get(DEVICE_ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        return torch.device(raw)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"invalid environment variable {DEVICE_ENV_VAR} = {raw[:80]!r}: not a device (cpu, cuda, cuda:1...)"
+        ) from None

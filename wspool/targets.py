@@ -1,0 +1,292 @@
+"""Replacing attributes of other libraries: targets, all-or-nothing groups, undo.
+
+wspool changes another library (an engine, FlashInfer) only through this module:
+a :class:`Target` names an attribute (a module function, a class attribute, or
+a by-name copy of either) and the parameters wspool knows it by; a
+:class:`TargetGroup` is patched whole or not at all; a :class:`PatchSet`
+applies groups, undoes them, and is idempotent. Nothing here imports torch or
+the libraries it patches until a target is located.
+
+Thread semantics: a :class:`PatchSet` applies and undoes under its own lock,
+which guards only its bookkeeping and the attribute writes; locating (which
+imports the target's module and so runs its code) happens before the lock is
+taken. Patch before serving: a patch is not meant to race with calls of the
+attribute it replaces.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = [
+    "PartialUndoError",
+    "Patch",
+    "PatchPlan",
+    "PatchSet",
+    "Target",
+    "TargetAbsent",
+    "TargetChanged",
+    "TargetGroup",
+    "locate",
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute of another library that wspool replaces.
+
+    Attributes:
+        module: The module that holds it.
+        path: The attribute in that module: ``"f"`` or ``"Class.attr"``.
+        parameters: The parameter names wspool knows it by; another signature is
+            not patched. ``None``: the attribute is not called (a module global).
+        make: Builds the replacement from the current value.
+        what: What it becomes, for the log lines and ``wspool doctor``.
+        optional: It may be absent from the version in use (a function of one
+            version, a by-name copy in a module some builds lack); absent, it is skipped.
+        requires: Module attributes the replacement reads, which must exist.
+    """
+
+    module: str
+    path: str
+    parameters: tuple[str, ...] | None
+    make: Callable[[Any], Any]
+    what: str
+    optional: bool = False
+    requires: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The dotted name: the module, then the path in it."""
+        return f"{self.module}.{self.path}"
+
+
+@dataclass(frozen=True)
+class TargetGroup:
+    """Targets patched all or none: each needs the others to be safe.
+
+    Attributes:
+        name: What the group serves, for the log lines.
+        targets: Its targets, in the order they are patched.
+    """
+
+    name: str
+    targets: tuple[Target, ...]
+
+
+class TargetAbsent(LookupError):
+    """The target's module or attribute does not exist in the version in use."""
+
+
+class TargetChanged(LookupError):
+    """The target exists, but not as wspool knows it (or its module fails to import)."""
+
+
+class PartialUndoError(RuntimeError):
+    """Patching failed and some patches could not be undone; they stay in the :class:`PatchSet`."""
+
+
+class Located(NamedTuple):
+    """Where a target lives now: its owner (module or class), attribute name and current value."""
+
+    owner: Any
+    attr: str
+    current: Any
+
+
+def _import(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+            raise TargetAbsent(f"module {module} does not exist here") from None
+        raise TargetChanged(f"module {module} does not import ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # the library's own import error (a missing dependency, a device check)
+        raise TargetChanged(f"module {module} does not import ({type(exc).__name__}: {exc})") from None
+
+
+def locate(target: Target) -> Located:
+    """Return where ``target`` is and its current value, checked against what wspool knows.
+
+    Imports the target's module (running its code when not yet imported).
+
+    Raises:
+        TargetAbsent: Its module, class or attribute does not exist.
+        TargetChanged: It exists with other parameters or without a signature, a
+            required module attribute is missing, or its module fails to import.
+    """
+    module = _import(target.module)
+    for attr in target.requires:
+        if not hasattr(module, attr):
+            raise TargetChanged(f"{target.module} has no {attr}")
+    owner: Any = module
+    *classes, attr = target.path.split(".")
+    for part in classes:
+        owner = getattr(owner, part, None)
+        if not isinstance(owner, type):
+            raise TargetAbsent(f"{target.module} has no class {part}")
+    # A class attribute as stored (not bound), so a wrapper sees the plain function.
+    current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    if target.parameters is None:
+        if not hasattr(owner, attr):
+            raise TargetAbsent(f"{target.name} is missing")
+        return Located(owner, attr, current)
+    if current is None:
+        raise TargetAbsent(f"{target.name} is missing")
+    try:
+        parameters = tuple(inspect.signature(current).parameters)
+    except (TypeError, ValueError):
+        raise TargetChanged(f"{target.name} has no signature to check") from None
+    if parameters != target.parameters:
+        raise TargetChanged(
+            f"{target.name} takes ({', '.join(parameters)}), not ({', '.join(target.parameters)}) as wspool knows"
+        )
+    return Located(owner, attr, current)
+
+
+@dataclass
+class PatchPlan:
+    """What :meth:`PatchSet.plan` found: the targets to patch, and what it leaves alone and why.
+
+    Attributes:
+        located: ``(target, where)`` of every target to patch, in order.
+        not_patched: ``"group (why)"`` for each group left as the library has it.
+        absent: The names of optional targets this version lacks.
+    """
+
+    located: list[tuple[Target, Located]] = field(default_factory=list)
+    not_patched: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One applied replacement: where, the original value and the replacement."""
+
+    name: str
+    owner: Any
+    attr: str
+    original: Any
+    replacement: Any
+
+    def current(self) -> Any:
+        """Return the attribute's value now (a class's own, not an inherited one)."""
+        owner = self.owner
+        return owner.__dict__.get(self.attr) if isinstance(owner, type) else getattr(owner, self.attr, None)
+
+
+class PatchSet:
+    """The patches one integration applied in this process; applies groups all or none, and undoes them.
+
+    Args:
+        all_or_nothing: A group that cannot be patched leaves every group
+            unpatched (the library keeps its own behaviour everywhere); otherwise
+            only that group is left, and the others are patched.
+    """
+
+    def __init__(self, *, all_or_nothing: bool = False) -> None:
+        self.all_or_nothing = all_or_nothing
+        self._lock = threading.Lock()
+        self._patches: dict[str, Patch] = {}
+        self._undo_hooks: list[Callable[[], None]] = []
+
+    def plan(self, groups: Iterable[TargetGroup]) -> PatchPlan:
+        """Locate every group's targets (importing their modules); change nothing."""
+        plan = PatchPlan()
+        for group in groups:
+            located: list[tuple[Target, Located]] = []
+            skipped: list[str] = []
+            failures: list[str] = []  # every target the group lacks, so one warning names them all
+            for target in group.targets:
+                try:
+                    located.append((target, locate(target)))
+                except TargetAbsent as exc:
+                    if not target.optional:
+                        failures.append(str(exc))
+                    else:
+                        skipped.append(target.name)
+                except TargetChanged as exc:
+                    failures.append(str(exc))
+            if failures:
+                plan.not_patched.append(f"{group.name} ({'; '.join(failures)})")
+            else:
+                plan.located.extend(located)
+                plan.absent.extend(skipped)
+        if self.all_or_nothing and plan.not_patched:
+            plan.located.clear()
+        return plan
+
+    def apply(self, plan: PatchPlan) -> list[Patch]:
+        """Apply every located target of ``plan``, all or none; return the patches applied.
+
+        Does nothing (and returns ``[]``) when this set already holds patches.
+
+        Raises:
+            PartialUndoError: A replacement failed and undoing the others failed
+                too; those stay patched and :meth:`names` lists them.
+            Exception: Whatever building or setting a replacement raised, after
+                every patch of this call was undone.
+        """
+        with self._lock:
+            if self._patches:
+                return []
+            applied: list[Patch] = []
+            try:
+                for target, where in plan.located:
+                    replacement = target.make(where.current)
+                    setattr(where.owner, where.attr, replacement)
+                    applied.append(Patch(target.name, where.owner, where.attr, where.current, replacement))
+            except Exception as exc:
+                stuck = self._restore(applied, keep_stuck=True)
+                if stuck:
+                    raise PartialUndoError(
+                        f"{type(exc).__name__}: {exc}; undoing its patches failed for {'; '.join(stuck)}, which stay "
+                        "wspool's (patched() lists them); every other patch was undone"
+                    ) from exc
+                raise
+            self._patches = {patch.name: patch for patch in applied}
+            return applied
+
+    def on_undo(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` at the next :meth:`undo` (for changes that are not attribute patches)."""
+        with self._lock:
+            self._undo_hooks.append(hook)
+
+    def undo(self) -> list[str]:
+        """Put every original back, newest first; return the names restored.
+
+        An attribute that something else replaced after wspool is left alone.
+        """
+        with self._lock:
+            patches = list(self._patches.values())
+            self._patches = {}
+            hooks, self._undo_hooks = self._undo_hooks, []
+            restored = [p.name for p in patches if p.current() is p.replacement]
+            self._restore([p for p in patches if p.current() is p.replacement], keep_stuck=False)
+        for hook in reversed(hooks):
+            hook()
+        return restored
+
+    def _restore(self, patches: list[Patch], *, keep_stuck: bool) -> list[str]:
+        stuck = []
+        for patch in reversed(patches):
+            try:
+                setattr(patch.owner, patch.attr, patch.original)
+            except Exception as exc:
+                stuck.append(f"{patch.name} ({type(exc).__name__}: {exc})")
+                if keep_stuck:
+                    self._patches[patch.name] = patch
+        return stuck
+
+    def names(self) -> list[str]:
+        """Return the names of the attributes patched now, in the order they were patched."""
+        with self._lock:
+            return list(self._patches)
+
+    def __bool__(self) -> bool:
+        return bool(self._patches)
