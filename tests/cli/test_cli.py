@@ -270,7 +270,8 @@ def test_config_takes_a_shipped_name(capsys: pytest.CaptureFixture[str]) -> None
     assert capsys.readouterr().out.strip() == str(135266304 + 32 * 2**20)
     status, _, err = _in_process(capsys, "show", "--config", "nope")
     assert status == 2
-    assert "no shipped configuration has that name (shipped: blackwell, default, hopper, kimi_dcp, sglang, vllm)" in err
+    shipped = "(shipped: blackwell, default, hopper, kimi_dcp, sglang, tokenspeed, vllm)"
+    assert f"no shipped configuration has that name {shipped}" in err
 
 
 def test_show_refuses_a_rule_of_an_own_pool_that_no_call_can_resolve(

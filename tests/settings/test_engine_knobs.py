@@ -55,14 +55,37 @@ def test_sglang_knob_sizes_the_sglang_integrations_variable_rules(monkeypatch: p
 
 
 def test_knob_is_below_yaml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A value in the YAML file beats the engine's variable; the variable still sets the other rule."""
+    """A value in the YAML file beats the engine's variable, and its source says so; the variable sets the rest."""
     monkeypatch.setenv(VLLM, str(394 * MiB))
     path = tmp_path / "c.yaml"
     path.write_text("pools:\n  flashinfer:\n    rules:\n      decode: 64MiB\n")
     settings, provenance = load_settings_with_provenance(path)
     rules = dict(settings.pools["flashinfer"].rules)
     assert (rules["decode"], rules["prefill"], rules["vllm"]) == ("64MiB", str(394 * MiB), str(394 * MiB))
-    assert provenance.source_of(("pools", "flashinfer", "rules", "decode")) == f"YAML file {path}"
+    source = provenance.source_of(("pools", "flashinfer", "rules", "decode"))
+    assert source == f"YAML file {path}; overrides environment variable {VLLM}"
+    assert provenance.source_of(("pools", "flashinfer", "rules", "vllm")) == f"environment variable {VLLM}"
+
+
+def test_tokenspeed_knobs_count_mib_or_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TokenSpeed's _MB variables count MiB and FLASHINFER_WORKSPACE_SIZE bytes; each sets one integration rule."""
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "96")
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "128")
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_SIZE", str(200 * MiB))
+    settings, provenance = load_settings_with_provenance()
+    assert settings.pools["tokenspeed_scratch"].rules["trtllm_mha"] == str(96 * MiB)
+    assert settings.pools["tokenspeed_trtllm_mla"].rules["default"] == str(128 * MiB)
+    assert settings.pools["flashinfer"].rules["tokenspeed_flashmla"] == str(200 * MiB)
+    assert settings.pools["flashinfer"].rules["decode"] != str(200 * MiB)  # TokenSpeed's variable sizes FlashMLA only
+    source = provenance.source_of(("pools", "tokenspeed_trtllm_mla", "rules", "default"))
+    assert source == "environment variable TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB"
+
+
+def test_a_tokenspeed_mib_variable_that_is_not_a_whole_number_names_its_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB=1.5 is refused, naming MiB and the rule it sizes."""
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "1.5")
+    with pytest.raises(ConfigError, match=r"whole number of MiB, and wspool sizes pools\.tokenspeed_trtllm_mla"):
+        load_settings()
 
 
 def test_knob_is_below_wspool_env_and_code(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,11 +24,12 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, readable_int, setting_names
-from wspool.units import KiB, format_size
+from wspool.units import KiB, MiB, format_size
 
 __all__ = [
     "CONFIG_ENV_VAR",
     "ENGINE_KNOBS",
+    "ENGINE_KNOB_UNITS",
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
@@ -88,24 +89,39 @@ class Provenance:
         self.config_file = config_file
 
     def source_of(self, path: tuple[str, ...]) -> str:
-        """Return ``"code"``, ``"environment variable WSPOOL_..."``, ``"YAML file ..."`` or ``"default"``."""
-        for label, data in self._layers:
-            node: Any = data
-            for part in path:
-                if not isinstance(node, Mapping):
-                    break
-                # YAML keys need not be strings (``1:``), while error paths are.
-                found = part if part in node else next((k for k in node if str(k) == part), None)
-                if found is None:
-                    break
-                node = node[found]
+        """Return ``"code"``, ``"environment variable WSPOOL_..."``, ``"YAML file ..."`` or ``"default"``.
+
+        Where a higher source sets a key that an engine's own variable also sets,
+        the text says so: ``"YAML file f.yaml; overrides environment variable X"``.
+        """
+        for index, (label, data) in enumerate(self._layers):
+            if not _holds(data, path):
+                continue
+            if label == "env":
+                shown = f"environment variable {setting_names(path)[1]}"
+            elif label == "yaml":
+                shown = f"YAML file {self.config_file}"
             else:
-                if label == "env":
-                    return f"environment variable {setting_names(path)[1]}"
-                if label == "yaml":
-                    return f"YAML file {self.config_file}"
                 return label
+            knobs = [
+                k for k, d in self._layers[index + 1 :] if k.startswith("environment variable ") and _holds(d, path)
+            ]
+            return "; ".join([shown, *(f"overrides {knob}" for knob in knobs)])
         return "default"
+
+
+def _holds(data: Mapping[str, Any], path: tuple[str, ...]) -> bool:
+    """Whether the layer ``data`` sets the key ``path``."""
+    node: Any = data
+    for part in path:
+        if not isinstance(node, Mapping):
+            return False
+        # YAML keys need not be strings (``1:``), while error paths are.
+        found = part if part in node else next((k for k in node if str(k) == part), None)
+        if found is None:
+            return False
+        node = node[found]
+    return True
 
 
 #: Validation errors quoted in one ConfigError; the rest are counted.
@@ -393,7 +409,8 @@ def _check_size_and_depth(data: object, where: str, config: bool, error: type[Co
             stack.extend((child, depth + 1) for child in node)
 
 
-#: (variable, engine, the (pool, rule) keys it sets), highest precedence first.
+#: (variable, engine, the (pool, rule) keys it sets), highest precedence first. A variable counts
+#: bytes unless :data:`ENGINE_KNOB_UNITS` names another unit.
 ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     (
         "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE",
@@ -419,7 +436,17 @@ ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
             ("sglang_dsa_sparse_mla", "default"),
         ),
     ),
+    # The TokenSpeed integration's rules for the workspaces TokenSpeed sizes with each variable.
+    ("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "TokenSpeed", (("tokenspeed_scratch", "trtllm_mha"),)),
+    ("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "TokenSpeed", (("tokenspeed_trtllm_mla", "default"),)),
+    ("FLASHINFER_WORKSPACE_SIZE", "TokenSpeed", (("flashinfer", "tokenspeed_flashmla"),)),
 )
+
+#: The unit of each engine variable that does not count bytes: ``(bytes per unit, its name)``.
+ENGINE_KNOB_UNITS: Mapping[str, tuple[int, str]] = {
+    "TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB": (MiB, "MiB"),
+    "TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB": (MiB, "MiB"),
+}
 
 
 def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[tuple[str, dict[str, Any]]]:
@@ -437,15 +464,16 @@ def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[tuple[s
         raw = environ.get(name, "").strip()
         if not raw:
             continue
+        unit, unit_name = ENGINE_KNOB_UNITS.get(name, (1, "bytes"))
         try:
-            nbytes = int(raw, 10)
+            nbytes = int(raw, 10) * unit
         except ValueError:
             nbytes = 0
         if nbytes <= 0:
             names = ", ".join(setting_names(("pools", pool, "rules", rule))[0] for pool, rule in keys)
             raise ConfigError(
                 f"invalid environment variable {name} = {raw[:80]!r}: {engine} reads it as a positive whole "
-                f"number of bytes, and wspool sizes {names} with it; fix or unset it (the YAML file and "
+                f"number of {unit_name}, and wspool sizes {names} with it; fix or unset it (the YAML file and "
                 f"WSPOOL_* variables take precedence over it)"
             )
         data: dict[str, Any] = {"pools": {}}
