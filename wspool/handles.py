@@ -58,28 +58,34 @@ def _view(pool: WorkspacePool, buffer: torch.Tensor, dtype: torch.dtype) -> torc
 class WorkspaceHandle:
     """One pool rule bound on one device and lane; create through :meth:`wspool.PoolRegistry.handle`.
 
+    Its steady-state calls count as requests of the rule in the pool's
+    statistics (a count may miss a call two threads make at the same instant).
+
     Args:
         bind: Returns the pool instance that serves the rule now (the registry's).
         rule: The pool's rule that sizes every call.
         call_facts: The facts the call site may pass to :meth:`sized`; a rule
             that reads none of them is resolved once per binding.
         dtype: The dtype of the view returned (``None``: the pool's ``uint8``).
+        facts: Facts bound to the handle (fixed for its call site, e.g. a size the
+            engine passes every call), which the rule reads where a call gives none.
     """
 
     __slots__ = (
+        "__weakref__",
         "_bind",
-        "_bound_epoch",
+        "_bound",
+        "_bound_facts",
         "_buffer",
         "_call_facts",
-        "_count",
         "_dtype",
-        "_epoch",
-        "_fast",
-        "_fast_facts",
         "_last_facts",
         "_pool",
         "_probe",
         "_raw",
+        "_valid",
+        "_valid_facts",
+        "hits",
         "reads_call_facts",
         "rule",
     )
@@ -91,26 +97,29 @@ class WorkspaceHandle:
         *,
         call_facts: Iterable[str] = (),
         dtype: torch.dtype | None = None,
+        facts: Mapping[str, object] | None = None,
     ) -> None:
         self._bind = bind
+        self._bound_facts: Mapping[str, object] = dict(facts or {})
         self.rule = rule
         self._call_facts = frozenset(call_facts)
         self._dtype = None if dtype in (None, torch.uint8) else dtype
-        self._epoch = -1
-        self._bound_epoch = -1
+        # The epoch the held buffer is valid in for calls without facts / with _last_facts (-1: none).
+        self._valid = -1
+        self._valid_facts = -1
+        self._bound = -1  # the epoch of the binding
         self._buffer: torch.Tensor | None = None
         self._raw: torch.Tensor | None = None
         self._pool: WorkspacePool | None = None
         self._probe: Callable[[], bool] | None = None
-        self._count: Callable[[], object] = int
-        self._fast = False
-        self._fast_facts = False
         self._last_facts: object = None
+        #: Steady-state calls since the pool last took them into its statistics.
+        self.hits = 0
         #: Whether the rule reads any fact the call site passes (decided at binding).
         self.reads_call_facts = False
         self._rebind()
 
-    def __call__(self) -> torch.Tensor:
+    def get(self) -> torch.Tensor:
         """Return the buffer for a call that passes no facts (the rule's size with its default facts).
 
         Raises:
@@ -118,13 +127,36 @@ class WorkspaceHandle:
             WorkspaceFrozenError: Growth was needed while frozen or capturing.
             WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
         """
-        if self._epoch == _EPOCH[0] and self._fast:
+        buffer = self._buffer  # read first: a pool that replaces it clears it after moving the epoch
+        if self._valid == _EPOCH[0] and buffer is not None:
             probe = self._probe
             if probe is not None and probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
-            self._count()
-            return self._buffer  # type: ignore[return-value]
-        return self._serve({})
+            self.hits += 1
+            return buffer
+        return self._serve(self._bound_facts, plain=True)
+
+    __call__ = get
+
+    def fetch(self, facts_of: Callable[[], Mapping[str, object]]) -> torch.Tensor:
+        """Return the buffer, asking ``facts_of()`` for the call's facts only where the rule reads them.
+
+        For an engine getter that knows its facts only at some call sites; in
+        the steady state of a rule that reads none, this is :meth:`__call__`.
+
+        Raises:
+            The errors of :meth:`sized`.
+        """
+        buffer = self._buffer  # read first: a pool that replaces it clears it after moving the epoch
+        if self._valid == _EPOCH[0] and buffer is not None:
+            probe = self._probe
+            if probe is not None and probe():
+                self._pool.note_captured()  # type: ignore[union-attr]
+            self.hits += 1
+            return buffer
+        if self.current_reads_call_facts():
+            return self.sized(facts_of())
+        return self._serve(self._bound_facts, plain=True)
 
     def sized(self, facts: Mapping[str, object]) -> torch.Tensor:
         """Return the buffer for a call with ``facts`` (pass the same mapping for a step's calls).
@@ -136,48 +168,34 @@ class WorkspaceHandle:
         Raises:
             The errors of :meth:`__call__`, and ``RuleError`` for facts the rule cannot use.
         """
-        if not self.reads_call_facts:
-            return self()
-        if self._epoch == _EPOCH[0] and facts is self._last_facts and self._fast_facts:
+        buffer = self._buffer
+        if facts is self._last_facts and self._valid_facts == _EPOCH[0] and buffer is not None:
             probe = self._probe
             if probe is not None and probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
-            self._count()
-            return self._buffer  # type: ignore[return-value]
-        buffer = self._serve(facts)
+            self.hits += 1
+            return buffer
+        if not self.current_reads_call_facts():
+            return self.get()
+        buffer = self._serve(facts, plain=False)
         self._last_facts = facts
         return buffer
 
-    def fetch(self, facts_of: Callable[[], Mapping[str, object]]) -> torch.Tensor:
-        """Return the buffer, asking ``facts_of()`` for the call's facts only where the rule reads them.
-
-        The getter of an engine that knows its facts only at some call sites
-        passes a reader of them; in the steady state of a rule that reads none,
-        this is :meth:`__call__`.
-
-        Raises:
-            The errors of :meth:`sized`.
-        """
-        if self._epoch == _EPOCH[0] and self._fast:
-            probe = self._probe
-            if probe is not None and probe():
-                self._pool.note_captured()  # type: ignore[union-attr]
-            self._count()
-            return self._buffer  # type: ignore[return-value]
-        if self.current_reads_call_facts():
-            return self.sized(facts_of())
-        return self._serve({})
+    def forget_buffer(self) -> None:
+        """Let go of the buffer held (its pool replaced or dropped it, and moved the epoch): the next call serves."""
+        self._valid = self._valid_facts = -1
+        self._buffer = self._raw = None
 
     def current_reads_call_facts(self) -> bool:
         """Whether the rule reads a call fact under the configuration in force now (binding again if it moved)."""
-        if self._bound_epoch != _EPOCH[0]:
+        if self._bound != _EPOCH[0]:
             self._rebind()
         return self.reads_call_facts
 
-    def _serve(self, facts: Mapping[str, object]) -> torch.Tensor:
+    def _serve(self, facts: Mapping[str, object], *, plain: bool) -> torch.Tensor:
         """The full path: bind again if the epoch moved, then ask the pool (which counts, grows and checks)."""
         epoch = _EPOCH[0]
-        if self._bound_epoch != epoch:
+        if self._bound != epoch:
             self._rebind()
         pool = self._pool
         assert pool is not None
@@ -187,26 +205,31 @@ class WorkspaceHandle:
         else:
             view = buffer if self._dtype is None else _view(pool, buffer, self._dtype)
             self._raw = buffer
-        # Held only if nothing moved the epoch meanwhile (this call's own growth did: bind again next time).
         self._buffer = view
         self._last_facts = None
-        if _EPOCH[0] == epoch:
-            self._epoch = epoch
+        self._valid = self._valid_facts = -1
+        # Held only if nothing moved the epoch meanwhile (this call's own growth did: serve again next time).
+        if _EPOCH[0] == epoch and not pool.watches_streams:
+            if plain and not self.reads_call_facts:
+                self._valid = epoch
+            elif not plain:
+                self._valid_facts = epoch
         return view
 
     def _rebind(self) -> None:
         epoch = _EPOCH[0]
+        old = self._pool
         pool = self._bind()
+        if old is not None and self.hits:
+            old.take_hits(self)  # the calls made on the old binding stay in its statistics
         compiled = pool.spec.rules.get(self.rule)
-        self._count = pool.request_counter(self.rule)
         self._probe = pool.capture_probe
-        self.reads_call_facts = compiled is not None and bool(self._call_facts.intersection(compiled.names))
-        # A pool that watches streams sees every call; so does, without facts, a rule that reads them.
-        self._fast_facts = not pool.watches_streams
-        self._fast = self._fast_facts and not self.reads_call_facts
+        unbound = self._call_facts.difference(self._bound_facts)
+        self.reads_call_facts = compiled is not None and bool(unbound.intersection(compiled.names))
+        pool.attach(self)
         self._pool = pool
-        self._epoch = -1
-        self._bound_epoch = epoch
+        self._valid = self._valid_facts = -1
+        self._bound = epoch
 
     @property
     def pool(self) -> WorkspacePool:

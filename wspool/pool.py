@@ -24,6 +24,7 @@ import contextvars
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -47,6 +48,7 @@ from wspool.units import MAX_SIZE_BYTES, format_size
 
 if TYPE_CHECKING:
     from wspool.devices import DeviceLike
+    from wspool.handles import WorkspaceHandle
 
 __all__ = [
     "Allocator",
@@ -438,6 +440,9 @@ class WorkspacePool:
         self.generation = 0  # increments each time the buffer is replaced
         # Objects built on the current buffer (kernel wrappers), emptied whenever the buffer is replaced.
         self.buffer_cache: dict[Hashable, Any] = {}
+        # Bound handles whose calls count as requests, and the counts of those that bound elsewhere.
+        self._handles: weakref.WeakSet[WorkspaceHandle] = weakref.WeakSet()
+        self._taken: dict[str, int] = {}
 
     # -- the per-call path -------------------------------------------------
 
@@ -635,6 +640,7 @@ class WorkspacePool:
                 self._grows += 1
                 self.generation += 1
                 bump_epoch()
+                self._forget_in_handles()
                 self._last_reason = f"{reason}: {format_size(nbytes)}"
         if refusal is not None:  # frozen while allocating: the new buffer is dropped
             self._report_refusal(*refusal)
@@ -658,13 +664,27 @@ class WorkspacePool:
         """Record that a graph captured the current buffer, so it is retired, not freed, when replaced."""
         self._captured = True
 
-    def request_counter(self, rule: str) -> Callable[[], object]:
-        """Return the callable that counts one request of ``rule`` (a bound handle's calls count as requests).
+    def attach(self, handle: WorkspaceHandle) -> None:
+        """Count ``handle``'s steady-state calls (its ``hits``) as requests of its rule in :meth:`stats`."""
+        with self._lock:
+            self._handles.add(handle)
 
-        Raises:
-            RuleError: The rule is unknown.
-        """
-        return self._rule_slot(rule)[0].counter.__next__
+    def _forget_in_handles(self) -> None:
+        """Make every attached handle let go of the buffer it holds (called with the lock held)."""
+        for handle in list(self._handles):
+            handle.forget_buffer()
+
+    def drop_handles(self) -> None:
+        """Make every attached handle let go of this pool's buffer (the registry drops the pool)."""
+        with self._lock:
+            self._forget_in_handles()
+
+    def take_hits(self, handle: WorkspaceHandle) -> None:
+        """Move ``handle``'s hits into this pool's counts (it binds elsewhere) and stop counting it."""
+        with self._lock:
+            hits, handle.hits = handle.hits, 0
+            self._handles.discard(handle)
+            self._taken[handle.rule] = self._taken.get(handle.rule, 0) + hits
 
     # -- inspection and maintenance -----------------------------------------
 
@@ -682,6 +702,10 @@ class WorkspacePool:
         """Return a consistent snapshot of this pool's statistics."""
         with self._lock:
             counts = {name: slot.read_count() for name, slot in self._slots.items()}
+            for rule, taken in self._taken.items():
+                counts[rule] = counts.get(rule, 0) + taken
+            for handle in list(self._handles):
+                counts[handle.rule] = counts.get(handle.rule, 0) + handle.hits
             by_rule = {name: count for name, count in counts.items() if count}
             return PoolStats(
                 pool=self.spec.name,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from wspool.devices import resolve_device
 from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError, describe_setting
 from wspool.pool import Allocator, PoolSource, cuda_capture_probe, zeros_allocator
 from wspool.units import format_size, round_up
@@ -124,6 +125,10 @@ class WrapperRegions:
         max_bytes: Reads that cap for a device: ``None`` for none.
         allocator: Makes zero-filled device regions; default ``torch.zeros``.
 
+    Devices are counted as their regions' tensors report them: ``cuda`` is the
+    current CUDA device's index, ``cpu:0`` is ``cpu``, so a cap and a group hold
+    however the caller spells the device.
+
     Thread semantics: thread-safe; a region is allocated outside the lock, so two
     threads binding the first wrappers of one group may each allocate, and the one
     that installs its region first wins (the other's region is dropped).
@@ -154,8 +159,13 @@ class WrapperRegions:
         group: Hashable | None = None,
         pinned: bool = False,
         setting: str | None = None,
+        install: Callable[[WrapperBinding], None] | None = None,
     ) -> WrapperBinding:
         """Give ``wrapper`` an int region of at least ``nbytes``; return its binding.
+
+        The binding is recorded only once ``install`` (if given) returned: a
+        wrapper that did not take its new region keeps its previous binding, and
+        the region it leaves keeps its record, as they were.
 
         Args:
             wrapper: The kernel wrapper (held weakly; its binding lives as long as it).
@@ -169,16 +179,21 @@ class WrapperRegions:
                 ``None``: a region of its own.
             pinned: Also make it a pinned host copy as large as the region.
             setting: The key of the rule ``nbytes`` came from, which errors name.
+            install: Hands the new binding to the wrapper (e.g. FlashInfer's
+                ``reset_workspace_buffer``); called outside the lock, before anything
+                is recorded. What it raises propagates, and nothing is recorded.
 
         Raises:
             WorkspaceFrozenError: A region would be allocated while the current stream captures.
             WorkspaceLimitError: The regions would pass the pool's ``max_bytes``, or the device's memory.
+            ConfigError: ``device`` is ``cuda`` and torch can use no CUDA device here.
         """
+        device = _as_tensors_report(device)
         size = round_up(max(int(nbytes), REGION_ALIGNMENT), REGION_ALIGNMENT)
         key = (str(device), lane, group)
         region = self._groups.get(key) if group is not None else None
         if region is None or region.nbytes < size:
-            region = self._new_region(device, size, group, lane)
+            region = self._new_region(device, size, group, lane, wrapper)
             if group is not None:
                 with self._lock:
                     installed = self._groups.get(key)
@@ -188,6 +203,8 @@ class WrapperRegions:
                         self._groups[key] = region
         copy = self._pinned_copy(region.nbytes, device) if pinned else None
         binding = WrapperBinding(region, copy, kind, setting)
+        if install is not None:
+            install(binding)
         with self._lock:
             previous = self._bindings.get(wrapper)
             self._bindings[wrapper] = binding
@@ -196,8 +213,14 @@ class WrapperRegions:
             previous.region.record.owner = None  # the wrapper's plans no longer live there
         return binding
 
-    def _new_region(self, device: torch.device, size: int, group: Hashable | None, lane: str) -> IntRegion:
-        """Allocate a region (outside the lock), refused while capturing or past the cap."""
+    def _new_region(
+        self, device: torch.device, size: int, group: Hashable | None, lane: str, wrapper: Any
+    ) -> IntRegion:
+        """Allocate a region for ``wrapper`` (outside the lock), refused while capturing or past the cap.
+
+        The cap counts the regions held once ``wrapper`` moved here: its present
+        region only where another wrapper holds it too.
+        """
         where = str(device)
         if device.type == "cuda":
             probe = self._probes.get(where)
@@ -210,7 +233,7 @@ class WrapperRegions:
                 )
         limit = self._max_bytes(where)
         if limit is not None:
-            held = sum(r.nbytes for r in self._live_regions() if r.device == where and r.lane == lane)
+            held = sum(r.nbytes for r in self._live_regions(wrapper) if r.device == where and r.lane == lane)
             if held + size > limit:
                 raise WorkspaceLimitError(
                     f"int workspace regions ({self.pool}) on {device} lane {lane} would hold {held + size} bytes, "
@@ -248,9 +271,10 @@ class WrapperRegions:
                 if current is None or current[1] + size > current[0].numel():
                     self._pinned_chunk = (new, 0)
 
-    def _live_regions(self) -> list[IntRegion]:
+    def _live_regions(self, leaving: Any = None) -> list[IntRegion]:
+        """The regions the bound wrappers hold, each once; ``leaving``'s binding not counted."""
         with self._lock:
-            found = {id(b.region): b.region for b in self._bindings.values()}
+            found = {id(b.region): b.region for w, b in self._bindings.items() if w is not leaving}
         return list(found.values())
 
     def stats(self) -> list[dict[str, Any]]:
@@ -283,6 +307,16 @@ class WrapperRegions:
                 entry["regions"] += 1
                 entry["region_bytes"] += region.nbytes
         return [totals[k] for k in sorted(totals)]
+
+
+def _as_tensors_report(device: torch.device) -> torch.device:
+    """Return ``device`` as a tensor allocated on it reports its device (``cuda`` -> ``cuda:<current>``,
+    ``cpu:0`` -> ``cpu``), so that one device is one key however it is spelt."""
+    if device.type == "cuda":
+        return resolve_device(device) if device.index is None else device
+    if device.type in ("cpu", "meta") and device.index is not None:
+        return torch.device(device.type)
+    return device
 
 
 def wrapper_regions(registry: PoolSource, pool: str = "flashinfer_int") -> WrapperRegions:

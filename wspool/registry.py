@@ -233,7 +233,7 @@ class PoolRegistry:
                 found = self._serving(pool, device, lane, rule)
         if facts:
             return found[0].workspace(rule, facts)
-        return found[1]()
+        return found[1].get()
 
     def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> tuple[WorkspacePool, WorkspaceHandle]:
         """Return the pool instance that serves ``pool``'s ``rule`` and its handle (a call's first miss).
@@ -410,11 +410,14 @@ class PoolRegistry:
     def reset(self) -> None:
         """Drop every pool instance and its buffers, statistics and state objects; unfreeze (for tests)."""
         with self._lock:
+            dropped = list(self._pools.values())
             self._pools.clear()
             self._fast.clear()
             self._states.clear()
             self.freeze_state.clear()
         bump_epoch()
+        for pool in dropped:
+            pool.drop_handles()
 
     def state(self, kind: type[_State], make: Callable[[], _State] | None = None) -> _State:
         """Return this registry's one object of type ``kind``, made on first use.

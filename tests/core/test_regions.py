@@ -56,3 +56,64 @@ def test_a_rebound_wrapper_leaves_its_old_regions_record_to_nobody() -> None:
     new = regions.bind(wrapper, device=torch.device("cpu"), nbytes=640, kind="x", lane="main")
     assert binding_of(wrapper) is new and new.region is not old.region
     assert old.region.record.owner is None and token is not None
+
+
+def test_a_failed_install_records_nothing_and_leaves_the_previous_binding() -> None:
+    """An install (the wrapper taking its region) that raises records no binding: the previous one stays, its
+    region's record untouched, and the region it would have moved to counts nowhere."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    wrapper, cpu = _Wrapper(), torch.device("cpu")
+    old = regions.bind(wrapper, device=cpu, nbytes=64, kind="x", lane="main")
+    old.region.record.owner = token = object()
+    offered: list[object] = []
+
+    def refuse(binding: object) -> None:
+        offered.append(binding)
+        raise MemoryError("no pinned memory for the copy")
+
+    with pytest.raises(MemoryError, match=r"^no pinned memory for the copy$"):
+        regions.bind(wrapper, device=cpu, nbytes=640, kind="x", lane="main", install=refuse)
+    assert binding_of(wrapper) is old and regions.binding(wrapper) is old and old.region.record.owner is token
+    assert len(offered) == 1 and offered[0] is not old
+    ((stats,),) = [regions.stats()]
+    assert (stats["regions"], stats["region_bytes"]) == (1, 64)
+    taken: list[object] = []
+    new = regions.bind(wrapper, device=cpu, nbytes=640, kind="x", lane="main", install=taken.append)
+    assert taken == [new] and binding_of(wrapper) is new and new.region.nbytes == 640
+    assert old.region.record.owner is None  # moved: no plan may trust the old region now
+
+
+def test_a_device_spelt_with_or_without_an_index_is_one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.device("cpu", 0) is the device whose tensors say "cpu": one cap, one group region, one stats row."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "1KiB")
+    registry = wspool.PoolRegistry()
+    wrapper_buffers.declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    plain, indexed = torch.device("cpu"), torch.device("cpu", 0)
+    a, b, c = _Wrapper(), _Wrapper(), _Wrapper()
+    shared = regions.bind(a, device=plain, nbytes=600, kind="x", lane="main", group="g").region
+    assert regions.bind(b, device=indexed, nbytes=500, kind="x", lane="main", group="g").region is shared
+    with pytest.raises(WorkspaceLimitError, match=r"on cpu lane main would hold 1120 bytes, over max_bytes 1024"):
+        regions.bind(c, device=indexed, nbytes=500, kind="x", lane="main")
+    ((stats,),) = [regions.stats()]
+    assert (stats["device"], stats["wrappers"], stats["regions"], stats["region_bytes"]) == ("cpu", 2, 1, 608)
+
+
+def test_growth_is_charged_for_the_region_it_moves_to_not_the_one_it_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper moving to a larger region under the cap fits: the region it leaves is no longer its own charge;
+    a region it leaves that another wrapper still holds is."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "57344")
+    registry = wspool.PoolRegistry()
+    wrapper_buffers.declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    cpu = torch.device("cpu")
+    alone, a, b = _Wrapper(), _Wrapper(), _Wrapper()
+    regions.bind(alone, device=cpu, nbytes=20000, kind="x", lane="main")
+    grown = regions.bind(alone, device=cpu, nbytes=40240, kind="x", lane="main")
+    assert binding_of(alone) is grown and grown.region.nbytes == 40240
+    ((stats,),) = [regions.stats()]
+    assert (stats["regions"], stats["region_bytes"]) == (1, 40240)
+    regions.bind(a, device=cpu, nbytes=8000, kind="x", lane="other", group="g")
+    regions.bind(b, device=cpu, nbytes=8000, kind="x", lane="other", group="g")
+    with pytest.raises(WorkspaceLimitError, match=r"on cpu lane other would hold 58000 bytes, over max_bytes 57344"):
+        regions.bind(a, device=cpu, nbytes=50000, kind="x", lane="other", group="g")  # b stays on the old one

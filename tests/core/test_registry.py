@@ -284,6 +284,50 @@ def test_registry_holds_to_the_settings_it_was_built_with(tmp_path: Path, monkey
     assert reg.workspace("p", "meta").numel() == 1 << 20
 
 
+def test_a_registry_serves_the_settings_it_was_given_not_the_file_they_came_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings loaded, then the file edited, the environment changed, or the file deleted: a registry built from
+    them afterwards serves what they hold, on the CPU and on a GPU profile's device."""
+    from tests.helpers.devices_fake import H200, meta_allocator
+
+    config = tmp_path / "wspool.yaml"
+    config.write_text("pools:\n  p:\n    rules:\n      default: 1MiB\n")
+    settings = wspool.load_settings(config)
+
+    def registry() -> wspool.PoolRegistry:
+        return wspool.PoolRegistry(
+            settings, allocator=meta_allocator, describe_device=lambda d: H200 if d.type == "meta" else None
+        )
+
+    config.write_text("pools:\n  p:\n    rules:\n      default: 2MiB\n")
+    edited = registry()
+    monkeypatch.setenv("WSPOOL_POOLS__P__RULES__DEFAULT", "3MiB")
+    changed = registry()
+    config.unlink()
+    deleted = registry()
+    for reg in (edited, changed, deleted):
+        assert reg.settings.pools["p"].rules["default"] == settings.pools["p"].rules["default"]
+        assert reg.resolve("p", device="cpu") == reg.resolve("p", device="meta") == 1 << 20
+        assert reg.profile_of("meta").profile == "hopper"
+
+
+def test_profile_settings_layer_the_inputs_read_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """profile_settings layers a profile under what load_settings read, not under the file or environment now;
+    where each value came from is as it was at load."""
+    from wspool.settings.schema import profile_settings
+
+    config = tmp_path / "wspool.yaml"
+    config.write_text("pools:\n  p:\n    rules:\n      default: 1MiB\n")
+    settings = wspool.load_settings(config, pools={"q": {"rules": {"default": "5MiB"}}})
+    config.unlink()
+    monkeypatch.setenv("WSPOOL_POOLS__Q__RULES__DEFAULT", "6MiB")
+    layered, provenance = profile_settings(settings, "hopper")
+    assert (layered.pools["p"].rules["default"], layered.pools["q"].rules["default"]) == ("1MiB", "5MiB")
+    assert provenance.source_of(("pools", "p", "rules", "default")) == f"YAML file {config}"
+    assert provenance.source_of(("pools", "flashinfer_mla", "rules", "lse")) == "profile hopper"
+
+
 @pytest.mark.parametrize("rules", ["64MiB", 64 << 20, ["64MiB"], {}])
 def test_declare_pool_with_rules_that_are_not_a_mapping_says_what_they_must_be(rules: object) -> None:
     """declare_pool's rules must be a mapping of rule names to sizes; anything else is a ConfigError that says so."""

@@ -145,9 +145,9 @@ def test_configured_rules_win_over_the_declared_ones(monkeypatch: pytest.MonkeyP
 @pytest.fixture
 def fresh_hook() -> Iterator[None]:
     """Each test installs (or refuses) the hook itself; FlashInfer's constructor is restored after."""
-    wrapper_buffers._uninstall_mla_hook()
+    wrapper_buffers.uninstall_mla_hook()
     yield
-    wrapper_buffers._uninstall_mla_hook()
+    wrapper_buffers.uninstall_mla_hook()
 
 
 def _backend_class() -> type:
@@ -226,7 +226,7 @@ def test_an_unread_version_keeps_flashinfers_buffers(fresh_hook: None, monkeypat
 
 
 def test_a_changed_constructor_is_not_hooked(fresh_hook: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A constructor without the keywords the hook fills is left alone, and the status names what is missing."""
+    """A constructor of other parameters is left alone, and the status says how it differs from what was read."""
     module, name = wrapper_buffers.MLA_BACKEND_CLASS
     cls = getattr(__import__(module, fromlist=[name]), name)
 
@@ -235,7 +235,9 @@ def test_a_changed_constructor_is_not_hooked(fresh_hook: None, monkeypatch: pyte
 
     monkeypatch.setattr(cls, "__init__", changed)
     status = wrapper_buffers.install_mla_hook() or ""
-    assert "lacks keyword-only int_workspace_buffer, pin_memory_int_workspace_buffer" in status
+    assert (
+        "__init__ takes (self, backend, float_workspace_buffer), not (self, backend, float_workspace_buffer, " in status
+    )
     assert cls.__init__ is changed
 
 
@@ -314,6 +316,32 @@ def test_keep_flashinfer_buffers_leaves_the_wrappers_alone(hopper: None) -> None
     assert binding_of(wrapper) is None and wrapper._int_workspace_buffer.numel() == 8 * MiB
 
 
+def test_a_wrapper_bound_before_keep_flashinfer_buffers_is_answered_with_its_region() -> None:
+    """keep_flashinfer_buffers leaves a bound wrapper its region: binding calls return that binding, never None
+    (which says "FlashInfer's buffers"), and a larger need still grows it; an unbound wrapper keeps its 8 MiB."""
+    registry = wspool.PoolRegistry()
+    float_ws = torch.zeros(MiB, dtype=torch.uint8)
+    bound, kept = PrefillWrapperDouble(float_ws, backend="fa2"), PrefillWrapperDouble(float_ws, backend="fa2")
+    facts = {"batch_size": 4, "num_tokens": 64, "num_qo_heads": 8, "num_kv_heads": 2, "sm_count": 132}
+
+    def bind(wrapper: object, batch: int) -> object:
+        return wrapper_buffers.bind_paged_wrapper(
+            wrapper, float_ws, registry=registry, rule="prefill", facts={**facts, "batch_size": batch}, lane="main",
+            kind="prefill",
+        )  # fmt: skip
+
+    first = bind(bound, 4)
+    wrapper_buffers.keep_flashinfer_buffers(registry)
+    assert bind(bound, 4) is first is binding_of(bound)
+    grown = bind(bound, 4096)
+    assert grown is binding_of(bound) and grown.region.nbytes > first.region.nbytes  # type: ignore[union-attr]
+    assert bound._int_workspace_buffer is grown.region.tensor  # type: ignore[union-attr]
+    assert bind(kept, 4) is None and binding_of(kept) is None and kept._int_workspace_buffer.numel() == 8 * MiB
+    assert wrapper_buffers.int_setting_of(kept) is None
+    ((stats,),) = [registry.memory_stats()["int_regions"]]
+    assert (stats["wrappers"], stats["regions"], stats["region_bytes"]) == (1, 1, grown.region.nbytes)  # type: ignore[union-attr]
+
+
 # -- wspool's own paged plans (the doubles) --------------------------------------------------
 
 
@@ -348,6 +376,37 @@ def test_a_paged_wrapper_plans_into_a_region_that_grows_with_the_batch(h200_wrap
     torch.testing.assert_close(got, want)
     assert small.plan_calls == before + 1  # type: ignore[attr-defined]
     assert binding_of(wrapper) is second  # the bigger region holds the small plan too
+    del big_in, big
+
+
+def test_a_failed_reseat_leaves_the_previous_binding_whole(
+    h200_wrapper_doubles: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reset_workspace_buffer that fails (its pinned copy cannot be made) records nothing: the wrapper keeps its
+    region and a copy of that size, its plan stays valid, and a retry asks FlashInfer again."""
+    small_in, small = _decode([37, 1, 64, 100], seed=1)
+    (wrapper,) = DecodeWrapperDouble.instances
+    first = binding_of(wrapper)
+    assert first is not None
+    monkeypatch.setattr(DecodeWrapperDouble, "pinned_failures", 1)
+    with pytest.raises(RuntimeError, match=r"^CUDA error: out of memory \(a pinned host copy\)$"):
+        _decode([2] * 5000, seed=2)
+    assert binding_of(wrapper) is first and wrapper_regions(wspool.get_registry()).binding(wrapper) is first
+    assert wrapper._int_workspace_buffer is first.region.tensor
+    assert wrapper._pin_memory_int_workspace_buffer.numel() == first.region.nbytes
+    before = small.plan_calls  # type: ignore[attr-defined]
+    got = small.run(small_in.query, small_in.kv_cache)  # type: ignore[attr-defined]
+    assert small.plan_calls == before  # type: ignore[attr-defined]  # its region still holds its plan
+    want = paged_attention_reference(
+        small_in.query, small_in.kv_cache, small_in.qo_indptr, small_in.block_tables,  # type: ignore[attr-defined]
+        small_in.seq_lens, sm_scale=small_in.head_dim**-0.5, causal=False,  # type: ignore[attr-defined]
+    )[0]  # fmt: skip
+    torch.testing.assert_close(got, want)
+    big_in, big = _decode([2] * 5000, seed=2)
+    second = binding_of(wrapper)
+    assert second is not None and second.region.nbytes > first.region.nbytes
+    assert wrapper._int_workspace_buffer is second.region.tensor
+    assert wrapper._pin_memory_int_workspace_buffer.numel() == second.region.nbytes
     del big_in, big
 
 

@@ -8,22 +8,27 @@ were replanned.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
 
 import wspool
 from tests.helpers.mla_inputs import MLAInputs, make_inputs
-from wspool.errors import WorkspaceConflictError
+from wspool.errors import WorkspaceConflictError, WorkspaceLimitError
 from wspool.flashinfer import mla_decode_plan, mla_decode_reference, wrapper_buffers
 from wspool.flashinfer.kernels import load_flashinfer_attention
-from wspool.regions import binding_of
+from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.tools.graph_plans import BATCH_SIZES, measure_graph_plans
 from wspool.units import MiB
 
 pytestmark = pytest.mark.gpu
 
 HEADS = 128
+
+
+class _Wrapper:
+    """Any object wspool binds (kernel wrappers are plain objects held weakly)."""
 
 
 def _mla_int_bytes() -> int:
@@ -296,3 +301,72 @@ def test_paged_decode_graph_plans_shrink_the_wrappers_buffers() -> None:
     # What stays the wrappers' own is their small length buffers, not an int workspace.
     assert pooled["kernel_device_bytes"] < 20 * 4096 and 0 < pooled["region_bytes"] < 2 * MiB
     assert pooled["kernel_pinned_host_bytes"] == pooled["region_bytes"]
+
+
+def test_a_failed_reseat_keeps_the_int_workspace_and_its_pinned_copy_matched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real decode wrapper whose move to a larger region fails (its pinned copy cannot be allocated) keeps its
+    region, a pinned copy of that size and its plan; the retry moves it whole, and it plans as FlashInfer's own."""
+    flashinfer = load_flashinfer_attention()
+    registry = wspool.PoolRegistry()
+    float_ws = torch.zeros(256 * MiB, dtype=torch.uint8, device="cuda")
+    hq, hkv, dim, page = 32, 8, 128, 16
+
+    def bind(wrapper: Any, batch: int) -> WrapperBinding | None:
+        facts = {"batch_size": batch, "num_tokens": batch, "num_qo_heads": hq, "num_kv_heads": hkv}
+        return wrapper_buffers.bind_paged_wrapper(
+            wrapper, float_ws, registry=registry, rule="decode", facts=facts, lane="main", kind="decode"
+        )
+
+    def run(wrapper: Any, batch: int, seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        indptr, indices, last = _paged_case(batch, 32, hq, hkv)
+        kv = torch.randn(int(indices.numel()), 2, page, hkv, dim, device="cuda").to(torch.bfloat16)
+        query = torch.randn(batch, hq, dim, device="cuda").to(torch.bfloat16)
+        wrapper.plan(indptr, indices, last, hq, hkv, dim, page, q_data_type=torch.bfloat16)
+        out: torch.Tensor = wrapper.run(query, kv)
+        return out
+
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(float_ws, "NHD")
+    first = bind(wrapper, 8)  # rule decode on 132 SMs: about 7 KB; at batch 4096, about 53 KB
+    assert first is not None
+    small = run(wrapper, 8, seed=1)
+    empty = torch.empty
+
+    def no_pinned_memory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory")
+        return empty(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", no_pinned_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            bind(wrapper, 4096)
+    assert binding_of(wrapper) is first and wrapper._int_workspace_buffer is first.region.tensor
+    pinned = wrapper._pin_memory_int_workspace_buffer
+    assert pinned.is_pinned() and pinned.numel() == first.region.nbytes
+    assert torch.equal(run(wrapper, 8, seed=1), small)
+    second = bind(wrapper, 4096)
+    assert second is not None and second is binding_of(wrapper) and second.region.nbytes > first.region.nbytes
+    assert wrapper._int_workspace_buffer is second.region.tensor
+    assert wrapper._pin_memory_int_workspace_buffer.numel() == second.region.nbytes
+    own = flashinfer.BatchDecodeWithPagedKVCacheWrapper(float_ws, "NHD")
+    assert torch.equal(run(wrapper, 4096, seed=2), run(own, 4096, seed=2))
+
+
+def test_the_regions_cap_counts_cuda_however_it_is_spelt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pools.flashinfer_int.max_bytes counts cuda:0's regions whether a wrapper names torch.device("cuda") or
+    "cuda:0": a second MLA-sized region does not fit under 1 MiB either way."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", "1MiB")
+    registry = wspool.PoolRegistry()
+    wrapper_buffers.declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    torch.cuda.set_device(0)
+    first, second = _Wrapper(), _Wrapper()
+    binding = regions.bind(first, device=torch.device("cuda"), nbytes=_mla_int_bytes(), kind="mla", lane="main")
+    assert binding.region.device == "cuda:0"
+    held = 2 * binding.region.nbytes
+    for spelt in (torch.device("cuda"), torch.device("cuda", 0)):
+        with pytest.raises(WorkspaceLimitError, match=rf"on cuda:0 lane main would hold {held} bytes, over max_bytes"):
+            regions.bind(second, device=spelt, nbytes=_mla_int_bytes(), kind="mla", lane="main")
+    ((stats,),) = [regions.stats()]
+    assert (stats["device"], stats["regions"]) == ("cuda:0", 1)

@@ -54,6 +54,7 @@ class _WrapperDouble:
     instances: ClassVar[list[Any]]
     partial_bytes: ClassVar[int] = 3 * MiB  # what the split-KV carve asks for
     int_overflow: ClassVar[bool] = False  # raise an overflow of FlashInfer's own int workspace instead
+    pinned_failures: ClassVar[int] = 0  # how many of the next host copies fail to allocate, as pinned memory may
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs: Any) -> None:
         bind_to_flashinfer(f"{self.cls_name}.__init__", self, float_workspace_buffer, kv_layout, **kwargs)
@@ -78,7 +79,10 @@ class _WrapperDouble:
                            int_workspace_buffer)  # fmt: skip
         self._float_workspace_buffer = float_workspace_buffer
         self._int_workspace_buffer = int_workspace_buffer
-        # FlashInfer makes a new host copy of the int workspace's size.
+        # FlashInfer makes a new host copy of the int workspace's size, after it stored the new workspace.
+        if self.pinned_failures:
+            type(self).pinned_failures -= 1
+            raise RuntimeError("CUDA error: out of memory (a pinned host copy)")
         self._pin_memory_int_workspace_buffer = torch.empty(int_workspace_buffer.shape, dtype=torch.uint8)
 
     def plan(self, **kwargs: Any) -> None:

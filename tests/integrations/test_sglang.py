@@ -360,3 +360,152 @@ def test_errors_reach_sglang_as_wspool_errors(srt: SGLang, loaded: None, monkeyp
     with pytest.raises(WspoolError, match=r"dsa_trtllm_workspace the integration passes the facts it knows: "
                        r"sglang_bytes=1024; unknown here: num_heads.*cp_world"):  # fmt: skip
         srt.rc.get_buffer("dsa_trtllm_workspace", lambda: torch.empty(1024, dtype=torch.uint8))
+
+
+# -- the seam: switch, configuration and rollback, as every engine has them ---------------------
+
+
+@pytest.mark.parametrize("value", ["disabled", "2", "enable"])
+def test_an_unknown_switch_patches_nothing_and_names_the_variable(
+    srt: SGLang, load: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any, value: str
+) -> None:
+    """A WSPOOL_SGLANG value that is neither on nor off is one error naming the variable; nothing is patched."""
+    monkeypatch.setenv("WSPOOL_SGLANG", value)
+    before = _originals(srt)
+    load()
+    assert sg.patched() == [] and _originals(srt) == before
+    errors = [r.getMessage() for r in caplog.records if r.name == sg.logger.name and r.levelno == logging.ERROR]
+    assert errors == [
+        f"wspool: SGLang: nothing patched, SGLang's own workspaces stay in use: invalid environment variable "
+        f"WSPOOL_SGLANG = {value!r}: expected 1 or 0 (true/false, on/off, yes/no); unset it to keep wspool on"
+    ]
+
+
+def test_a_broken_configuration_patches_nothing_and_says_why_in_one_line(
+    srt: SGLang, load: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any, tmp_path: Any
+) -> None:
+    """An invalid WSPOOL_CONFIG is read before anything is patched: one error line, SGLang untouched."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pools:\n  flashinfer:\n    rules:\n      sglang: 12 parsecs\n")
+    monkeypatch.setenv("WSPOOL_CONFIG", str(broken))
+    wspool.reset_registry()
+    before = _originals(srt)
+    load()
+    assert sg.patched() == [] and _originals(srt) == before
+    errors = [r.getMessage() for r in caplog.records if r.name == sg.logger.name and r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0] and "pools.flashinfer.rules.sglang" in errors[0]
+    mine = torch.empty(16, dtype=torch.uint8)
+    assert srt.rc.get_buffer("flashinfer_workspace", lambda: mine) is mine
+
+
+def test_the_third_of_three_targets_failing_restores_the_first_two(
+    srt: SGLang, load: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A group of three whose third replacement raises: the first two are SGLang's own again."""
+
+    def explode(original: Any) -> Any:
+        raise RuntimeError("cannot wrap the third")
+
+    first, second, third = sg.TARGETS[:3]
+    broken = Target(third.module, third.path, third.parameters, explode, "explodes")
+    monkeypatch.setattr(sg.plugin, "GROUPS", (TargetGroup("three", (first, second, broken)),))
+    before = _originals(srt)
+    load()
+    assert sg.patched() == [] and _originals(srt) == before
+    assert "RuntimeError: cannot wrap the third" in caplog.text
+
+
+def test_the_load_line_is_one_short_line(srt: SGLang, load: Any, caplog: Any) -> None:
+    """Loading says one line at info level (details at debug): the version, the count, the configuration."""
+    load()
+    lines = [r.getMessage() for r in caplog.records if r.name == sg.logger.name and r.levelno == logging.INFO]
+    assert len(lines) == 1 and len(lines[0]) < 120 and lines[0].startswith("wspool: SGLang 0.5.23: ")
+
+
+def test_a_constructors_growth_allowance_is_its_own_thread_only(srt: SGLang, loaded: None) -> None:
+    """While one thread builds a backend after a capture, another thread's get_buffer still may not grow a pool."""
+    import threading
+
+    registry = wspool.get_registry()
+    srt.decode_runner.DecodeCudaGraphRunner.capture(
+        SimpleNamespace(model_context=contextlib.nullcontext, _capture=lambda: None)
+    )
+    assert registry.is_frozen
+    outcome: list[str] = []
+
+    def other_thread() -> None:
+        try:
+            srt.rc.get_buffer("dsa_trtllm_workspace", lambda: torch.empty(8 * MiB, dtype=torch.uint8))
+            outcome.append("grew")
+        except WorkspaceFrozenError:
+            outcome.append("refused")
+
+    class Backend:
+        """A backend whose constructor runs while another thread asks SGLang for a workspace."""
+
+        def __init__(self, model_runner: Any, skip_prefill: bool = False) -> None:
+            worker = threading.Thread(target=other_thread)
+            worker.start()
+            worker.join()
+
+    Backend.__init__ = sg.buffers.wrap_constructor(Backend.__init__)  # type: ignore[method-assign]
+    Backend(SimpleNamespace(model_config=SimpleNamespace(num_attention_heads=8), device="cpu"))
+    assert outcome == ["refused"] and registry.is_frozen
+
+
+def test_two_constructors_on_two_threads_do_not_refreeze_each_other(srt: SGLang, loaded: None) -> None:
+    """One constructor ending does not take the allowance from another still running on another thread."""
+    import threading
+
+    registry = wspool.get_registry()
+    registry.freeze()
+    first_inside, first_done = threading.Event(), threading.Event()
+    grown: list[int] = []
+
+    def first() -> None:
+        with registry.allowing_growth():
+            first_inside.set()
+            first_done.wait(5)
+            grown.append(registry.workspace("flashinfer", CPU, rule="sglang", sglang_bytes=4 * MiB).numel())
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    first_inside.wait(5)
+    with registry.allowing_growth():  # a second constructor opens and closes meanwhile
+        registry.workspace("flashinfer_mla", CPU, rule="sglang_mla", sglang_bytes=MiB)
+    first_done.set()
+    worker.join()
+    assert grown == [4 * MiB] and registry.is_frozen
+
+
+def test_a_capture_after_unfreeze_is_not_thawed_by_a_stale_flag(srt: SGLang, loaded: None) -> None:
+    """After registry.unfreeze() and a user's own freeze, a recapture leaves the user's freeze alone."""
+    registry = wspool.get_registry()
+    runner = SimpleNamespace(model_context=contextlib.nullcontext, _capture=lambda: None)
+    srt.decode_runner.DecodeCudaGraphRunner.capture(runner)
+    registry.unfreeze()
+    registry.freeze()  # the user's own freeze, not the capture's
+    seen: list[bool] = []
+    srt.decode_runner.DecodeCudaGraphRunner.capture(
+        SimpleNamespace(model_context=contextlib.nullcontext, _capture=lambda: seen.append(registry.is_frozen))
+    )
+    assert seen == [True] and registry.is_frozen
+
+
+def test_a_constructor_after_unfreeze_leaves_the_registry_unfrozen(srt: SGLang, loaded: None) -> None:
+    """After a capture and registry.unfreeze(), building a backend does not freeze the registry again."""
+    registry = wspool.get_registry()
+    srt.decode_runner.DecodeCudaGraphRunner.capture(
+        SimpleNamespace(model_context=contextlib.nullcontext, _capture=lambda: None)
+    )
+    registry.unfreeze()
+
+    class Backend:
+        """A backend that asks for nothing."""
+
+        def __init__(self, model_runner: Any, skip_prefill: bool = False) -> None:
+            pass
+
+    Backend.__init__ = sg.buffers.wrap_constructor(Backend.__init__)  # type: ignore[method-assign]
+    Backend(SimpleNamespace(model_config=SimpleNamespace(num_attention_heads=8), device="cpu"))
+    assert not registry.is_frozen

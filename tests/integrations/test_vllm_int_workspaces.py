@@ -31,6 +31,7 @@ from tests.helpers.devices_fake import A100, H200
 from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDouble, RaggedWrapperDouble
 from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import RuleError
+from wspool.flashinfer import wrapper_buffers
 from wspool.flashinfer.wrapper_buffers import planner_backend
 from wspool.integrations import vllm as plugin
 from wspool.integrations.vllm.wrappers import step_bounds, wrapper_record
@@ -292,6 +293,21 @@ def test_dcp_context_wrapper_is_sized_for_the_gathered_heads(
     assert dcp._new_tokens._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES
     decode = builder._get_decode_wrapper(4, True)
     _assert_region(decode, builder, prefill_rule(108, 4, 4, 2 * HEADS, KV_HEADS))
+
+
+def test_a_registry_that_keeps_flashinfers_buffers_is_what_the_records_say(
+    make_builder: Callable[..., Any], a100: None
+) -> None:
+    """With keep_flashinfer_buffers every wrapper keeps its 8 MiB, and its record says so: no rule, the reason."""
+    wrapper_buffers.keep_flashinfer_buffers(wspool.get_registry())
+    builder = make_builder()
+    wrappers = [builder._get_decode_wrapper(4, True), builder._get_decode_wrapper(3), builder._get_prefill_wrapper()]
+    for wrapper in wrappers:
+        record = wrapper_record(wrapper)
+        assert binding_of(wrapper) is None and wrapper._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES
+        assert record is not None and record.rule is None and record.why == "the registry keeps FlashInfer's buffers"
+    assert [r.kind for r in map(wrapper_record, wrappers)] == ["decode-graph", "decode", "prefill"]  # type: ignore[union-attr]
+    assert wspool.get_registry().memory_stats()["int_regions"] == []
 
 
 def test_a_rule_that_cannot_resolve_names_the_setting(

@@ -771,3 +771,71 @@ def test_get_retained_composes_with_the_lock(vllm034: ModuleType, small_pools: N
     grown, intact = manager.get_retained("mine", (1 << 20,), torch.uint8)
     assert grown.numel() == 1 << 20 and not intact
     assert mla._get_workspace_buffer(True).numel() == 2 * MiB
+
+
+# -- the seam: switch, configuration and rollback, as every engine has them ---------------------
+
+
+@pytest.mark.parametrize("value", ["disabled", "2", "enable"])
+def test_an_unknown_switch_patches_nothing_and_names_the_variable(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture, value: str
+) -> None:
+    """A WSPOOL_VLLM value that is neither on nor off is one error naming the variable; vLLM stays untouched."""
+    mla, workspace = _module(MLA), _module(WORKSPACE)
+    before = (mla._get_workspace_buffer, workspace.WorkspaceManager.lock)
+    monkeypatch.setenv("WSPOOL_VLLM", value)
+    load()
+    assert (mla._get_workspace_buffer, workspace.WorkspaceManager.lock) == before and plugin.patched() == []
+    errors = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    assert errors == {
+        f"wspool: vLLM: nothing patched, vLLM's own workspaces stay in use: invalid environment variable "
+        f"WSPOOL_VLLM = {value!r}: expected 1 or 0 (true/false, on/off, yes/no); unset it to keep wspool on"
+    }
+
+
+def test_a_broken_configuration_patches_nothing_and_says_why_in_one_line(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """An invalid WSPOOL_CONFIG is read at load: one error line, nothing patched, vLLM's lock still vLLM's."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pools:\n  flashinfer_mla:\n    rules:\n      lse: 12 parsecs\n")
+    monkeypatch.setenv("WSPOOL_CONFIG", str(broken))
+    wspool.reset_registry()
+    mla, workspace = _module(MLA), _module(WORKSPACE)
+    before = (mla._get_workspace_buffer, workspace.WorkspaceManager.lock)
+    load()
+    assert (mla._get_workspace_buffer, workspace.WorkspaceManager.lock) == before and plugin.patched() == []
+    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    assert "\n" not in error and "pools.flashinfer_mla.rules.lse" in error
+    assert "targets patched" not in warnings_seen.text
+
+
+def test_the_third_of_three_targets_failing_restores_the_first_two(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """A group of three whose third replacement raises: the first two are vLLM's own again."""
+    from wspool.targets import TargetGroup
+
+    def explode(original: Any) -> Any:
+        raise RuntimeError("cannot wrap the third")
+
+    mla = _module(MLA)
+    first, second = plugin.GROUPS[0].targets[:2]  # the MLA workspace and forward_mqa
+    third = plugin.GROUPS[1].targets[0]  # the counters
+    broken = Target(third.module, third.path, third.parameters, explode, "explodes")
+    monkeypatch.setattr(plugin.plugin, "GROUPS", (TargetGroup("three", (first, second, broken)),))
+    before = (mla._get_workspace_buffer, mla.FlashInferMLAImpl.__dict__["forward_mqa"])
+    load()
+    assert plugin.patched() == []
+    assert (mla._get_workspace_buffer, mla.FlashInferMLAImpl.__dict__["forward_mqa"]) == before
+    assert "RuntimeError: cannot wrap the third" in warnings_seen.text
+
+
+def test_the_load_line_is_one_short_line(load: Any, warnings_seen: pytest.LogCaptureFixture) -> None:
+    """Loading says one line at info level (details at debug): the version, the count, the configuration."""
+    load()
+    (line,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.INFO}
+    assert len(line) < 120
+    assert line == (
+        f"wspool: vLLM {VLLM_VERSION}: {len(plugin.patched())} targets patched; config: built-in defaults; profile auto"
+    )

@@ -17,6 +17,7 @@ from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError, RuleError, WorkspaceFrozenError
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm.facts import call_facts
+from wspool.integrations.vllm.internals import VllmLanes
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -138,7 +139,7 @@ def test_vllm_lanes_select_wspool_lanes() -> None:
     """vLLM's (ubatch, lane) (0, 0) is wspool's current lane; any other is its own lane, with its own buffer."""
     reg = _small()
     where: list[tuple[int, int]] = [(0, 0)]
-    ws.configure(device="cpu", vllm_lane=lambda: where[0])
+    ws.configure(device="cpu", lanes=VllmLanes({}, lambda: where[0][1], lambda: where[0][0]))
     main = ws.get_mla_workspace_buffer(False)
     with wspool.lane("mine"):
         assert ws.get_mla_workspace_buffer(False) is not main

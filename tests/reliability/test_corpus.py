@@ -1,10 +1,13 @@
-"""The hostile-input corpus: YAML files, environments, facts and command lines, each with its exact outcome.
+"""The hostile-input corpus: YAML files, environments, facts, command lines and wrapper-region bindings,
+each with its exact outcome.
 
-The cases live in tests/corpus/*.jsonl, one JSON object a line. Configuration cases
-must raise ConfigError with the named key (``key``: the YAML key, or null where the
+The cases live in tests/reliability/corpus/*.jsonl, one JSON object a line. Configuration
+cases must raise ConfigError with the named key (``key``: the YAML key, or null where the
 error is about the file itself) and a message matching ``match``. Command lines must
 exit 2 with exactly one line on stderr matching ``match`` and no traceback; they run
-in-process through wspool.cli.main, and a handful also as real processes.
+in-process through wspool.cli.main, and a handful also as real processes. Region cases
+are sequences of bindings under a ``max_bytes`` cap, some refused or failing in their
+install; a step that fails changes nothing, and the regions held at the end are exact.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 import wspool
 from wspool.cli import main
 from wspool.errors import ConfigError, RuleError
+from wspool.flashinfer.wrapper_buffers import declare_int_pool
+from wspool.regions import WrapperBinding, wrapper_regions
 from wspool.settings.schema import load_settings
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -36,10 +41,14 @@ def _cases(name: str) -> list[Any]:
 
 
 def test_the_corpus_holds_at_least_300_inputs() -> None:
-    """YAML, environment, facts and CLI together hold 300 or more cases."""
+    """YAML, environment, facts and CLI together hold 300 or more cases, each 40 or more; regions 25 or more."""
+    assert sorted(p.name for p in CORPUS.glob("*.jsonl")) == [
+        "cli.jsonl", "env.jsonl", "facts.jsonl", "regions.jsonl", "yaml.jsonl",
+    ]  # fmt: skip
     counts = {name: len(_cases(name)) for name in ("yaml.jsonl", "env.jsonl", "facts.jsonl", "cli.jsonl")}
     assert sum(counts.values()) >= 300, counts
     assert min(counts.values()) >= 40, counts
+    assert len(_cases("regions.jsonl")) >= 25
 
 
 def _check(error: ConfigError, case: dict[str, Any]) -> None:
@@ -132,3 +141,42 @@ def test_cli_case_in_a_real_process(index: int, tmp_path: Path) -> None:
     )
     assert done.returncode == 2, (case["id"], done.stderr)
     assert len(done.stderr.splitlines()) == 1 and re.search(case["match"], done.stderr), (case["id"], done.stderr)
+
+
+class _Wrapper:
+    """A kernel wrapper as wspool binds it: any object, held weakly."""
+
+
+@pytest.mark.parametrize("case", _cases("regions.jsonl"))
+def test_regions_case(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sequence of wrapper bindings holds exactly its regions at the end, never more than the cap; a step
+    refused by the cap or failing in its install changes no binding and no region."""
+    cap = case["max_bytes"]
+    if cap is not None:
+        monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_INT__MAX_BYTES", str(cap))
+    registry = wspool.PoolRegistry()
+    declare_int_pool(registry)
+    regions = wrapper_regions(registry)
+    wrappers: dict[str, _Wrapper] = {}
+    for step in case["steps"]:
+        wrapper = wrappers.setdefault(step["w"], _Wrapper())
+
+        def install(binding: WrapperBinding, fails: bool = step.get("install") == "raise") -> None:
+            if fails:
+                raise MemoryError("cannot pin the host copy")
+
+        before = (regions.binding(wrapper), regions.stats())
+        bind = {
+            "device": torch.device(step.get("device", "cpu")), "nbytes": step["nbytes"], "kind": "x",
+            "lane": step.get("lane", "main"), "group": step.get("group"), "install": install,
+        }  # fmt: skip
+        if "match" in step:
+            with pytest.raises(MemoryError, match=step["match"]):  # WorkspaceLimitError is a MemoryError too
+                regions.bind(wrapper, **bind)
+            assert (regions.binding(wrapper), regions.stats()) == before, case["id"]
+        else:
+            binding = regions.bind(wrapper, **bind)
+            assert regions.binding(wrapper) is binding and binding.region.nbytes >= step["nbytes"], case["id"]
+        assert cap is None or all(row["region_bytes"] <= cap for row in regions.stats()), case["id"]
+    held = {f"{row['device']} {row['lane']}": row["region_bytes"] for row in regions.stats()}
+    assert held == case["held"], case["id"]

@@ -39,7 +39,6 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import inspect
 import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
@@ -51,11 +50,13 @@ from wspool.errors import ConfigError, describe_setting
 from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.registry import PoolRegistry
 from wspool.rules import compile_rule
+from wspool.targets import PatchSet, Target, TargetGroup
 
 __all__ = [
     "INT_POOL",
     "INT_RULES",
     "MLA_BACKEND_CLASS",
+    "MLA_HOOK",
     "READ_VERSIONS",
     "bind_mla_wrapper",
     "bind_paged_wrapper",
@@ -68,6 +69,7 @@ __all__ = [
     "paged_int_rule",
     "planner_backend",
     "supplying",
+    "uninstall_mla_hook",
 ]
 
 INT_POOL = "flashinfer_int"
@@ -89,11 +91,9 @@ INT_RULES: Mapping[str, str] = {
 READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
 #: The FlashInfer class whose constructor makes the MLA int workspace and pinned copy.
 MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchMLAGeneratedFaMechanics")
-_HOOK_KEYWORDS = ("float_workspace_buffer", "int_workspace_buffer", "pin_memory_int_workspace_buffer")
 
 # The binding whose buffers an MLA backend built in this context takes (this thread or task only).
 _SUPPLY: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
-_hook: dict[str, Any] = {}  # "status": None (installed) or why not; "class", "original"
 _hook_lock = threading.Lock()
 
 
@@ -108,7 +108,8 @@ class _IntPoolState:
 def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
     """Let wrappers bound through ``registry`` keep FlashInfer's own buffers (``keep=False`` undoes it).
 
-    For comparing against FlashInfer's defaults; wrappers already bound keep their regions.
+    For comparing against FlashInfer's defaults. Wrappers already bound keep their
+    regions: binding them again returns their binding, and grows it where a plan needs more.
     """
     registry.state(_IntPoolState).keep_flashinfer = keep
 
@@ -187,6 +188,10 @@ def bind_paged_wrapper(
     A wrapper already bound to a region that holds the size keeps it; otherwise it
     gets a new one. Call it before a ``plan()``, never between a plan and its runs,
     and never after a CUDA graph captured the wrapper (the graph holds the old address).
+    The new binding is recorded once FlashInfer took the region; if
+    ``reset_workspace_buffer`` raises (its pinned copy cannot be allocated), the
+    wrapper's attributes are put back, so it keeps its previous int workspace and
+    the pinned copy of that size, and its previous binding stands.
 
     Args:
         wrapper: A ``BatchDecodeWithPagedKVCacheWrapper`` or ``BatchPrefillWithPagedKVCacheWrapper``.
@@ -199,27 +204,51 @@ def bind_paged_wrapper(
         group: The sharing group (see the module's docstring); ``None``: a region of its own.
 
     Returns:
-        The binding, or ``None`` where the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
+        The binding, or ``None`` where the wrapper has none and the registry keeps FlashInfer's buffers
+        (:func:`keep_flashinfer_buffers`).
 
     Raises:
         RuleError: The rule cannot be resolved, naming the setting.
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+        Exception: What ``reset_workspace_buffer`` raises, the wrapper as it was.
     """
-    if registry.state(_IntPoolState).keep_flashinfer:
+    current = binding_of(wrapper)
+    if current is None and registry.state(_IntPoolState).keep_flashinfer:
         return None
     device = float_workspace.device
     nbytes = int_bytes(registry, rule, device, facts)
-    current = binding_of(wrapper)
     if current is not None and current.region.nbytes >= nbytes:
         return current
+
+    def reseat(binding: WrapperBinding) -> None:
+        _reset_workspace_buffer(wrapper, float_workspace, binding.region.tensor)
+
     regions = wrapper_regions(registry, INT_POOL)
-    binding = regions.bind(
-        wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group, setting=_rule_setting(rule)
-    )
-    # FlashInfer's public way to swap the int workspace; it remakes the pinned copy at the region's size.
-    wrapper.reset_workspace_buffer(float_workspace, binding.region.tensor)
-    return binding
+    return regions.bind(
+        wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group, setting=_rule_setting(rule),
+        install=reseat,
+    )  # fmt: skip
+
+
+def _reset_workspace_buffer(wrapper: Any, float_workspace: torch.Tensor, int_workspace: torch.Tensor) -> None:
+    """Give ``wrapper`` ``int_workspace`` through FlashInfer's public ``reset_workspace_buffer``, all or nothing.
+
+    FlashInfer stores the new int workspace before it allocates the pinned copy of
+    its size; were that allocation to fail, the wrapper would keep the larger
+    workspace with its old, smaller copy, and its planner would write the copy
+    past its end. So on any failure the attributes the call changed are put back
+    (FlashInfer's own, to their own previous values: none is added).
+    """
+    state: dict[str, Any] | None = getattr(wrapper, "__dict__", None)
+    before = dict(state) if state is not None else None
+    try:
+        wrapper.reset_workspace_buffer(float_workspace, int_workspace)
+    except BaseException:
+        if state is not None and before is not None:
+            state.clear()
+            state.update(before)
+        raise
 
 
 # -- MLA wrappers: the version-gated backend constructor hook --------------------------------
@@ -255,46 +284,51 @@ def _supplied_init(original: Callable[..., None]) -> Callable[..., None]:
     return init
 
 
+#: The MLA backend constructor as read in every version of :data:`READ_VERSIONS`: wspool fills its
+#: int workspace and pinned copy inside :func:`supplying`, and leaves every other call unchanged.
+MLA_HOOK = TargetGroup(
+    "FlashInfer's MLA backend constructor",
+    (
+        Target(
+            MLA_BACKEND_CLASS[0],
+            f"{MLA_BACKEND_CLASS[1]}.__init__",
+            ("self", "backend", "float_workspace_buffer", "use_cuda_graph", "qo_indptr_buf", "kv_indptr_buf",
+             "kv_indices_buf", "kv_len_arr_buf", "int_workspace_buffer", "pin_memory_int_workspace_buffer"),
+            _supplied_init,
+            f"int workspaces from pool {INT_POOL} inside supplying()",
+        ),
+    ),
+)  # fmt: skip
+_hook = PatchSet(all_or_nothing=True)
+_hook_status: list[str | None] = []  # [why not] once decided; [None] when installed
+
+
 def install_mla_hook() -> str | None:
     """Install the MLA backend constructor hook once; return ``None`` when it is in place, else why not.
 
-    It is installed only on :data:`READ_VERSIONS` and only when the constructor
-    still takes the three keyword arguments it fills. FlashInfer is imported
-    before the lock is taken; the lock only makes the installation happen once.
+    It is installed only on :data:`READ_VERSIONS` and only where the constructor
+    is as read (:data:`MLA_HOOK`, through :mod:`wspool.targets`). FlashInfer is
+    imported before the patch set's lock is taken.
     """
-    if "status" in _hook:
-        return _hook["status"]  # type: ignore[no-any-return]
-    status, cls = _hookable_backend()
-    with _hook_lock:
-        if "status" not in _hook:
-            if cls is not None:
-                _hook["class"], _hook["original"] = cls, cls.__init__
-                cls.__init__ = _supplied_init(cls.__init__)  # the one attribute wspool sets on FlashInfer
-            _hook["status"] = status
-        return _hook["status"]  # type: ignore[no-any-return]
-
-
-def _hookable_backend() -> tuple[str | None, Any]:
-    """Return ``(None, the class)`` where the version and the constructor are as read, else ``(why not, None)``."""
+    if _hook_status:
+        return _hook_status[0]
     version = _flashinfer_version()
     if version is None:
-        return "FlashInfer is not installed", None
-    if version not in READ_VERSIONS:
-        return (
+        status: str | None = "FlashInfer is not installed"
+    elif version not in READ_VERSIONS:
+        status = (
             f"FlashInfer {version} is not a version whose MLA backend wspool has read "
             f"({', '.join(READ_VERSIONS)}); its MLA wrappers keep FlashInfer's own 8 MiB int workspace and pinned copy"
-        ), None
-    module_name, class_name = MLA_BACKEND_CLASS
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        parameters = inspect.signature(cls.__init__).parameters
-    except (ImportError, AttributeError, ValueError, TypeError) as exc:
-        return f"FlashInfer {version}: {module_name}.{class_name} is not as read ({exc})", None
-    keyword_only = inspect.Parameter.KEYWORD_ONLY
-    missing = [k for k in _HOOK_KEYWORDS if k not in parameters or parameters[k].kind is not keyword_only]
-    if missing:
-        return f"FlashInfer {version}: {class_name}.__init__ lacks keyword-only {', '.join(missing)}", None
-    return None, cls
+        )
+    else:
+        plan = _hook.plan((MLA_HOOK,))
+        status = f"FlashInfer {version}: {'; '.join(plan.not_patched)}" if plan.not_patched else None
+        if status is None:
+            _hook.apply(plan)  # the one attribute wspool sets on FlashInfer; a second apply does nothing
+    with _hook_lock:
+        if not _hook_status:
+            _hook_status.append(status)
+        return _hook_status[0]
 
 
 def mla_hook_status() -> str:
@@ -305,11 +339,10 @@ def mla_hook_status() -> str:
     return status
 
 
-def _uninstall_mla_hook() -> None:
-    """Restore FlashInfer's constructor (tests)."""
-    if _hook.get("original") is not None:
-        _hook["class"].__init__ = _hook["original"]
-    _hook.clear()
+def uninstall_mla_hook() -> None:
+    """Restore FlashInfer's constructor and forget the decision (for tests)."""
+    _hook.undo()
+    _hook_status.clear()
 
 
 def bind_mla_wrapper(
@@ -329,18 +362,18 @@ def bind_mla_wrapper(
     FlashInfer's buffer.
 
     Returns:
-        The binding, or ``None`` where the hook is not installed (see :func:`mla_hook_status`) or the
-        registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
+        The binding, or ``None`` where the wrapper has none and the hook is not installed (see
+        :func:`mla_hook_status`) or the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
 
     Raises:
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
-    if registry.state(_IntPoolState).keep_flashinfer or install_mla_hook() is not None:
-        return None
     current = binding_of(wrapper)
     if current is not None:
         return current
+    if registry.state(_IntPoolState).keep_flashinfer or install_mla_hook() is not None:
+        return None
     nbytes = int_bytes(registry, "mla", device, facts or {})
     _check_mla_bytes(registry, device, facts or {}, nbytes)
     regions = wrapper_regions(registry, INT_POOL)

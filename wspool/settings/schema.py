@@ -43,6 +43,7 @@ from wspool.settings.sources import (
     Provenance,
     SettingsLayer,
     config_error,
+    deep_copy,
     engine_knob_layers,
     engine_knob_settings,
     env_error,
@@ -512,8 +513,11 @@ class WspoolSettings(BaseSettings):
     debug_streams: bool = False
     profile: ProfileSetting = AUTO
 
-    # How load_settings built these settings, so profile_settings can layer a profile under the same inputs.
-    _load_inputs: tuple[Path | None, dict[str, Any]] | None = PrivateAttr(default=None)
+    # What load_settings read (the file's path, the code overrides, the layers read from the environment, the
+    # file and the engine knobs), so profile_settings can layer a profile under them without reading anything again.
+    _load_inputs: tuple[Path | None, dict[str, Any], list[tuple[str, Mapping[str, Any]]]] | None = PrivateAttr(
+        default=None
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -576,9 +580,11 @@ def load_settings_with_provenance(
 def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSettings, Provenance]:
     """Return ``settings`` with the profile ``profile`` layered just above the built-in defaults.
 
-    The file, the environment and the code overrides that :func:`load_settings`
-    read are read again under the profile, which they override key by key.
-    Settings not built by :func:`load_settings` are returned as they are.
+    The profile goes under what :func:`load_settings` read for ``settings`` (the
+    code overrides, the environment, the file, the engine knobs), which override
+    it key by key; nothing is read again, so a file edited or deleted since, or an
+    environment changed, makes no difference. Settings not built by
+    :func:`load_settings` are returned as they are.
 
     Raises:
         ConfigError: The profile's settings do not validate with the configuration's.
@@ -586,7 +592,8 @@ def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSett
     inputs = settings._load_inputs
     if inputs is None:
         return settings, Provenance([("default", BUILTIN_DEFAULTS)], None)
-    return _load(inputs[0], profile, inputs[1])
+    path, overrides, layers = inputs
+    return _layered(path, overrides, layers, profile)
 
 
 def _load(
@@ -600,11 +607,19 @@ def _load(
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
     layers: list[tuple[str, Mapping[str, Any]]] = [("env", env_data), ("yaml", yaml_data), *engine_knob_layers()]
-    if profile is not None:
-        layers.append((f"profile {profile}", load_profile(profile).settings))
-    provenance = Provenance([("code", overrides), *layers, ("default", BUILTIN_DEFAULTS)], path)
+    # Kept with the settings for profile_settings: a copy, so that the caller's later edits of what it passed
+    # in code reach neither.
+    return _layered(path, deep_copy(overrides), layers, profile)
+
+
+def _layered(
+    path: Path | None, overrides: dict[str, Any], layers: list[tuple[str, Mapping[str, Any]]], profile: str | None
+) -> tuple[WspoolSettings, Provenance]:
+    """Validate the layers read for a configuration, with ``profile``'s just above the built-in defaults."""
+    below_code = layers if profile is None else [*layers, (f"profile {profile}", load_profile(profile).settings)]
+    provenance = Provenance([("code", overrides), *below_code, ("default", BUILTIN_DEFAULTS)], path)
     try:
-        given: dict[str, Any] = {**overrides, LAYERS_KEYWORD: [data for _, data in layers]}
+        given: dict[str, Any] = {**overrides, LAYERS_KEYWORD: [data for _, data in below_code]}
         settings = WspoolSettings(**given)
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
@@ -613,7 +628,7 @@ def _load(
     _check_names(settings, provenance)
     check_shared_pools(settings, provenance)
     check_rule_facts(settings, provenance)
-    settings._load_inputs = (path, overrides)
+    settings._load_inputs = (path, overrides, layers)
     return settings, provenance
 
 

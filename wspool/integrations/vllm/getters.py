@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from wspool.integrations.vllm.facts import (
     folded_kernel_shape,
     set_call_facts,
 )
+from wspool.integrations.vllm.internals import VllmLanes
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
@@ -107,8 +109,20 @@ class _Hooks:
     def __init__(self) -> None:
         self.device: str | None = None
         self.config_facts = ConfigFacts(None)
-        self.vllm_lane: Callable[[], tuple[int, int] | None] | None = None
+        self.lanes: VllmLanes = _NO_LANES
         self.batch_invariant: Callable[[], bool] = _env_batch_invariant
+
+
+_NO_LANE: ContextVar[int] = ContextVar("wspool_no_vllm_lane", default=0)
+_NO_LANES = VllmLanes({}, _NO_LANE.get, _NO_LANE.get)
+_MAIN_LANE = wspool.current_lane()
+_wspool_lane_of = wspool.current_lane
+
+# Read by the getters' fast path as module globals: vLLM's micro-batch contexts, its lane reader,
+# and the two MLA handles of lane main (None until bound).
+_contexts: dict[Any, Any] = _NO_LANES.contexts
+_vllm_lane_of: Callable[[], int] = _NO_LANES.lane_of
+_main_mla: list[WorkspaceHandle | None] = [None, None]
 
 
 def _env_batch_invariant() -> bool:
@@ -147,7 +161,7 @@ class VllmPools:
 def configure(
     *,
     get_config: Callable[[], Any] | None = None,
-    vllm_lane: Callable[[], tuple[int, int] | None] | None = None,
+    lanes: VllmLanes | None = None,
     batch_invariant: Callable[[], bool] | None = None,
     device: str | None = None,
 ) -> None:
@@ -155,27 +169,36 @@ def configure(
 
     Args:
         get_config: ``vllm.config.get_current_vllm_config_or_none``.
-        vllm_lane: Returns vLLM's ``(ubatch id, workspace lane)`` of the calling
-            context, or ``None`` for ``(0, 0)``.
+        lanes: vLLM's workspace lanes and micro-batches (:func:`internals.lanes`); ``None``: none.
         batch_invariant: Returns ``vllm.envs.VLLM_BATCH_INVARIANT``; default: the variable itself.
         device: Overrides every device (``"cpu"`` in tests); default :data:`DEVICE_ENV_VAR`'s value.
     """
+    global _contexts, _vllm_lane_of
     _hooks.config_facts = ConfigFacts(get_config)
-    _hooks.vllm_lane = vllm_lane
+    _hooks.lanes = lanes or _NO_LANES
+    _contexts, _vllm_lane_of = _hooks.lanes.contexts, _hooks.lanes.lane_of
     _hooks.batch_invariant = batch_invariant or _env_batch_invariant
     _hooks.device = device if device is not None else (os.environ.get(DEVICE_ENV_VAR, "").strip() or None)
     for table in _TABLES:
         table.clear()
     _mla_flags.clear()
+    _main_mla[:] = [None, None]
+    _COUNTERS_MAIN.clear()
+    _PAGED_COUNTERS_MAIN.clear()
+    for main in (_SPARSE_MAIN, _DSV4_MAIN, _DASH_MAIN):
+        main[0] = None
 
 
 _LANE_NAMES: dict[tuple[int, int], str] = {}
 
 
 def _lane() -> str:
-    get = _hooks.vllm_lane
-    key = None if get is None else get()
-    if key is None or key == (0, 0):
+    lanes = _hooks.lanes
+    lane = lanes.lane_of()
+    if not lanes.contexts and not lane:
+        return wspool.current_lane()
+    key = (lanes.ubatch_id(), lane)
+    if key == (0, 0):
         return wspool.current_lane()
     name = _LANE_NAMES.get(key)
     if name is None:
@@ -196,8 +219,10 @@ class _Handles(dict[tuple[Any, ...], WorkspaceHandle]):
         self.pool = pool
         self.dtype = dtype
 
-    def make(self, rule: str, device: Any, lane: str) -> WorkspaceHandle:
-        """Bind a handle (declaring the plugin's pools in the current registry) and keep it."""
+    def make(
+        self, rule: str, device: Any, lane: str, *, facts: Mapping[str, int] | None = None, key: Any = None
+    ) -> WorkspaceHandle:
+        """Bind a handle (declaring the plugin's pools in the current registry) and keep it under ``key``."""
         pool = self.pool
 
         def bind() -> wspool.WorkspacePool:
@@ -206,9 +231,8 @@ class _Handles(dict[tuple[Any, ...], WorkspaceHandle]):
             where = device if device is not None else torch.device("cuda", torch.cuda.current_device())
             return registry.serving_pool(pool, rule, where, lane)
 
-        return self.setdefault(
-            (rule, device, lane), WorkspaceHandle(bind, rule, call_facts=_CALL_FACTS, dtype=self.dtype)
-        )
+        handle = WorkspaceHandle(bind, rule, call_facts=_CALL_FACTS, dtype=self.dtype, facts=facts)
+        return self.setdefault(key or (rule, device, lane), handle)
 
 
 _MLA = _Handles(POOL_MLA, torch.int8)
@@ -237,7 +261,11 @@ def _mla_handle(return_lse: bool) -> WorkspaceHandle:
     lane = _lane()
     rule = "lse" if return_lse else "default"
     found = _MLA.get((rule, _hooks.device, lane))
-    return found if found is not None else _MLA.make(rule, _hooks.device, lane)
+    if found is None:
+        found = _MLA.make(rule, _hooks.device, lane)
+    if lane == _MAIN_LANE:
+        _main_mla[return_lse] = found
+    return found
 
 
 _mla_flags: list[WorkspaceHandle] = []  # the MLA rules' handles in lane main, for the wrappers' one test
@@ -269,8 +297,14 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
         RuleError: The rule reads a fact vLLM did not give (named in the message).
         WorkspaceFrozenError: It would have to grow while vLLM's workspace is locked, or during capture.
     """
+    # The steady state: no micro-batch, vLLM's lane 0 and wspool's lane main, the handle bound.
+    handle = (
+        _main_mla[return_lse] if not _contexts and not _vllm_lane_of() and _wspool_lane_of() == _MAIN_LANE else None
+    )
+    if handle is None:
+        handle = _mla_handle(return_lse)
     try:
-        return _mla_handle(return_lse).fetch(_facts)
+        return handle.fetch(_facts)
     except RuleError as exc:
         raise _missing(exc, _facts()) from exc
 
@@ -292,6 +326,10 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
     Raises:
         WorkspaceFrozenError: It would have to grow while locked or capturing.
     """
+    if not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE:
+        found = _COUNTERS_MAIN.get(min_bytes)
+        if found is not None and found[1] == device:
+            return found[0].get()
     return _counters(_COUNTERS, min_bytes, device)
 
 
@@ -301,22 +339,31 @@ def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device)
     Replaces ``vllm.v1.attention.backends.flashinfer._get_multi_ctas_kv_counter_buffer``,
     with the semantics of :func:`get_multi_ctas_kv_counter_buffer`.
     """
+    if not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE:
+        found = _PAGED_COUNTERS_MAIN.get(min_bytes)
+        if found is not None and found[1] == device:
+            return found[0].get()
     return _counters(_PAGED_COUNTERS, min_bytes, device)
 
 
 def _counters(table: _Handles, min_bytes: int, device: torch.device) -> torch.Tensor:
+    """The counters' full path: bind the calling lane's handle for ``min_bytes`` (the getters inline the rest)."""
     where = _hooks.device or device
     lane = _lane()
-    handle = table.get(("counters", where, lane))
+    # vLLM passes its largest batch's size, the same every step: a handle per size, the size bound to it.
+    key = (f"counters {min_bytes}", where, lane)
+    handle = table.get(key)
     if handle is None:
-        handle = table.make("counters", where, lane)
-    facts = _MIN_BYTES.get(min_bytes)
-    if facts is None:  # one mapping per size: vLLM passes its largest batch's, the same each step
-        facts = _MIN_BYTES.setdefault(min_bytes, {"min_bytes": min_bytes})
-    return handle.sized(facts)
+        handle = table.make("counters", where, lane, facts={"min_bytes": min_bytes}, key=key)
+    if lane == _MAIN_LANE:
+        _MAIN_BY_POOL[table.pool][min_bytes] = (handle, device)
+    return handle.get()
 
 
-_MIN_BYTES: dict[int, Mapping[str, int]] = {}
+# min_bytes -> the lane-main handle of that size and vLLM's device: the counters' steady state.
+_COUNTERS_MAIN: dict[int, tuple[WorkspaceHandle, Any]] = {}
+_PAGED_COUNTERS_MAIN: dict[int, tuple[WorkspaceHandle, Any]] = {}
+_MAIN_BY_POOL = {POOL_COUNTERS: _COUNTERS_MAIN, POOL_PAGED_COUNTERS: _PAGED_COUNTERS_MAIN}
 
 
 def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = None) -> torch.Tensor:
@@ -332,11 +379,12 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
     Returns:
         A zero-filled ``torch.int8`` view, the same tensor while the buffer suffices.
     """
-    lane = _lane()
-    where = _hooks.device or device
-    handle = _SPARSE.get(("default", where, lane))
-    if handle is None:
-        handle = _SPARSE.make("default", where, lane)
+    found = _SPARSE_MAIN[0]
+    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
+    if in_main and found is not None and found[1] == device:
+        handle = found[0]
+    else:
+        handle = _device_handle(_SPARSE, _SPARSE_MAIN, device)
     try:
         buffer = handle.fetch(_facts)
     except RuleError as exc:
@@ -411,7 +459,11 @@ def get_dsv4_workspace(device: torch.device) -> torch.Tensor:
         ConfigError: The pool is configured to share another pool's buffer.
         WorkspaceFrozenError: It would have to grow while locked or capturing.
     """
-    return _default(_DSV4, device)
+    found = _DSV4_MAIN[0]
+    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
+    if in_main and found is not None and found[1] == device:
+        return found[0].get()
+    return _device_handle(_DSV4, _DSV4_MAIN, device).get()
 
 
 def get_dash_workspace(device: torch.device) -> torch.Tensor:
@@ -432,14 +484,29 @@ def get_dash_workspace(device: torch.device) -> torch.Tensor:
         zero-filled when allocated (vLLM's is uninitialised; FlashInfer writes
         before it reads).
     """
-    return _default(_DASH, device)
+    found = _DASH_MAIN[0]
+    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
+    if in_main and found is not None and found[1] == device:
+        return found[0].get()
+    return _device_handle(_DASH, _DASH_MAIN, device).get()
 
 
-def _default(table: _Handles, device: torch.device) -> torch.Tensor:
+def _device_handle(table: _Handles, main: list[tuple[WorkspaceHandle, Any] | None], device: Any) -> WorkspaceHandle:
+    """Bind the calling lane's handle of ``table``'s rule ``default`` on ``device``, kept in ``main`` for lane main."""
     where = _hooks.device or device
     lane = _lane()
     handle = table.get(("default", where, lane))
-    return (handle if handle is not None else table.make("default", where, lane))()
+    if handle is None:
+        handle = table.make("default", where, lane)
+    if lane == _MAIN_LANE:
+        main[0] = (handle, device)
+    return handle
+
+
+# The lane-main handle and vLLM's device of each getter that takes a device: its steady state.
+_SPARSE_MAIN: list[tuple[WorkspaceHandle, Any] | None] = [None]
+_DSV4_MAIN: list[tuple[WorkspaceHandle, Any] | None] = [None]
+_DASH_MAIN: list[tuple[WorkspaceHandle, Any] | None] = [None]
 
 
 def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["ACCESSORS", "READ_FROM", "builder_workspace", "lane_reader", "set_builder_workspace"]
+__all__ = ["ACCESSORS", "READ_FROM", "VllmLanes", "builder_workspace", "lanes", "set_builder_workspace"]
 
 #: The vLLM versions every name below was read from.
 READ_FROM = "vLLM 0.33.0 and 0.34.0"
@@ -30,27 +30,33 @@ def _module_attr(module: str, name: str) -> Any:
         return None
 
 
-def lane_reader() -> Callable[[], tuple[int, int] | None] | None:
-    """Return a reader of vLLM's ``(ubatch id, workspace lane)``, ``None`` for ``(0, 0)``; ``None`` without them.
+class VllmLanes(NamedTuple):
+    """How vLLM tells its workspace lanes apart: read per call by the getters.
+
+    Attributes:
+        contexts: The micro-batch contexts by thread (empty unless dual-batch overlap runs).
+        lane_of: Returns the calling context's workspace lane (``0`` by default).
+        ubatch_id: Returns the calling thread's micro-batch (``0`` outside one).
+    """
+
+    contexts: dict[Any, Any]
+    lane_of: Callable[[], int]
+    ubatch_id: Callable[[], int]
+
+
+def lanes() -> VllmLanes | None:
+    """Return vLLM's lanes, or ``None`` where this vLLM lacks them.
 
     Reads ``vllm.v1.worker.workspace._workspace_lane`` (a ``ContextVar``) and
-    ``vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT`` (empty unless dual-batch
-    overlap runs), with vLLM's public ``dbo_current_ubatch_id`` (vLLM 0.33.0 and 0.34.0).
+    ``vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT``, with vLLM's public
+    ``dbo_current_ubatch_id`` (vLLM 0.33.0 and 0.34.0).
     """
     lane_var = _module_attr(_WORKSPACE, "_workspace_lane")
     contexts = _module_attr(_UBATCHING, "_THREAD_ID_TO_CONTEXT")
     ubatch_id = _module_attr(_UBATCHING, "dbo_current_ubatch_id")
     if not isinstance(lane_var, ContextVar) or not isinstance(contexts, dict) or not callable(ubatch_id):
         return None
-    lane_of = lane_var.get
-
-    def read() -> tuple[int, int] | None:
-        lane = lane_of()
-        if not contexts and not lane:  # no micro-batch runs and lane 0: wspool's own lane
-            return None
-        return ubatch_id(), lane
-
-    return read
+    return VllmLanes(contexts, lane_var.get, ubatch_id)
 
 
 def builder_workspace(builder: Any) -> Any:
@@ -65,7 +71,7 @@ def set_builder_workspace(builder: Any, buffer: Any) -> None:
 
 #: Every accessor with the module and name it reads (for the test that they still exist).
 ACCESSORS: dict[str, tuple[str, str]] = {
-    "lane_reader": (_WORKSPACE, "_workspace_lane"),
-    "lane_reader (micro-batches)": (_UBATCHING, "_THREAD_ID_TO_CONTEXT"),
+    "lanes": (_WORKSPACE, "_workspace_lane"),
+    "lanes (micro-batches)": (_UBATCHING, "_THREAD_ID_TO_CONTEXT"),
     "builder_workspace": ("vllm.v1.attention.backends.flashinfer", "FlashInferMetadataBuilder"),
 }

@@ -290,8 +290,8 @@ class VllmIntegration(Integration):
             get_config = get_current_vllm_config_or_none
         except ImportError:
             missing.append("vllm.config.get_current_vllm_config_or_none (rules see call-time facts only)")
-        vllm_lane = internals.lane_reader()
-        if vllm_lane is None:
+        lanes = internals.lanes()
+        if lanes is None:
             missing.append("vLLM's workspace lanes (every micro-batch uses lane main)")
         batch_invariant = None
         try:
@@ -304,7 +304,7 @@ class VllmIntegration(Integration):
 
         except ImportError:
             pass
-        ws.configure(get_config=get_config, vllm_lane=vllm_lane, batch_invariant=batch_invariant)
+        ws.configure(get_config=get_config, lanes=lanes, batch_invariant=batch_invariant)
         return missing
 
     def deactivate(self) -> None:

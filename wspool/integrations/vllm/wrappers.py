@@ -158,9 +158,11 @@ def _bind(
     if rule is None:
         why = f"backend {backend!r} on {device} may plan with fa3, trtllm-gen or another planner no rule bounds"
         return _left_alone(kind, facts, why)
-    bind_paged_wrapper(
+    binding = bind_paged_wrapper(
         wrapper, workspace, registry=get_registry(), rule=rule, facts=facts, lane=current_lane(), kind=f"vllm-{kind}"
     )
+    if binding is None:
+        return _left_alone(kind, facts, "the registry keeps FlashInfer's buffers")
     return WrapperRecord(kind, rule, facts)
 
 

@@ -1,0 +1,212 @@
+"""Tests for wspool.integrations.patching: the one seam every engine integration loads through."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import wspool
+from wspool.errors import ConfigError
+from wspool.integrations import ENGINES, SGLANG, VLLM, integration, targets_of
+from wspool.integrations.patching import EngineInfo, Integration, describe_config, parse_switch
+from wspool.targets import Target, TargetGroup
+
+ENGINE = "wspool_test_engine_module"
+# An engine whose distribution is installed everywhere the tests run: pytest itself.
+INFO = EngineInfo(
+    key="demo", name="Demo", distribution="pytest", supported=">=7", entry_point_group="demo.plugins",
+    entry_point="wspool.integrations.demo:register", switch_var="WSPOOL_DEMO", denylist_var="DEMO_DISABLE_PLUGINS",
+)  # fmt: skip
+
+
+def _f(a: int) -> int:
+    return a
+
+
+@pytest.fixture
+def engine() -> Iterator[types.ModuleType]:
+    """A stand-in engine module with three functions."""
+    module = types.ModuleType(ENGINE)
+    module.one = module.two = module.three = _f  # type: ignore[attr-defined]
+    sys.modules[ENGINE] = module
+    yield module
+    del sys.modules[ENGINE]
+
+
+def _wrap(original: Any) -> Any:
+    def replacement(a: int) -> int:
+        return original(a) + 1
+
+    return replacement
+
+
+class _Demo(Integration):
+    info = INFO
+
+    def __init__(self, targets: tuple[Target, ...], **kw: Any) -> None:
+        super().__init__(logging.getLogger("wspool.test.demo"))
+        self._targets = targets
+        self.activated = 0
+        self.deactivated = 0
+        self.prepared: Callable[[], str] = kw.get("prepare", describe_config)
+
+    def groups(self) -> tuple[TargetGroup, ...]:
+        return (TargetGroup("demo", self._targets),)
+
+    def prepare(self) -> str:
+        return self.prepared()
+
+    def activate(self) -> list[str]:
+        self.activated += 1
+        return []
+
+    def deactivate(self) -> None:
+        self.deactivated += 1
+
+
+def _targets(make_third: Any = _wrap) -> tuple[Target, ...]:
+    return (
+        Target(ENGINE, "one", ("a",), _wrap, "one"),
+        Target(ENGINE, "two", ("a",), _wrap, "two"),
+        Target(ENGINE, "three", ("a",), make_third, "three"),
+    )
+
+
+@pytest.fixture
+def log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """The stand-in integration's log lines, from debug up."""
+    caplog.set_level(logging.DEBUG, logger="wspool.test.demo")
+    return caplog
+
+
+def _lines(log: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in log.records if r.name == "wspool.test.demo" and r.levelno == level]
+
+
+@pytest.mark.parametrize(("raw", "on"), [("", True), ("1", True), (" Yes ", True), ("off", False), ("0", False)])
+def test_the_switch_reads_on_and_off_words(raw: str, on: bool) -> None:
+    """Unset, 1/true/on/yes are on; 0/false/off/no are off, in any case and with spaces."""
+    assert parse_switch("WSPOOL_DEMO", {"WSPOOL_DEMO": raw}) is on
+    assert parse_switch("WSPOOL_DEMO", {}) is True
+
+
+def test_an_unknown_switch_value_is_an_error_naming_the_variable() -> None:
+    """A value that is neither on nor off is refused, never taken as on."""
+    with pytest.raises(ConfigError, match=r"invalid environment variable WSPOOL_DEMO = 'disabled': expected 1 or 0"):
+        parse_switch("WSPOOL_DEMO", {"WSPOOL_DEMO": "disabled"})
+
+
+def test_the_engines_are_declared_and_light() -> None:
+    """ENGINES names vLLM and SGLang with their entry points; declaring them imported neither engine."""
+    assert [info.key for info in ENGINES][:2] == ["vllm", "sglang"]
+    assert VLLM.entry_point == "wspool.integrations.vllm:register" and VLLM.allowlist_var == "VLLM_PLUGINS"
+    assert SGLANG.entry_point == "wspool.integrations.sglang:register" and SGLANG.switch_var == "WSPOOL_SGLANG"
+    assert "vllm.config" not in sys.modules and "sglang.srt" not in sys.modules
+    assert targets_of("vllm")[0].name == "the MLA decode workspace"
+    with pytest.raises(KeyError, match="no wspool integration for 'nope'"):
+        integration("nope")
+
+
+@pytest.mark.parametrize(
+    ("version", "supported"), [("0.33.0", True), ("0.34.0", True), ("0.34.2", True), ("0.35.0", False), ("x", False)]
+)
+def test_versions_are_checked_against_the_declared_range(version: str, supported: bool) -> None:
+    """vLLM's declared range admits 0.33 and 0.34 and nothing else; a version that does not parse is not supported."""
+    assert VLLM.supports(version) is supported
+
+
+def test_the_engines_own_plugin_variables_are_read() -> None:
+    """An allowlist without wspool, or a denylist naming it, is said; otherwise nothing."""
+    assert VLLM.selection({"VLLM_PLUGINS": "other"}) == "VLLM_PLUGINS='other' does not name wspool"
+    assert VLLM.selection({"VLLM_PLUGINS": "other, wspool"}) is None
+    assert INFO.selection({"DEMO_DISABLE_PLUGINS": "a,wspool"}) == "DEMO_DISABLE_PLUGINS='a,wspool' names wspool"
+    assert INFO.installed_version() == version("pytest")
+
+
+def test_a_load_patches_reports_and_says_one_line(engine: types.ModuleType, log: pytest.LogCaptureFixture) -> None:
+    """Every target is patched, each reported to the engine's undo registry, and the load is one info line."""
+    demo = _Demo(_targets())
+    reported: list[tuple[str, str, Callable[[], None]]] = []
+    assert demo.load(reporter=lambda kind, name, undo: reported.append((kind, name, undo)))
+    assert engine.one(1) == 2 and demo.activated == 1
+    assert [(kind, name) for kind, name, _ in reported] == [
+        ("wspool", f"{ENGINE}.{n}") for n in ("one", "two", "three")
+    ]
+    assert _lines(log, logging.INFO) == [
+        f"wspool: Demo {version('pytest')}: 3 targets patched; config: built-in defaults"
+    ]
+    reported[1][2]()  # the engine undoes its plugins: everything goes
+    assert engine.one is _f and engine.three is _f and demo.patched() == [] and demo.deactivated == 1
+
+
+def test_loading_twice_patches_once(engine: types.ModuleType, log: pytest.LogCaptureFixture) -> None:
+    """A second load changes nothing and says so at debug level."""
+    demo = _Demo(_targets())
+    demo.load()
+    first = engine.one
+    assert demo.load() and engine.one is first and engine.one(1) == 2
+    assert "wspool: the Demo integration is already loaded" in _lines(log, logging.DEBUG)
+
+
+def test_the_third_of_three_failing_leaves_the_engine_untouched(
+    engine: types.ModuleType, log: pytest.LogCaptureFixture
+) -> None:
+    """A third replacement that raises: the first two are restored, the hooks forgotten, one error logged."""
+
+    def explode(original: Any) -> Any:
+        raise RuntimeError("cannot wrap three")
+
+    demo = _Demo(_targets(explode))
+    assert not demo.load()
+    assert (engine.one, engine.two, engine.three) == (_f, _f, _f) and demo.patched() == []
+    assert demo.deactivated == 1
+    (error,) = _lines(log, logging.ERROR)
+    assert error == "wspool: the Demo integration failed to load and patched nothing; Demo's own workspaces stay in use"
+
+
+def test_a_broken_configuration_leaves_the_engine_untouched(
+    engine: types.ModuleType, log: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A configuration that does not load stops the load before anything is located or patched, in one line."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pools: [not, a, mapping]\n")
+    monkeypatch.setenv("WSPOOL_CONFIG", str(broken))
+    wspool.reset_registry()
+
+    def prepare() -> str:
+        wspool.get_registry()
+        return describe_config()
+
+    demo = _Demo(_targets(), prepare=prepare)
+    assert not demo.load()
+    assert engine.one is _f and demo.activated == 0
+    (error,) = _lines(log, logging.ERROR)
+    assert error.startswith("wspool: Demo: nothing patched, Demo's own workspaces stay in use: ") and "\n" not in error
+
+
+def test_an_unsupported_version_patches_nothing(engine: types.ModuleType, log: pytest.LogCaptureFixture) -> None:
+    """An installed engine outside the declared range is left alone with one warning naming both."""
+
+    class Old(_Demo):
+        info = EngineInfo(**{**INFO.__dict__, "supported": "<1"})
+
+    demo = Old(_targets())
+    assert not demo.load() and engine.one is _f
+    (warning,) = _lines(log, logging.WARNING)
+    assert f"Demo {version('pytest')} is not supported (wspool supports <1); nothing patched" in warning
+
+
+def test_describe_config_names_how_the_configuration_was_named(tmp_path: Path) -> None:
+    """Built-in defaults, a shipped configuration by name, or a file path."""
+    assert describe_config({}) == "config: built-in defaults"
+    assert describe_config({"WSPOOL_CONFIG": "vllm"}) == "config vllm (shipped)"
+    path = tmp_path / "mine.yaml"
+    path.write_text("{}\n")
+    assert describe_config({"WSPOOL_CONFIG": str(path)}) == f"config {path}"
