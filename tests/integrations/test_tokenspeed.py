@@ -243,6 +243,18 @@ def test_the_shared_block_is_a_pool_made_on_first_use_with_tokenspeeds_carve(ts:
     assert again.data_ptr() == ints.data_ptr()  # separate calls share the same bytes
 
 
+def test_an_initial_size_the_user_set_is_the_least_the_first_request_makes(
+    ts: TokenSpeed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TOKENSPEED_WORKSPACE_INITIAL_MB set by the user: nothing in the constructor, that much at the first request."""
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_INITIAL_MB", "1")
+    tokenspeed.register()
+    pool = ts.workspace.workspace_pool(CPU)
+    assert wspool.get_registry().stats(buffers.BLOCK.pool, CPU).capacity_bytes == 0
+    (view,) = pool.allocate(((1024,), torch.uint8))
+    assert view.numel() == 1024 and _buffer(buffers.BLOCK.pool).numel() == MiB
+
+
 def test_trtllm_mha_and_cute_dsl_mla_draw_from_the_block(ts: TokenSpeed, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both backends' scratch are views of pool tokenspeed_scratch; TokenSpeed's variable sizes MHA's draw."""
     monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "2")
