@@ -27,10 +27,13 @@ import torch
 if TYPE_CHECKING:
     from wspool.pool import WorkspacePool
 
-__all__ = ["WorkspaceHandle", "bump_epoch"]
+__all__ = ["EPOCH", "WorkspaceHandle", "bump_epoch"]
 
-# The process's workspace epoch, one cell that every handle reads per call.
-_EPOCH = [0]
+#: The process's workspace epoch, in a one-item list every handle reads per call: a call site may
+#: cache what it derived from handles while ``EPOCH[0]`` is unchanged. Read it; only
+#: :func:`bump_epoch` writes it.
+EPOCH = [0]
+_EPOCH = EPOCH
 _epoch_lock = threading.Lock()
 
 

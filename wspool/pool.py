@@ -20,7 +20,6 @@ One buffer used from two streams at once is a race: give each a lane.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
 import logging
 import threading
@@ -41,6 +40,7 @@ from wspool.errors import (
     readable_int,
     unknown_rule,
 )
+from wspool.freeze import FreezeState, cuda_capture_probe
 from wspool.handles import bump_epoch
 from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.streams import StreamOrderWatch
@@ -52,12 +52,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Allocator",
-    "FreezeState",
     "PoolSource",
     "PoolSpec",
     "PoolStats",
     "WorkspacePool",
-    "cuda_capture_probe",
     "zeros_allocator",
 ]
 
@@ -162,94 +160,6 @@ class PoolSpec:
         if self.max_bytes is not None and capacity > self.max_bytes >= nbytes:
             capacity = self.max_bytes  # rounding may not push a fitting request over the cap
         return capacity
-
-
-class FreezeState:
-    """Shared by a registry's pools: growth is refused while ``frozen``.
-
-    Frozen while held or while any counted ``frozen()`` block is open; ``epoch``
-    counts the times it became frozen, so a pool can tell whether its buffer was
-    current during a freeze (and so may be in a graph). A context (thread or
-    task) inside :meth:`allowing_growth` may grow pools while frozen; every
-    other context is still refused.
-    """
-
-    __slots__ = ("_allowed", "_blocks", "_held", "_lock", "_resets", "epoch")
-
-    def __init__(self) -> None:
-        self._held = False
-        self._blocks = 0
-        self._resets = 0
-        self._lock = threading.Lock()
-        self._allowed: contextvars.ContextVar[bool] = contextvars.ContextVar("wspool_growth_allowed", default=False)
-        self.epoch = 0
-
-    def refuses_growth(self) -> bool:
-        """Whether growth is refused to the calling context now: frozen, and not inside :meth:`allowing_growth`."""
-        return (self._held or self._blocks > 0) and not self._allowed.get()
-
-    @contextlib.contextmanager
-    def allowing_growth(self) -> Iterator[None]:
-        """Let the calling context (its thread or task) grow pools inside the block, even while frozen.
-
-        Capture still refuses growth; other threads and tasks stay refused.
-        """
-        token = self._allowed.set(True)
-        try:
-            yield
-        finally:
-            self._allowed.reset(token)
-
-    @property
-    def frozen(self) -> bool:
-        """Whether growth is refused now."""
-        return self._held or self._blocks > 0
-
-    @frozen.setter
-    def frozen(self, value: bool) -> None:
-        with self._lock:
-            if value and not self.frozen:
-                self.epoch += 1
-            self._held = bool(value)
-
-    def enter(self) -> int:
-        """Open a frozen block; returns the token that :meth:`leave` takes."""
-        with self._lock:
-            if not self.frozen:
-                self.epoch += 1
-            self._blocks += 1
-            return self._resets
-
-    def leave(self, token: int) -> None:
-        """Close a block opened by :meth:`enter` (a no-op after :meth:`clear`)."""
-        with self._lock:
-            if token == self._resets and self._blocks > 0:
-                self._blocks -= 1
-
-    def clear(self) -> None:
-        """Unfreeze completely; blocks open now no longer count."""
-        with self._lock:
-            self._held = False
-            self._blocks = 0
-            self._resets += 1
-
-
-def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
-    """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
-
-    The legacy default stream (raw handle 0) cannot be captured, so there the
-    probe reads only the current stream; any other stream asks CUDA.
-    """
-    index = device.index if device.index is not None else 0
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    capturing = torch.cuda.is_current_stream_capturing
-    if raw_stream is None:  # pragma: no cover - every torch this project supports has it
-        return capturing
-
-    def probe() -> bool:
-        return raw_stream(index) != 0 and capturing()
-
-    return probe
 
 
 #: A refused growth: the error to raise, and the log line (format and arguments) to write first.

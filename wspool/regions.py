@@ -27,7 +27,8 @@ import torch
 
 from wspool.devices import resolve_device
 from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError, describe_setting
-from wspool.pool import Allocator, PoolSource, cuda_capture_probe, zeros_allocator
+from wspool.freeze import cuda_capture_probe
+from wspool.pool import Allocator, PoolSource, zeros_allocator
 from wspool.units import format_size, round_up
 
 __all__ = [

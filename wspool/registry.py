@@ -25,8 +25,9 @@ import torch
 from wspool.devices import DeviceDescription, DeviceLike, is_dynamic, resolve_device
 from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, unknown_rule
+from wspool.freeze import FreezeState
 from wspool.handles import WorkspaceHandle, bump_epoch
-from wspool.pool import Allocator, FreezeState, PoolSource, PoolSpec, PoolStats, WorkspacePool
+from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, WorkspacePool
 from wspool.profile_views import ProfileView, check_rule_facts
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import WspoolSettings, load_settings, profile_settings

@@ -283,6 +283,11 @@ class PatchSet:
                     self._patches[patch.name] = patch
         return stuck
 
+    def applied(self) -> list[Patch]:
+        """Return the patches in place now, in the order they were applied."""
+        with self._lock:
+            return list(self._patches.values())
+
     def names(self) -> list[str]:
         """Return the names of the attributes patched now, in the order they were patched."""
         with self._lock:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from wspool.errors import RuleError, WorkspaceFrozenError, WorkspaceLimitError
-from wspool.pool import FreezeState, PoolSpec, WorkspacePool
+from wspool.freeze import FreezeState
+from wspool.pool import PoolSpec, WorkspacePool
 
 CPU = torch.device("cpu")
 MiB = 2**20

@@ -509,3 +509,13 @@ def test_a_constructor_after_unfreeze_leaves_the_registry_unfrozen(srt: SGLang, 
     Backend.__init__ = sg.buffers.wrap_constructor(Backend.__init__)  # type: ignore[method-assign]
     Backend(SimpleNamespace(model_config=SimpleNamespace(num_attention_heads=8), device="cpu"))
     assert not registry.is_frozen
+
+
+def test_the_engine_path_times_sglangs_get_buffer_against_sglangs_own(srt: SGLang, load: Any) -> None:
+    """wspool bench's engine path times get_buffer for a name wspool does not pool, and the plan wrapper."""
+    from wspool.tools.engine_path import measure_engine_path
+
+    found = measure_engine_path(rounds=1, batch=50)["SGLang"]
+    calls = [row["call"] for row in found["rows"]]
+    assert found["version"] == VERSION and calls[0] == "RuntimeContext.get_buffer (a name not pooled)"
+    assert all(row["own_ns"] > 0 and row["wspool_ns"] > 0 for row in found["rows"])

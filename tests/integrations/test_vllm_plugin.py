@@ -839,3 +839,20 @@ def test_the_load_line_is_one_short_line(load: Any, warnings_seen: pytest.LogCap
     assert line == (
         f"wspool: vLLM {VLLM_VERSION}: {len(plugin.patched())} targets patched; config: built-in defaults; profile auto"
     )
+
+
+def test_the_engine_path_times_vllms_getters_against_vllms_own(vllm: ModuleType, monkeypatch: Any) -> None:
+    """wspool bench's engine path times the MLA, counter and wrapper probes in the real vLLM, each a ratio."""
+    from wspool.tools.engine_path import measure_engine_path
+
+    monkeypatch.setenv("WSPOOL_VLLM_DEVICE", "cpu")
+    try:
+        found = measure_engine_path(rounds=1, batch=50)["vLLM"]
+    finally:
+        plugin.unregister()
+    calls = [row["call"] for row in found["rows"]]
+    assert found["version"] == VLLM_VERSION and calls[:3] == [
+        "MLA workspace (LSE)", "MLA workspace", "MLA multi-CTA counters"
+    ]  # fmt: skip
+    assert "forward_mqa wrapper (added)" in calls
+    assert all(row["own_ns"] > 0 and row["wspool_ns"] > 0 for row in found["rows"])

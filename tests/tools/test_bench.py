@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from wspool.cli import main
-from wspool.tools.bench import SECTIONS, run_benchmarks
+from wspool.tools.bench import CPU_SECTIONS, SECTIONS, run_benchmarks
 from wspool.tools.bench_gpu import DecodeCallFigures, DecodeStepFigures, MemoryRow, added_time_budget_us
 from wspool.tools.bench_report import BenchError, failed_sections, format_report, load_figures, plot_memory
 from wspool.tools.sweep import MLAShape
@@ -76,7 +76,7 @@ def test_cpu_run_skips_gpu_sections_and_writes_json(tmp_path: Path) -> None:
         )
     figures = json.loads(out.read_text())
     assert figures["machine"]["gpu"] == "none" and figures["hot_path"]["device"] == "cpu"
-    assert {figures[s]["skipped"] for s in SECTIONS[1:]} == {"no CUDA device"}
+    assert {figures[s]["skipped"] for s in SECTIONS if s not in CPU_SECTIONS} == {"no CUDA device"}
 
 
 def test_json_without_file_prints_only_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,3 +205,35 @@ def test_gpu_measurements_run_against_doubles(monkeypatch: pytest.MonkeyPatch) -
     memory = bench_gpu.measure_memory(registry, [MLAShape(1, 16, 1024)], FakeProber())  # type: ignore[arg-type]
     assert (memory[0].minimum_bytes, memory[0].rule_bytes, memory[0].run_at_rule) == (H200_NEED, H200_NEED, None)
     assert registry.stats("flashinfer_mla", device="cpu").capacity_bytes == H200_NEED
+
+
+def test_the_engine_path_reports_each_engine_or_why_not() -> None:
+    """Each engine is a table of its probes, or one line saying it is not installed."""
+    figures = {
+        "engine_path": {
+            "vLLM": {
+                "version": "0.34.0",
+                "rows": [
+                    {"call": "MLA workspace", "path": "per layer", "own_ns": 100.0, "wspool_ns": 125.0, "ratio": 1.25}
+                ],
+            },
+            "SGLang": {"skipped": "SGLang is not installed here"},
+        }
+    }
+    text = format_report(figures)
+    assert "(a2) engine path" in text and "SGLang: skipped (SGLang is not installed here)" in text
+    assert any("MLA workspace" in line and line.rstrip().endswith("1.25x") for line in text.splitlines())
+
+
+def test_the_engine_path_without_engines_skips_each() -> None:
+    """Where no engine is installed, the section says so per engine and times nothing."""
+    from importlib.util import find_spec
+
+    from wspool.tools.engine_path import measure_engine_path
+
+    if find_spec("vllm") or find_spec("sglang"):
+        pytest.skip("an engine is installed here: its own tests time its probes")
+    assert measure_engine_path(rounds=1, batch=1) == {
+        "vLLM": {"skipped": "vLLM is not installed here"},
+        "SGLang": {"skipped": "SGLang is not installed here"},
+    }

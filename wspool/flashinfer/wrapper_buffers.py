@@ -41,7 +41,7 @@ import functools
 import importlib
 import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,6 +60,7 @@ __all__ = [
     "READ_VERSIONS",
     "bind_mla_wrapper",
     "bind_paged_wrapper",
+    "call_supplying",
     "declare_int_pool",
     "install_mla_hook",
     "int_bytes",
@@ -71,6 +72,8 @@ __all__ = [
     "supplying",
     "uninstall_mla_hook",
 ]
+
+_R = TypeVar("_R")
 
 INT_POOL = "flashinfer_int"
 #: The int workspace rules. ``mla``: 9 int32 arrays of 16384 work items and 5 of one int32 per SM,
@@ -405,6 +408,18 @@ def int_setting_of(wrapper: Any) -> str | None:
     """The key of the rule that sized ``wrapper``'s region (what an int-carve overflow names), or ``None``."""
     binding = binding_of(wrapper)
     return None if binding is None else binding.setting
+
+
+def call_supplying(binding: WrapperBinding | None, call: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    """Run ``call(*args, **kwargs)`` (a wrapper's plan) with ``binding`` supplied, as :func:`supplying` does.
+
+    For a call site that plans every step: no generator, and the binding it already looked up.
+    """
+    token = _SUPPLY.set(binding)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _SUPPLY.reset(token)
 
 
 @contextlib.contextmanager

@@ -1,35 +1,22 @@
 """Drop-in replacements for the workspace functions that engines keep as module globals.
 
-vLLM's FlashInfer MLA backend (after PR #47074) keeps one module-level buffer,
-128 MiB, or 256 MiB once a call returns the LSE, grown lazily and reused.
-:func:`get_workspace_buffer` has that function's exact signature and
-semantics, backed by the process-wide registry; it is also importable under
-vLLM's own name, so the backend switches with one import::
+:func:`get_workspace_buffer` has the exact signature and semantics of vLLM's
+FlashInfer MLA ``_get_workspace_buffer(return_lse)`` (128 MiB, or 256 MiB once a
+call returns the LSE, grown lazily and reused), backed by the process-wide
+registry's pool ``flashinfer_mla`` (rules ``default`` and ``lse``); it is also
+importable under vLLM's own name, so a backend switches with one import::
 
     from wspool.integrations.adapters import _get_workspace_buffer
 
-What stays the same: the rules (``default`` and ``lse`` of pool
-``flashinfer_mla``), a zero-filled ``uint8`` buffer, growth only when a
-call needs more, the same tensor returned while it suffices, allocation on
-first use on the current CUDA device. What wspool adds: the sizes come from the
-configuration (YAML, ``WSPOOL_*``, engine knobs) and the device's profile (on an
-H200, ``auto`` gives the hopper profile's 17,369,088 bytes for both rules instead
-of 128 MiB / 256 MiB), the buffer is shared with
-the other backends of that pool (paged attention by default), each CUDA device
-(and lane) gets its own buffer instead of the first device's, growth refuses
-to happen during CUDA-graph capture or while the registry is frozen, and the
-statistics count the calls.
+What wspool adds: sizes from the configuration and the device's profile, one
+buffer shared with the pool's other backends, a buffer per device and lane,
+growth refused during capture or while frozen, and statistics. The call passes
+no facts: a rule reads the pool's default facts or the device's, which
+:func:`check_workspace_facts` checks at load time.
 
-Device semantics: the current CUDA device at each call, like vLLM's
-``device="cuda"``. Thread semantics: thread-safe. Capture semantics: a call that
-would grow the buffer during capture raises
-:class:`~wspool.errors.WorkspaceFrozenError` instead of replacing memory that
-a graph uses; warm up both sizes before capturing.
-
-Facts: the call passes none, so every fact a rule reads comes from the pool's
-default facts (``pools.flashinfer_mla.facts``: an engine's largest batch, its
-heads per rank) or the device (``sm_count``...). :func:`check_workspace_facts`
-checks that at load time, naming the key of each fact that is missing.
+Device semantics: the current CUDA device at each call. Thread semantics:
+thread-safe. Capture semantics: growth during capture raises
+:class:`~wspool.errors.WorkspaceFrozenError`; warm up both sizes first.
 """
 
 from __future__ import annotations

@@ -42,7 +42,9 @@ __all__ = [
 ]
 
 #: The sections of ``wspool bench``, in the order they run and print.
-SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
+SECTIONS = ("hot_path", "engine_path", "mla_decode", "decode_step", "memory")
+#: The sections that run on the CPU too; the others need a CUDA device.
+CPU_SECTIONS = ("hot_path", "engine_path")
 
 _LSE_EXPRESSION = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB + 32MiB"
 
@@ -206,7 +208,12 @@ def run_benchmarks(
     if "hot_path" in sections:
         say(f"hot path on {hot_device} ...")
         figures["hot_path"] = measure_hot_path(hot_device, repeats=repeats).as_dict()
-    gpu_sections = [s for s in SECTIONS[1:] if s in sections]
+    if "engine_path" in sections:
+        say("engine path (each installed engine's getters at its call sites) ...")
+        from wspool.tools.engine_path import measure_engine_path
+
+        figures["engine_path"] = measure_engine_path()
+    gpu_sections = [s for s in SECTIONS if s in sections and s not in CPU_SECTIONS]
     if not gpu_sections:
         return figures
     why = _gpu_skip_reason(gpu)

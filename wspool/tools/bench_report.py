@@ -54,6 +54,24 @@ def _hot_path(figures: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _engine_path(figures: Mapping[str, Any]) -> list[str]:
+    section = figures.get("engine_path")
+    if section is None:
+        return []
+    lines = ["(a2) engine path: each getter wspool replaces, at the engine's call site (minimum per call):"]
+    for engine, found in section.items():
+        if "skipped" in found:
+            lines.append(f"  {engine}: skipped ({found['skipped']})")
+            continue
+        lines.append(f"  {engine} {found['version']}:{'':28} own ns  wspool ns  ratio")
+        for row in found["rows"]:
+            lines.append(
+                f"    {row['call']:<46} {row['path']:<10} {row['own_ns']:8.1f} {row['wspool_ns']:10.1f}  "
+                f"{row['ratio']:5.2f}x"
+            )
+    return lines
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -156,6 +174,9 @@ def format_report(figures: Mapping[str, Any]) -> str:
     for key, render in (("mla_decode", _mla_decode), ("decode_step", _decode_step), ("memory", _memory)):
         if key in figures:
             lines += ["", *render(figures[key])]
+    engine = _engine_path(figures)
+    if engine:
+        lines[1:1] = ["", *engine]
     hot = _hot_path(figures)
     if hot:
         lines[1:1] = ["", *hot]

@@ -1,41 +1,19 @@
 """The facts of an SGLang engine that wspool's sizing rules read, and what SGLang itself would allocate.
 
-SGLang asks for a workspace with ``get_buffer(name, factory)``: a name and a
-function that allocates it. The rules of :mod:`wspool.integrations.sglang` see
-two kinds of facts at each such call:
+SGLang asks for a workspace with ``get_buffer(name, factory)``. At each such
+call the rules see ``sglang_bytes``, what SGLang's own factory allocates there
+(:func:`probe_factory` runs it under PyTorch's fake-tensor mode: nothing is
+allocated), and the model runner's facts (:func:`facts_from_runner`: heads per
+rank, KV heads, head and MLA geometry, page size, largest batch, dtypes) with
+the runtime context's DCP width and draft tokens. The model facts exist only
+inside an attention backend's constructor, which the integration wraps in
+:func:`building`; a fact SGLang does not give is left out, and a rule that reads
+it raises a :class:`~wspool.errors.RuleError` naming it. docs/sglang.md
+("Facts: sizes that follow the engine") tables each fact and its source.
 
-===================  ================================================================  ======================
-fact                 value                                                             from
-===================  ================================================================  ======================
-``sglang_bytes``     the bytes SGLang's own ``factory`` allocates at this call         the factory, run under
-                     (``SGLANG_FLASHINFER_WORKSPACE_SIZE`` and SGLang's own            PyTorch's fake-tensor
-                     adjustments of it, its constants, ``x DCP``, XQA semaphores)      mode: nothing allocated
-``num_heads``,       this rank's query heads: ``num_attention_heads // attn_tp_size``  the model runner whose
-``num_qo_heads``                                                                       backend is being built
-``num_kv_heads``     ``model_config.get_num_kv_heads(attn_tp_size)``                   same
-``head_dim``         ``model_config.head_dim``                                         same
-``kv_lora_rank``,    MLA geometry (MLA models only)                                    same
-``qk_rope_head_dim``
-``page_size``        ``model_runner.page_size``                                        same
-``batch_size``       ``model_runner.max_running_requests``: the largest batch          same
-``kv_dtype_size``    bytes per element of ``model_runner.kv_cache_dtype``              same
-``dtype_bytes``      bytes per element of ``model_runner.dtype`` (queries, outputs)    same
-``cp_world``         ``get_parallel().attn_dcp_size`` (decode context parallelism)     SGLang's context
-``q_len``            ``get_spec().speculative_num_draft_tokens`` (1 without            SGLang's context
-                     speculative decoding): query tokens per request in decode
-===================  ================================================================  ======================
-
-The model facts exist only inside an attention backend's constructor, which
-is where SGLang 0.5.23 calls ``get_buffer`` for its workspaces: the
-integration wraps those constructors in :func:`building`. A fact SGLang does
-not give (a non-MLA model's ``kv_lora_rank``, a runner without
-``max_running_requests``) is left out, and a rule that reads it raises a
-:class:`~wspool.errors.RuleError` naming it.
-
-Device semantics: :func:`probe_factory` runs SGLang's factory under
-``torch._subclasses.fake_tensor.FakeTensorMode``, which allocates nothing and
-creates no CUDA context. Thread semantics: the runner being built is a context
-variable, so it follows the constructing thread. Nothing here imports SGLang.
+Device semantics: fake tensors create no CUDA context. Thread semantics: the
+runner being built is a context variable, so it follows the constructing
+thread or task. Nothing here imports SGLang.
 """
 
 from __future__ import annotations

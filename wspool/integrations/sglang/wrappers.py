@@ -1,79 +1,28 @@
 """SGLang's FlashInfer wrappers with right-sized int workspaces from pool ``flashinfer_int``.
 
-Each FlashInfer wrapper keeps its plan in an int workspace of 8 MiB on the
-device and an 8 MiB pinned host copy, though a plan uses a few KiB (paged
-decode) to about 600 KiB (MLA), and SGLang 0.5.23 keeps such wrappers per
-backend and per CUDA-graph batch size. :mod:`wspool.integrations.sglang`
-patches the seams of :data:`SEAMS` (all or nothing, with its other targets)
-and calls :func:`bind_eager_wrappers` from ``FlashInferAttnBackend``'s
-constructor, so that each wrapper gets a region of its own from
-:mod:`wspool.flashinfer.wrapper_buffers`, sized by a rule of pool
-``flashinfer_int`` for the largest plan the wrapper can make:
+A FlashInfer wrapper keeps its plan in an 8 MiB int workspace and an 8 MiB
+pinned copy, though a plan uses a few KiB to about 600 KiB. The SGLang
+integration patches :data:`SEAMS` and calls :func:`bind_eager_wrappers` from
+``FlashInferAttnBackend``'s constructor, so each wrapper takes a region of its
+own, sized by a rule for the largest plan it can make: eager wrappers when the
+backend is built, CUDA-graph wrappers before their first plan, MLA wrappers at
+their first plan (each plan then runs with its region supplied). A wrapper is
+bound once and never shares. docs/sglang.md ("FlashInfer wrappers' int
+workspaces") lists each wrapper, its facts and what stays FlashInfer's.
 
-- ``FlashInferAttnBackend``'s eager wrappers, when its constructor returns:
-  ``decode_wrappers`` (rule ``decode``; ``prefill`` with tensor cores), with
-  ``batch_size`` = ``num_tokens`` = B, the requests the backend's ``kv_indptr``
-  holds; ``prefill_wrappers_paged``, ``prefill_wrappers_verify`` and, where
-  built with fa2, ``prefill_wrapper_ragged`` (rule ``prefill``), with
-  ``batch_size`` B and ``num_tokens`` the largest extend (:func:`prefill_rows`).
-- Its CUDA-graph wrappers, when ``_prepare_cuda_graph_metadata`` returns, before
-  their first plan: decode ones with ``batch_size`` = ``num_tokens`` = the
-  captured tokens, prefill ones (verify, draft extend, full-graph prefill) with
-  the captured batch and tokens. Full-graph prefill's wrappers, which SGLang
-  makes once for the first (largest) bucket, are bound once.
-- ``FlashInferMLAAttnBackend``'s ``BatchMLAPagedAttentionWrapper`` objects, eager
-  and per graph batch size, at their first plan, in the indices updaters'
-  ``call_begin_forward`` (rule ``mla``, constant per device).
-
-Every paged rule also reads ``num_qo_heads`` and ``num_kv_heads``, the heads
-SGLang's indices updater plans with, and the device's ``sm_count``. Facts are
-upper bounds: a plan never needs more than its wrapper's region. A wrapper is
-bound once and never again, so a CUDA graph that captured it keeps its address.
-
-A paged wrapper takes its region through FlashInfer's public
-``reset_workspace_buffer``, which also remakes its pinned copy at the region's
-size, right after SGLang builds it; FlashInfer's 8 MiB pair goes back to
-PyTorch's caching allocators then. An MLA wrapper allocates nothing until it
-plans: each of its plans runs inside
-:func:`~wspool.flashinfer.wrapper_buffers.supplying`, so the MLA backend
-FlashInfer builds in ``plan()`` takes the wrapper's region and pinned copy, and
-a graph wrapper keeps them for the replays SGLang plans with
-``fast_mla_decode_plan``. Binding at the first plan, not at construction, gives
-no region to the wrappers SGLang never plans (``prefill_wrapper_verify``
-without speculative decoding, the decode wrapper of an MLA backend whose
-decode runs another kernel).
-
-What stays FlashInfer's: wrappers whose planner no rule bounds
-(:func:`~wspool.flashinfer.wrapper_buffers.paged_int_rule` is ``None``: fa3,
-``auto`` prefill, cutlass; SGLang builds its ragged prefill wrappers, the MLA
-backend's chunked-prefix ones included, with ``auto`` or cutlass except for
-fa2 on SM100), eager prefill wrappers when SGLang's scheduling limits are not
-published (a process that never publishes them), MLA wrappers on a
-FlashInfer whose MLA backend wspool has not read
-(:func:`~wspool.flashinfer.wrapper_buffers.mla_hook_status`), and every wrapper
-where the registry keeps FlashInfer's buffers
-(:func:`~wspool.flashinfer.wrapper_buffers.keep_flashinfer_buffers`).
-
-Sharing: never. Every wrapper is bound with ``group=None``, a region of its
-own: SGLang replays its CUDA graphs without wspool seeing it, so wspool cannot
-tell that two wrappers' plans are never live at once.
-
-Device semantics: a region lives on the device of the float workspace the
-wrapper keeps (the CPU in tests with ``WSPOOL_SGLANG_DEVICE=cpu``). Thread
-semantics: SGLang builds backends, captures and plans from its scheduler
-thread; :func:`~wspool.flashinfer.wrapper_buffers.supplying` holds for the
-calling thread or task only. Capture semantics: SGLang prepares graph metadata
-and plans outside ``torch.cuda.graph``; a region that would be allocated
-during a capture raises :class:`~wspool.errors.WorkspaceFrozenError`. Regions
-are not pool buffers: the registry's freeze after a capture does not refuse
-them. Per-step cost: none for paged wrappers; one weak-dictionary look-up and
-one context variable per MLA plan call.
+Device semantics: a region lives on the device of the wrapper's float
+workspace. Thread semantics: SGLang builds, captures and plans from its
+scheduler thread; a supplied region holds for the calling context only.
+Capture semantics: a region that would be allocated during capture raises
+:class:`~wspool.errors.WorkspaceFrozenError`; the registry's freeze does not
+refuse regions. Per step: one look-up and one context variable per MLA plan.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +33,7 @@ import wspool
 from wspool.errors import RuleError
 from wspool.flashinfer import wrapper_buffers
 from wspool.integrations.sglang import facts as facts_of
-from wspool.regions import binding_of
+from wspool.regions import WrapperBinding, binding_of
 from wspool.targets import Target
 from wspool.units import format_size
 
@@ -332,12 +281,16 @@ def binding_graph_wrappers(original: Callable[..., Any]) -> Callable[..., Any]:
 # -- MLA wrappers --------------------------------------------------------------------------
 
 
-def _bind_mla(wrapper: Any) -> None:
-    """Give an MLA wrapper its region and pinned copy before its first plan (nothing where the hook is not in place)."""
+def _bind_mla(wrapper: Any) -> WrapperBinding | None:
+    """Give an MLA wrapper its region and pinned copy before its first plan (nothing where the hook is not in place).
+
+    A wrapper left with FlashInfer's buffers is remembered, and its later plans pass straight through.
+    """
     binding = wrapper_buffers.bind_mla_wrapper(
         wrapper, registry=wspool.get_registry(), device=_float_workspace(wrapper).device, lane=wspool.current_lane(),
     )  # fmt: skip
     if binding is None:
+        _left_alone.add(wrapper)
         hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
         why = "the registry keeps FlashInfer's buffers" if hooked else wrapper_buffers.mla_hook_status()
         _warn_once(
@@ -347,6 +300,11 @@ def _bind_mla(wrapper: Any) -> None:
         size = format_size(binding.region.nbytes)
         _warn_once("mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s "
                    "at their first plan", size, wrapper_buffers.INT_POOL)  # fmt: skip
+    return binding
+
+
+# MLA wrappers that keep FlashInfer's buffers: their plans pass straight through.
+_left_alone: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -354,10 +312,10 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def call_begin_forward(self: Any, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
-        if binding_of(wrapper) is None:
-            _bind_mla(wrapper)
-        with wrapper_buffers.supplying(wrapper):
+        binding = binding_of(wrapper)
+        if binding is None and (wrapper in _left_alone or (binding := _bind_mla(wrapper)) is None):
             return original(self, wrapper, *args, **kwargs)
+        return wrapper_buffers.call_supplying(binding, original, self, wrapper, *args, **kwargs)
 
     return call_begin_forward
 
@@ -375,13 +333,13 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
         paged_kernel_lens_sum: Any, seq_lens: Any, prefix_lens: Any, kv_indptr: Any, qo_indptr: Any,
         use_ragged: bool, *args: Any, **kwargs: Any,
     ) -> Any:  # fmt: skip
-        if not use_ragged and binding_of(wrapper_paged) is None:
-            _bind_mla(wrapper_paged)
-        with wrapper_buffers.supplying(wrapper_paged):
-            return original(
-                self, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens, paged_kernel_lens_sum,
-                seq_lens, prefix_lens, kv_indptr, qo_indptr, use_ragged, *args, **kwargs,
-            )  # fmt: skip
+        binding = binding_of(wrapper_paged)
+        if binding is None and not use_ragged and wrapper_paged not in _left_alone:
+            binding = _bind_mla(wrapper_paged)
+        return wrapper_buffers.call_supplying(
+            binding, original, self, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
+            paged_kernel_lens_sum, seq_lens, prefix_lens, kv_indptr, qo_indptr, use_ragged, *args, **kwargs,
+        )  # fmt: skip
 
     return call_begin_forward
 

@@ -1,48 +1,18 @@
 """The facts of a vLLM engine that wspool's sizing rules read.
 
-vLLM's workspace functions take no shape (``_get_workspace_buffer(return_lse)``),
-so the rules see what vLLM's configuration says and, where a wrapped call site
-knows more, the shape of the query the MLA decode kernel receives:
-
-=================  ===============================================================  ==========================
-fact               from the configuration                                           at a wrapped call site
-=================  ===============================================================  ==========================
-``num_heads``      ``model_config.get_num_attention_heads(parallel_config)``        ``q_heads // cp_world``
-                   (this rank's query heads, before DCP's all-gather)
-``cp_world``       ``parallel_config.decode_context_parallel_size``                 ``self.dcp_world_size``
-``batch_size``     ``scheduler_config.max_num_seqs`` (the largest batch)            the kernel's rows at most
-                                                                                    (see below)
-``q_len``          ``1 + speculative_config.num_speculative_tokens``                query tokens per row
-``batch_tokens``   ``scheduler_config.max_num_batched_tokens``                      (not read)
-``kv_dtype_size``  ``cache_config.cache_dtype`` (``auto``: the model's dtype)       (not read)
-``q_heads``        (none)                                                           the heads the kernel sees,
-                                                                                    after DCP's query gather
-=================  ===============================================================  ==========================
-
-The rules describe the kernel's query ``[batch_size, q_len, q_heads, dim]``,
-and vLLM does not always hand the kernel one row per request:
-
-- **requests** (:data:`REQUESTS`): one row per request with all its query
-  tokens, as in plain decode and uniform speculative decode. At most
-  ``max_num_seqs`` rows of ``1 + k`` tokens.
-- **tokens** (:data:`TOKENS`): one row per ``fold`` query tokens, as in
-  vLLM 0.34's ragged causal DCP decode and non-causal blocks (every token its
-  own row, ``fold`` 1) and Kimi K3's draft decode (``fold`` tokens of a request
-  folded into the heads). At most ``min(max_num_seqs * (1 + k),
-  max_num_batched_tokens) / fold`` rows of one token.
-
-``batch_size`` is the layout's configured maximum, or the call's own rows where
-they are more, never the step's smaller batch: a buffer sized for the largest
-batch is allocated once, before CUDA-graph capture, and never grows under a
-captured graph. A call from no wrapped call site gets :meth:`ConfigFacts.widest`:
-the most rows either layout can have at the full ``q_len``, never less than
-what any layout needs. A fact that neither gives is left out, and a rule that
-reads it raises a :class:`~wspool.errors.RuleError` naming it.
+vLLM's workspace functions take no shape, so the rules see what vLLM's
+configuration says (:func:`facts_from_config`) and, where a wrapped call site
+knows more, the shape of the query the MLA decode kernel receives
+(:func:`decode_kernel_shape`, :func:`folded_kernel_shape`): one row per request
+(:data:`REQUESTS`) or per ``fold`` tokens (:data:`TOKENS`). ``batch_size`` is
+the layout's configured maximum (never the step's smaller batch), so a buffer
+sized before capture never grows under a graph; a call from no wrapped site
+gets :meth:`ConfigFacts.widest`. docs/vllm.md ("Facts: sizes that follow the
+engine") tables each fact and where it comes from.
 
 Thread semantics: the configuration's facts are cached per process and read
-again when ``get_current_vllm_config_or_none()`` returns another object (a
-benign race: two threads may both read it). The call-time facts are per thread.
-Nothing here touches CUDA or imports vLLM.
+again when vLLM's current configuration object changes; call-time facts are
+per thread. Nothing here touches CUDA or imports vLLM.
 """
 
 from __future__ import annotations

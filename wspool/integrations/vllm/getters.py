@@ -28,7 +28,7 @@ import torch
 
 import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
-from wspool.handles import WorkspaceHandle
+from wspool.handles import EPOCH, WorkspaceHandle
 from wspool.integrations.vllm import internals
 from wspool.integrations.vllm.facts import (
     FACT_NAMES,
@@ -181,7 +181,7 @@ def configure(
     _hooks.device = device if device is not None else (os.environ.get(DEVICE_ENV_VAR, "").strip() or None)
     for table in _TABLES:
         table.clear()
-    _mla_flags.clear()
+    _mla_reads[:] = [-1, True]
     _main_mla[:] = [None, None]
     _COUNTERS_MAIN.clear()
     _PAGED_COUNTERS_MAIN.clear()
@@ -268,16 +268,21 @@ def _mla_handle(return_lse: bool) -> WorkspaceHandle:
     return found
 
 
-_mla_flags: list[WorkspaceHandle] = []  # the MLA rules' handles in lane main, for the wrappers' one test
+# (the epoch it was decided in, whether the MLA rules read the call sites' facts): the wrappers' one test.
+_mla_reads: list[Any] = [-1, True]
 
 
 def mla_reads_call_facts() -> bool:
-    """Whether the MLA rules (``lse``, ``default``) read a fact the wrapped call sites record, under the
-    configuration in force (decided once per binding, not per call)."""
-    flags = _mla_flags
-    if not flags:
-        flags.extend((_mla_handle(True), _mla_handle(False)))
-    return flags[0].current_reads_call_facts() or flags[1].current_reads_call_facts()
+    """Whether the MLA rules (``lse``, ``default``) read a fact the wrapped call sites record.
+
+    Decided once per workspace epoch (configuration, growth), not per call.
+    """
+    if _mla_reads[0] == EPOCH[0]:
+        return bool(_mla_reads[1])
+    epoch = EPOCH[0]
+    reads = _mla_handle(True).current_reads_call_facts() or _mla_handle(False).current_reads_call_facts()
+    _mla_reads[:] = [epoch, reads]
+    return reads
 
 
 def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
@@ -525,7 +530,7 @@ def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def forward_mqa(self: Any, q: Any, kv_c_and_k_pe_cache: Any, attn_metadata: Any, layer: Any) -> Any:
-        if not mla_reads_call_facts():
+        if (not _mla_reads[1] and _mla_reads[0] == EPOCH[0]) or not mla_reads_call_facts():
             return original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)
         query = q[0] if isinstance(q, tuple) else q
         cp_world = getattr(self, "dcp_world_size", 1) or 1

@@ -1,55 +1,19 @@
-"""vLLM's FlashInfer paged wrappers on right-sized int workspaces from pool ``flashinfer_int`` (vLLM 0.33 and 0.34).
+"""vLLM's FlashInfer paged wrappers on right-sized int workspaces from pool ``flashinfer_int`` (vLLM 0.33, 0.34).
 
-Each FlashInfer paged wrapper allocates an 8 MiB int workspace on the device and an
-8 MiB pinned host copy in its constructor, though a plan uses a few KiB of them.
-vLLM's ``FlashInferMetadataBuilder`` keeps one decode wrapper per CUDA-graph batch
-size and query length, an eager decode wrapper and a prefill wrapper (and a
-non-causal one for DFlash drafts). :mod:`wspool.integrations.vllm` wraps the two
-builder methods that make them, ``_get_decode_wrapper`` and ``_get_prefill_wrapper``
-(:func:`wrap_get_decode_wrapper`, :func:`wrap_get_prefill_wrapper`): a wrapper they
-return for the first time gets a region of its own from
-:func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper` before vLLM plans it,
-sized by its planner's rule for upper bounds of every plan it will make:
+A FlashInfer paged wrapper allocates an 8 MiB int workspace and an 8 MiB pinned
+copy though a plan uses a few KiB. The vLLM plugin wraps the builder's
+``_get_decode_wrapper`` and ``_get_prefill_wrapper``: a wrapper they return for
+the first time takes a region of its own before vLLM plans it, sized by its
+planner's rule for upper bounds of every plan it will make (:func:`step_bounds`).
+Wrappers whose planner no rule bounds keep FlashInfer's buffers, and
+:func:`wrapper_record` says why. docs/vllm.md ("FlashInfer wrappers' int
+workspaces") tables each wrapper's facts and what stays FlashInfer's.
 
-=================  ============================  ===============================  ======================
-wrapper            ``batch_size``                ``num_tokens``                   ``num_qo_heads``
-=================  ============================  ===============================  ======================
-CUDA-graph decode  its fixed batch ``B``         ``B * q_len_per_req``            ``heads * dcp_world``
-eager decode       ``T``                         ``T``                            ``heads * dcp_world``
-prefill            ``max_num_seqs``              ``T``                            ``heads``
-DCP context pass   ``max_num_seqs``              ``T``                            ``heads * dcp_world``
-=================  ============================  ===============================  ======================
-
-``T = max(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))``
-(:func:`step_bounds`) bounds the query tokens of any step; ``heads`` and
-``num_kv_heads`` are the builder's (its layer group's), ``dcp_world`` its DCP world
-size, as vLLM passes them to ``plan()``. ``head_dim`` and ``page_size`` are given too,
-for configured rules that read them.
-
-Which wrappers: FlashInfer's own ``BatchDecodeWithPagedKVCacheWrapper`` and
-``BatchPrefillWithPagedKVCacheWrapper`` (as the builder's module names them) whose
-planner has a rule (:func:`~wspool.flashinfer.wrapper_buffers.paged_int_rule`), and
-the paged context wrapper inside vLLM's ``BatchDCPPrefillWrapper``. ``backend="auto"``
-is FlashInfer's fa2 planner on a GPU whose compute capability is not 9.x
-(:func:`~wspool.flashinfer.wrapper_buffers.planner_backend`); on SM90 it may plan with fa3, which no rule bounds. Left
-with FlashInfer's buffers: fa3, trtllm-gen and fp8 ``auto`` on SM90; the
-attention-sink wrapper (a subclass with a JIT module); the DCP wrapper's ragged
-new-token wrapper (FlashInfer's ``auto`` picks fa2, fa3, fmha_v2, cuDNN or CUTLASS
-for ragged plans). :func:`wrapper_record` says what was done with a wrapper and why.
-
-Sharing: every wrapper has a region of its own (``group=None``): wspool cannot see
-vLLM's CUDA-graph replays, so it cannot tell that two wrappers' plans are never live at once.
-
-Device: the region lives on the device of the builder's float workspace (the one
-vLLM gave the wrapper, passed back to FlashInfer unchanged). Capture: vLLM calls the
-getters while building attention metadata, outside capture, and plans a wrapper
-right after its getter returns it, so the region is in place before the first plan
-and before any graph captures the wrapper; a wrapper is bound once and keeps its
-region (a captured graph holds its address). Threads: vLLM builds metadata on one
-thread per builder; two threads binding one wrapper would both call
-``bind_paged_wrapper``, which keeps a region that holds the size. Per step: one
-weak-dictionary look-up per getter call once a wrapper is known. wspool keeps its
-records beside the wrappers (:func:`wrapper_record`), never on them.
+Device semantics: a region lives on the device of the builder's float
+workspace. Capture semantics: vLLM calls the getters while building metadata,
+outside capture, so a region is in place before any graph captures its
+wrapper, and a wrapper keeps it. Thread semantics: one thread per builder;
+records are kept beside the wrappers, never on them. Per step: one look-up.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""When a pool may grow: the registry's freeze, a context's growth allowance, and CUDA-graph capture.
+
+A registry's pools share one :class:`FreezeState`: growth is refused while it
+is frozen (held, or inside counted ``frozen()`` blocks), except in a context
+(thread or task) inside :meth:`FreezeState.allowing_growth`. Its ``epoch``
+counts freezes, so a pool can tell whether its buffer was current during one
+(and so may be in a graph). :func:`cuda_capture_probe` tells whether the
+calling thread's stream is capturing a CUDA graph, cheaply enough to ask per call.
+
+Thread semantics: thread-safe; the allowance is a context variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = ["FreezeState", "cuda_capture_probe"]
+
+
+class FreezeState:
+    """Shared by a registry's pools: growth is refused while ``frozen``.
+
+    Frozen while held or while any counted ``frozen()`` block is open; ``epoch``
+    counts the times it became frozen, so a pool can tell whether its buffer was
+    current during a freeze (and so may be in a graph). A context (thread or
+    task) inside :meth:`allowing_growth` may grow pools while frozen; every
+    other context is still refused.
+    """
+
+    __slots__ = ("_allowed", "_blocks", "_held", "_lock", "_resets", "epoch")
+
+    def __init__(self) -> None:
+        self._held = False
+        self._blocks = 0
+        self._resets = 0
+        self._lock = threading.Lock()
+        self._allowed: contextvars.ContextVar[bool] = contextvars.ContextVar("wspool_growth_allowed", default=False)
+        self.epoch = 0
+
+    def refuses_growth(self) -> bool:
+        """Whether growth is refused to the calling context now: frozen, and not inside :meth:`allowing_growth`."""
+        return (self._held or self._blocks > 0) and not self._allowed.get()
+
+    @contextlib.contextmanager
+    def allowing_growth(self) -> Iterator[None]:
+        """Let the calling context (its thread or task) grow pools inside the block, even while frozen.
+
+        Capture still refuses growth; other threads and tasks stay refused.
+        """
+        token = self._allowed.set(True)
+        try:
+            yield
+        finally:
+            self._allowed.reset(token)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether growth is refused now."""
+        return self._held or self._blocks > 0
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        with self._lock:
+            if value and not self.frozen:
+                self.epoch += 1
+            self._held = bool(value)
+
+    def enter(self) -> int:
+        """Open a frozen block; returns the token that :meth:`leave` takes."""
+        with self._lock:
+            if not self.frozen:
+                self.epoch += 1
+            self._blocks += 1
+            return self._resets
+
+    def leave(self, token: int) -> None:
+        """Close a block opened by :meth:`enter` (a no-op after :meth:`clear`)."""
+        with self._lock:
+            if token == self._resets and self._blocks > 0:
+                self._blocks -= 1
+
+    def clear(self) -> None:
+        """Unfreeze completely; blocks open now no longer count."""
+        with self._lock:
+            self._held = False
+            self._blocks = 0
+            self._resets += 1
+
+
+def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
+    """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
+
+    The legacy default stream (raw handle 0) cannot be captured, so there the
+    probe reads only the current stream; any other stream asks CUDA.
+    """
+    index = device.index if device.index is not None else 0
+    # torch.cuda.is_current_stream_capturing is a Python function around this C one (torch 2.4 to 2.14);
+    # the probe runs per call, so it calls the C function where torch has it.
+    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw_stream is None:  # pragma: no cover - every torch this project supports has it
+        return capturing  # type: ignore[no-any-return]
+
+    def probe() -> bool:
+        return raw_stream(index) != 0 and capturing()
+
+    return probe
