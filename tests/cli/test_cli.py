@@ -297,7 +297,8 @@ def test_config_takes_a_shipped_name(capsys: pytest.CaptureFixture[str]) -> None
     assert capsys.readouterr().out.strip() == str(135266304 + 32 * 2**20)
     status, _, err = _in_process(capsys, "show", "--config", "nope")
     assert status == 2
-    assert "no shipped configuration has that name (shipped: blackwell, default, hopper, kimi_dcp, sglang, vllm)" in err
+    shipped = "(shipped: blackwell, default, hopper, kimi_dcp, sglang, tokenspeed, vllm)"
+    assert f"no shipped configuration has that name {shipped}" in err
 
 
 def test_show_refuses_a_rule_of_an_own_pool_that_no_call_can_resolve(
@@ -487,6 +488,7 @@ ALL_FACTS = [
     *(f"{name}=8" for name in ("num_qo_heads", "num_kv_heads", "q_heads", "batch_tokens")),
     "max_seq_len=4096", "dtype_bytes=2", "kv_dtype_size=2", "kv_lora_rank=512", "qk_rope_head_dim=64",
     "qk_nope_head_dim=128", "head_dim=128", "min_bytes=4096", "sglang_bytes=1048576",
+    "tokenspeed_bytes=1048576",
     "sm_count=132", "cc_major=9", "cc_minor=0", "device_memory=150000000000",
 ]  # fmt: skip
 

@@ -68,4 +68,5 @@ def test_a_regular_install_finds_the_profiles_and_configs(tmp_path: Path) -> Non
         [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['blackwell', 'default', 'hopper', 'kimi_dcp', 'sglang', 'vllm'] True"
+    names = "['blackwell', 'default', 'hopper', 'kimi_dcp', 'sglang', 'tokenspeed', 'vllm']"
+    assert result.stdout.strip() == f"{names} True"

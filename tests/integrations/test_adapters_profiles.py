@@ -41,7 +41,7 @@ def test_no_facts_on_a_b200_serves_the_blackwell_profile() -> None:
     assert _serve(None, B200) == (64 * MiB, softmax_slab_bytes(128, 512, 1) + 64 * MiB)
 
 
-@pytest.mark.parametrize("name", ["blackwell", "default", "hopper", "kimi_dcp", "sglang", "vllm"])
+@pytest.mark.parametrize("name", ["blackwell", "default", "hopper", "kimi_dcp", "sglang", "tokenspeed", "vllm"])
 @pytest.mark.parametrize("description", [H200, B200], ids=["h200", "b200"])
 def test_every_shipped_config_is_served_without_facts(name: str, description: DeviceDescription) -> None:
     """Each shipped configuration passes the load-time check and serves both rules through the adapter."""
@@ -55,7 +55,7 @@ def test_every_shipped_config_is_served_without_facts(name: str, description: De
 
 def test_the_shipped_configs_are_all_tested() -> None:
     """The parametrisation above covers every shipped configuration."""
-    assert shipped_config_names() == ["blackwell", "default", "hopper", "kimi_dcp", "sglang", "vllm"]
+    assert shipped_config_names() == ["blackwell", "default", "hopper", "kimi_dcp", "sglang", "tokenspeed", "vllm"]
 
 
 def test_a_missing_fact_fails_at_load_time_naming_its_key() -> None:

@@ -527,7 +527,7 @@ def test_a_file_that_exists_wins_over_a_shipped_name(tmp_path: Path, monkeypatch
 
 def test_an_unknown_name_lists_the_shipped_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """A name that is neither a file nor shipped is an error naming how it was given and every shipped name."""
-    shipped = r"\(shipped: blackwell, default, hopper, kimi_dcp, sglang, vllm\)"
+    shipped = r"\(shipped: blackwell, default, hopper, kimi_dcp, sglang, tokenspeed, vllm\)"
     with pytest.raises(ConfigError, match=r"^config file hoper \(given explicitly\) does not exist or is not a file, "
                        rf"and no shipped configuration has that name {shipped}$"):  # fmt: skip
         load_settings("hoper")

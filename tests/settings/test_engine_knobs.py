@@ -35,19 +35,25 @@ KNOBS = [
         "sglang",
         [("flashinfer", "sglang"), ("flashinfer_mla", "sglang_mla"), ("sglang_dsa_sparse_mla", "default")],
     ),
+    ("FLASHINFER_WORKSPACE_SIZE", "TokenSpeed", "tokenspeed", [("flashinfer", "tokenspeed_flashmla")]),
 ]
 KNOB_IDS = [name for name, *_ in KNOBS]
+#: TokenSpeed's variables that count MiB (tested on their own, below).
+MIB_KNOBS = [
+    ("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "TokenSpeed", [("tokenspeed_scratch", "trtllm_mha")]),
+    ("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "TokenSpeed", [("tokenspeed_trtllm_mla", "default")]),
+]
 
 
 def _key(pool: str, rule: str) -> tuple[str, str, str, str]:
     return ("pools", pool, "rules", rule)
 
 
-def test_the_knobs_are_the_two_engine_variables() -> None:
-    """wspool honours exactly vLLM's and SGLang's workspace variables, each for its engine's rules."""
-    assert [(name, engine, list(keys)) for name, engine, keys in ENGINE_KNOBS] == [
-        (name, engine, keys) for name, engine, _, keys in KNOBS
-    ]
+def test_the_knobs_are_the_engines_workspace_variables() -> None:
+    """wspool honours exactly vLLM's, SGLang's and TokenSpeed's workspace variables, each for its engine's rules."""
+    assert sorted((name, engine, list(keys)) for name, engine, keys in ENGINE_KNOBS) == sorted(
+        [(name, engine, keys) for name, engine, _, keys in KNOBS] + MIB_KNOBS
+    )
 
 
 @pytest.mark.parametrize(("variable", "engine", "shipped", "keys"), KNOBS, ids=KNOB_IDS)
@@ -116,6 +122,27 @@ def test_the_users_file_wins_over_the_variable_and_both_are_named(
     assert provenance.explain(_key(pool, rule)) == f"YAML file {path}, over {engine}'s variable {variable} = {GiB}"
     for other_pool, other_rule in others:  # the keys the file does not give keep the variable
         assert settings.pools[other_pool].rules[other_rule] == str(GiB)
+
+
+def test_tokenspeed_knobs_count_mib_or_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TokenSpeed's _MB variables count MiB and FLASHINFER_WORKSPACE_SIZE bytes; each sets one integration rule."""
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "96")
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "128")
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_SIZE", str(200 * MiB))
+    settings, provenance = load_settings_with_provenance()
+    assert settings.pools["tokenspeed_scratch"].rules["trtllm_mha"] == str(96 * MiB)
+    assert settings.pools["tokenspeed_trtllm_mla"].rules["default"] == str(128 * MiB)
+    assert settings.pools["flashinfer"].rules["tokenspeed_flashmla"] == str(200 * MiB)
+    assert settings.pools["flashinfer"].rules["decode"] != str(200 * MiB)  # TokenSpeed's variable sizes FlashMLA only
+    source = provenance.source_of(("pools", "tokenspeed_trtllm_mla", "rules", "default"))
+    assert source == "TokenSpeed's variable TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB"
+
+
+def test_a_tokenspeed_mib_variable_that_is_not_a_whole_number_names_its_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB=1.5 is refused, naming MiB and the rule it sizes."""
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "1.5")
+    with pytest.raises(ConfigError, match=r"whole number of MiB, and wspool sizes pools\.tokenspeed_trtllm_mla"):
+        load_settings()
 
 
 @pytest.mark.parametrize(("variable", "engine", "shipped", "keys"), KNOBS, ids=KNOB_IDS)

@@ -15,6 +15,7 @@ from wspool.flashinfer.paged import paged_decode_plan
 from wspool.flashinfer.wrapper_buffers import INT_POOL
 from wspool.integrations import sglang
 from wspool.integrations.sglang import facts as sglang_facts
+from wspool.integrations.tokenspeed import buffers as tokenspeed_buffers
 from wspool.integrations.vllm import getters as vllm_workspaces
 from wspool.integrations.vllm.facts import FACT_NAMES
 from wspool.rules import compile_rule
@@ -44,7 +45,8 @@ def test_the_shape_facts_are_what_wspools_ops_pass() -> None:
     ).facts  # fmt: skip
     defaults = BUILTIN_DEFAULTS["pools"]["flashinfer_mla"]["facts"]
     counters = compile_rule(COUNTER_RULE).names
-    passed = {*mla, *paged, *FACT_NAMES, *sglang_facts.FACT_NAMES, *defaults, *counters, "min_bytes"}
+    tokenspeed = tokenspeed_buffers.FACT_NAMES
+    passed = {*mla, *paged, *FACT_NAMES, *sglang_facts.FACT_NAMES, *tokenspeed, *defaults, *counters, "min_bytes"}
     assert passed - set(DEVICE_FACTS) <= SHAPE_FACTS
     assert passed >= SHAPE_FACTS  # no name that nothing passes
 
@@ -53,7 +55,8 @@ def test_the_own_pools_are_the_pools_of_wspools_ops() -> None:
     """OWN_POOLS is exactly the pools the FlashInfer ops and the engine integrations use."""
     plugin = {getattr(vllm_workspaces, n) for n in dir(vllm_workspaces) if n.startswith("POOL_")}
     sglang_pools = {w.pool for w in (*sglang.BUFFERS.values(), sglang.CUTE_DSL_WORKSPACE)}
-    assert {MLA_POOL, COUNTER_POOL, PAGED_POOL, INT_POOL} | plugin | sglang_pools == OWN_POOLS
+    tokenspeed_pools = {w.pool for w in tokenspeed_buffers.WORKSPACES}
+    assert {MLA_POOL, COUNTER_POOL, PAGED_POOL, INT_POOL} | plugin | sglang_pools | tokenspeed_pools == OWN_POOLS
 
 
 @pytest.mark.parametrize("pool", sorted(OWN_POOLS))

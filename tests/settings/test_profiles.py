@@ -182,6 +182,7 @@ SHIPPED_KERNEL = {
     "hopper": "fa3",
     "kimi_dcp": "trtllm-gen",
     "sglang": None,
+    "tokenspeed": None,
     "vllm": None,
 }
 #: Headroom each trtllm-gen configuration keeps for the unchecked scratch behind the softmax slab.

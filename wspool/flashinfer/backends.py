@@ -171,7 +171,7 @@ def cute_dsl_workspace_bytes(
     except (ImportError, AttributeError) as exc:
         raise ImportError(
             f"FlashInfer {_flashinfer_version()} has no cute-dsl MLA workspace size function ({exc}); "
-            f"wspool's cute-dsl path is tested with flashinfer-python 0.7.2, 0.7.2.post1 and 0.7.4"
+            f"wspool's cute-dsl path is tested with flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 and 0.7.4"
         ) from exc
     _, nbytes = call(sizer, impl, batch_size, q_len, num_heads, kv_lora_rank, sm_count, max_seq_len)
     return int(nbytes)
@@ -202,7 +202,8 @@ def check_kernel_keywords(kernel: Callable[..., Any], keywords: Iterable[str]) -
     if missing:
         raise TypeError(
             f"FlashInfer {_flashinfer_version()}'s {getattr(kernel, '__name__', 'kernel')} takes no "
-            f"{', '.join(missing)}; install flashinfer-python 0.7.2, 0.7.2.post1 or 0.7.4 (the tested versions)"
+            f"{', '.join(missing)}; install flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 or 0.7.4 "
+            "(the tested versions)"
         )
     _checked.add(id(kernel))
 

@@ -49,7 +49,7 @@ class RefusalForm:
 
 
 # The versions whose source was read (0.7.3 could not be obtained; it is admitted as vLLM 0.34.0 pins it).
-_READ_VERSIONS = ("0.7.2", "0.7.2.post1", "0.7.4")
+_READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
 
 #: The refusal texts of every supported FlashInfer version, for every call wspool makes.
 REFUSAL_FORMS: tuple[RefusalForm, ...] = (

@@ -91,7 +91,7 @@ INT_RULES: Mapping[str, str] = {
     ),
 }
 #: The FlashInfer versions whose MLA backend constructor wspool has read (0.7.3's source was not available).
-READ_VERSIONS = ("0.7.2", "0.7.2.post1", "0.7.4")
+READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
 #: The FlashInfer class whose constructor makes the MLA int workspace and pinned copy.
 MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchMLAGeneratedFaMechanics")
 

@@ -1,8 +1,8 @@
 """Integrations: wspool embedded in inference engines through the engines' own plugin mechanisms.
 
 Each engine is a package on one seam (:mod:`wspool.integrations.patching`):
-:mod:`wspool.integrations.vllm` and :mod:`wspool.integrations.sglang`, loaded
-by their engines through entry points; :mod:`wspool.integrations.adapters`
+:mod:`wspool.integrations.vllm`, :mod:`wspool.integrations.sglang` and
+:mod:`wspool.integrations.tokenspeed`, loaded by their engines through entry points; :mod:`wspool.integrations.adapters`
 holds drop-in functions for engines without a plugin system. :data:`ENGINES`
 describes each engine without importing it or its package.
 """
@@ -14,7 +14,7 @@ import importlib
 from wspool.integrations.patching import EngineInfo, Integration
 from wspool.targets import TargetGroup
 
-__all__ = ["ENGINES", "SGLANG", "VLLM", "integration", "patched_in_process", "targets_of"]
+__all__ = ["ENGINES", "SGLANG", "TOKENSPEED", "VLLM", "integration", "patched_in_process", "targets_of"]
 
 VLLM = EngineInfo(
     key="vllm",
@@ -39,8 +39,25 @@ SGLANG = EngineInfo(
     engine_variables=("SGLANG_FLASHINFER_WORKSPACE_SIZE",),
 )
 
+TOKENSPEED = EngineInfo(
+    key="tokenspeed",
+    name="TokenSpeed",
+    distribution="tokenspeed",
+    supported=">=0.1.1,<0.1.2",
+    entry_point_group="tokenspeed.plugins",
+    entry_point="wspool.integrations.tokenspeed:register",
+    switch_var="WSPOOL_TOKENSPEED",
+    denylist_var="TOKENSPEED_DISABLE_PLUGINS",
+    engine_variables=(
+        "TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB",
+        "TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB",
+        "FLASHINFER_WORKSPACE_SIZE",
+        "TOKENSPEED_WORKSPACE_INITIAL_MB",
+    ),
+)
+
 #: Every engine wspool integrates, in the order ``wspool doctor`` lists them.
-ENGINES: tuple[EngineInfo, ...] = (VLLM, SGLANG)
+ENGINES: tuple[EngineInfo, ...] = (VLLM, SGLANG, TOKENSPEED)
 
 
 def integration(key: str) -> Integration:

@@ -151,15 +151,16 @@ RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "nbytes", "se
 #: The facts wspool's own ops and integrations pass to their pools' rules: MLA decode
 #: (``wspool.flashinfer.backends.call_facts``, the trtllm-gen counters), paged attention
 #: (``wspool.flashinfer.paged``), and the vLLM plugin (``wspool.integrations.vllm.facts``, its
-#: counters' ``min_bytes``), and the SGLang integration (``wspool.integrations.sglang.facts``,
-#: with ``sglang_bytes``, what SGLang's own code would allocate). The one list of them: tests
-#: keep it in step with those modules.
+#: counters' ``min_bytes``), the SGLang integration (``wspool.integrations.sglang.facts``,
+#: with ``sglang_bytes``, what SGLang's own code would allocate) and the TokenSpeed integration
+#: (``wspool.integrations.tokenspeed.buffers``, with ``tokenspeed_bytes``). The one list of them:
+#: tests keep it in step with those modules.
 SHAPE_FACTS = frozenset(
     {
         "batch_size", "q_len", "num_heads", "max_seq_len", "page_size", "dtype_bytes", "cp_world",
         "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
         "num_tokens", "num_qo_heads", "num_kv_heads", "head_dim",
-        "kv_dtype_size", "q_heads", "min_bytes", "sglang_bytes", "batch_tokens",
+        "kv_dtype_size", "q_heads", "min_bytes", "sglang_bytes", "batch_tokens", "tokenspeed_bytes",
     }
 )  # fmt: skip
 #: The facts a CUDA device supplies to every rule of every pool
@@ -174,6 +175,7 @@ OWN_POOLS = frozenset(
         "flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters",
         "flashinfer_dsv4", "flashinfer_dash", "flashinfer_int",
         "sglang_trtllm_mla", "sglang_trtllm_mha", "sglang_dsa_sparse_mla", "sglang_dsa_trtllm", "sglang_trtllm_dsv4",
+        "tokenspeed_scratch", "tokenspeed_trtllm_mla", "tokenspeed_dsa",
     }
 )  # fmt: skip
 

@@ -36,11 +36,12 @@ from wspool.errors import (
     readable_int,
     setting_names,
 )
-from wspool.units import KiB, format_size
+from wspool.units import KiB, MiB, format_size
 
 __all__ = [
     "CONFIG_ENV_VAR",
     "ENGINE_KNOBS",
+    "ENGINE_KNOB_UNITS",
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
@@ -603,8 +604,9 @@ def _check_size_and_depth(data: object, where: str, config: bool, error: type[Co
 
 
 #: (variable, engine, the (pool, rule) keys it sets). Each key is the rule that sizes the buffer
-#: the engine sizes with that variable (wspool.integrations' vLLM and SGLang workspaces); the
-#: engines' variables set no key in common.
+#: the engine sizes with that variable (wspool.integrations' vLLM, SGLang and TokenSpeed
+#: workspaces); the engines' variables set no key in common. A variable counts bytes unless
+#: :data:`ENGINE_KNOB_UNITS` names another unit.
 ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     (
         "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE",
@@ -621,7 +623,17 @@ ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
         # 2 GiB through its own rule, as in SGLang).
         (("flashinfer", "sglang"), ("flashinfer_mla", "sglang_mla"), ("sglang_dsa_sparse_mla", "default")),
     ),
+    # The TokenSpeed integration's rules for the workspaces TokenSpeed sizes with each variable.
+    ("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "TokenSpeed", (("tokenspeed_scratch", "trtllm_mha"),)),
+    ("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "TokenSpeed", (("tokenspeed_trtllm_mla", "default"),)),
+    ("FLASHINFER_WORKSPACE_SIZE", "TokenSpeed", (("flashinfer", "tokenspeed_flashmla"),)),
 )
+
+#: The unit of each engine variable that does not count bytes: ``(bytes per unit, its name)``.
+ENGINE_KNOB_UNITS: Mapping[str, tuple[int, str]] = {
+    "TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB": (MiB, "MiB"),
+    "TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB": (MiB, "MiB"),
+}
 
 
 def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[Source]:
@@ -639,15 +651,16 @@ def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[Source]
         raw = environ.get(name, "").strip()
         if not raw:
             continue
+        unit, unit_name = ENGINE_KNOB_UNITS.get(name, (1, "bytes"))
         try:
-            nbytes = int(raw, 10)
+            nbytes = int(raw, 10) * unit
         except ValueError:
             nbytes = 0
         if nbytes <= 0:
             names = ", ".join(setting_names(("pools", pool, "rules", rule))[0] for pool, rule in keys)
             raise ConfigError(
                 f"invalid environment variable {name} = {raw[:80]!r}: {engine} reads it as a positive whole "
-                f"number of bytes, and wspool sizes {names} with it; fix or unset it (a rule for those keys "
+                f"number of {unit_name}, and wspool sizes {names} with it; fix or unset it (a rule for those keys "
                 f"in your YAML file or a WSPOOL_* variable takes precedence over it)"
             )
         data: dict[str, Any] = {"pools": {}}

@@ -1,0 +1,411 @@
+"""TokenSpeed's attention workspaces served from wspool's pools: its shared block, and the buffers it keeps apart.
+
+- :class:`ServedWorkspacePool` replaces TokenSpeed's ``WorkspacePool`` class:
+  the per-device shared scratch block that trtllm MHA and cute-dsl MLA draw
+  from becomes pool ``tokenspeed_scratch``, allocated on the first request
+  (never in the constructor), with TokenSpeed's 256-byte carve and its freeze
+  mapped onto wspool's.
+- trtllm-gen MLA's and DSA's zeroed workspaces (:func:`trtllm_mla_workspace`,
+  :func:`dsa_workspace`) and FlashMLA's FlashInfer prefill workspace
+  (:func:`wrap_flashmla_constructor`) come from pools of their own, per
+  device, which never share bytes with the scratch block.
+- :func:`wrap_mha_constructor` sizes trtllm MHA's draw from the block by rule
+  ``tokenspeed_scratch.trtllm_mha``.
+
+Every rule may read ``tokenspeed_bytes``, what TokenSpeed's own code would
+allocate there (its variables honoured); docs/tokenspeed.md lists the rules.
+Device semantics: the device TokenSpeed names. Lanes: the calling context's.
+Capture: TokenSpeed freezes before capture, and a frozen registry refuses
+growth with :class:`~wspool.WorkspaceFrozenError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+import wspool
+from wspool.errors import ConfigError, RuleError, missing_facts
+from wspool.handles import WorkspaceHandle
+from wspool.integrations.tokenspeed import internals
+from wspool.units import MiB, ceil_div, format_size, round_up
+
+__all__ = [
+    "BLOCK",
+    "DSA",
+    "FACT_NAMES",
+    "FLASHMLA",
+    "TOKENSPEED_POOLS",
+    "TRTLLM_MHA",
+    "TRTLLM_MLA",
+    "WORKSPACES",
+    "ServedWorkspacePool",
+    "TokenspeedPools",
+    "Workspace",
+    "dsa_workspace",
+    "forget",
+    "replacing",
+    "trtllm_mla_workspace",
+    "wrap_flashmla_constructor",
+    "wrap_mha_constructor",
+]
+
+logger = logging.getLogger("wspool.integrations.tokenspeed")
+
+#: TokenSpeed's carve: every view of one ``allocate`` starts on a 256-byte boundary of the block.
+ALIGN_BYTES = 256
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """One TokenSpeed workspace and the pool rule that serves it.
+
+    Attributes:
+        name: What TokenSpeed calls it, for the log lines.
+        pool: The wspool pool.
+        rule: The pool's rule that sizes it.
+        zeroed: TokenSpeed zeroes it (a kernel keeps state in it between
+            launches), so its pool has a buffer of its own.
+        variable: TokenSpeed's variable that sizes it, if any.
+    """
+
+    name: str
+    pool: str
+    rule: str
+    zeroed: bool = False
+    variable: str | None = None
+
+    @property
+    def setting(self) -> str:
+        """The rule's YAML key."""
+        return f"pools.{self.pool}.rules.{self.rule}"
+
+
+#: The shared block (``WorkspacePool.allocate``): each request's total, as TokenSpeed carves it.
+BLOCK = Workspace("WorkspacePool block", "tokenspeed_scratch", "block")
+#: trtllm MHA's draw from the block, per backend.
+TRTLLM_MHA = Workspace(
+    "trtllm MHA scratch", "tokenspeed_scratch", "trtllm_mha", variable="TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB"
+)
+#: trtllm-gen MLA's zeroed workspace (``get_trtllm_workspace_buffer``).
+TRTLLM_MLA = Workspace(
+    "trtllm-gen MLA workspace", "tokenspeed_trtllm_mla", "default", zeroed=True,
+    variable="TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB",
+)  # fmt: skip
+#: FlashMLA's FlashInfer prefill workspace (``FlashMLABackend``'s ``_global_workspace_buffer``).
+FLASHMLA = Workspace(
+    "FlashMLA's FlashInfer prefill workspace", "flashinfer", "tokenspeed_flashmla", variable="FLASHINFER_WORKSPACE_SIZE"
+)
+#: DSA sparse MLA's zeroed workspace (``_get_dsa_sparse_workspace``).
+DSA = Workspace("DSA sparse MLA workspace", "tokenspeed_dsa", "default", zeroed=True)
+
+#: Every workspace the integration serves.
+WORKSPACES: tuple[Workspace, ...] = (BLOCK, TRTLLM_MHA, TRTLLM_MLA, FLASHMLA, DSA)
+
+#: The facts the integration passes to the rules (beside the device's ``sm_count``).
+FACT_NAMES = ("tokenspeed_bytes", "num_qo_heads", "num_kv_heads", "head_dim", "kv_lora_rank", "batch_size")
+
+
+def _declared_pools() -> dict[str, dict[str, str]]:
+    pools: dict[str, dict[str, str]] = {}
+    for w in WORKSPACES:
+        pools.setdefault(w.pool, {})[w.rule] = "tokenspeed_bytes"  # what TokenSpeed's own code allocates there
+    return pools
+
+
+#: The rules the integration declares, below the configuration (YAML, ``WSPOOL_*`` and TokenSpeed's
+#: variables override each); ``configs/tokenspeed.yaml`` right-sizes them.
+TOKENSPEED_POOLS: Mapping[str, Mapping[str, str]] = MappingProxyType(_declared_pools())
+
+_SCRATCH = BLOCK.pool
+_CALL_FACTS = frozenset(FACT_NAMES)
+
+
+class TokenspeedPools:
+    """Per registry: the integration's pools declared and checked, and its handles.
+
+    Raises:
+        ConfigError: A declared rule is invalid, a zeroed workspace's pool shares
+            a buffer, or FlashMLA's pool shares the scratch block's buffer.
+    """
+
+    def __init__(self, registry: wspool.PoolRegistry) -> None:
+        for pool, rules in TOKENSPEED_POOLS.items():
+            registry.declare_pool(pool, rules)
+        hosts = {w.pool: registry.buffer_pool(w.pool) for w in WORKSPACES}
+        for w in WORKSPACES:
+            sharing = sorted(p for p, host in hosts.items() if host == hosts[w.pool] and p != w.pool)
+            if w.zeroed and (hosts[w.pool] != w.pool or sharing):
+                raise ConfigError(
+                    f"pool {w.pool!r} must have a buffer of its own: TokenSpeed zeroes its {w.name} because the "
+                    f"kernel keeps state in it between launches, which pool {(sharing or [hosts[w.pool]])[0]!r} would "
+                    f"overwrite; set pools.<pool>.shared_with / WSPOOL_POOLS__<POOL>__SHARED_WITH empty for both",
+                    path=("pools", w.pool, "shared_with"),
+                )
+        if hosts[FLASHMLA.pool] == hosts[_SCRATCH]:
+            raise ConfigError(
+                f"pool {FLASHMLA.pool!r} shares pool {_SCRATCH!r}'s buffer: FlashMLA's prefill wrappers keep their "
+                f"plans' partial results there between calls, which the scratch block's users overwrite; set "
+                f"pools.{FLASHMLA.pool}.shared_with / WSPOOL_POOLS__{FLASHMLA.pool.upper()}__SHARED_WITH to another "
+                "pool",
+                path=("pools", FLASHMLA.pool, "shared_with"),
+            )
+        self.registry = registry
+        self.handles: dict[tuple[str, Any, str], WorkspaceHandle] = {}
+
+    @classmethod
+    def of(cls, registry: wspool.PoolRegistry) -> TokenspeedPools:
+        """Return ``registry``'s, declaring the pools on first use."""
+        return registry.state(cls, lambda: cls(registry))
+
+    def handle(self, w: Workspace, device: Any, lane: str) -> WorkspaceHandle:
+        """Return the handle serving ``w`` on ``device`` and ``lane``."""
+        key = (w.setting, device, lane)
+        found = self.handles.get(key)
+        if found is None:
+            registry, pool, rule = self.registry, w.pool, w.rule
+
+            def bind() -> wspool.WorkspacePool:
+                return registry.serving_pool(pool, rule, device, lane)
+
+            found = self.handles.setdefault(key, WorkspaceHandle(bind, rule, call_facts=_CALL_FACTS))
+        return found
+
+    def resolve(self, w: Workspace, device: Any, facts: Mapping[str, int]) -> int:
+        """Return the bytes ``w``'s rule gives for ``facts`` on ``device``; allocates nothing.
+
+        Raises:
+            RuleError: The rule reads a fact the integration does not pass (named in the message).
+        """
+        try:
+            return self.registry.resolve(w.pool, w.rule, device=device, **facts)
+        except RuleError as exc:
+            raise _missing(exc, w, facts) from exc
+
+
+def _missing(exc: RuleError, w: Workspace, known: Mapping[str, int]) -> RuleError:
+    return missing_facts(exc, f"for TokenSpeed's {w.name} the integration", known, FACT_NAMES, "see docs/tokenspeed.md")
+
+
+def _pools() -> TokenspeedPools:
+    return TokenspeedPools.of(wspool.get_registry())
+
+
+# (setting, device, lane) said in a log line for the buffer held now.
+_said: set[tuple[str, Any, str]] = set()
+
+
+def _serve(w: Workspace, device: Any, facts: Mapping[str, int]) -> torch.Tensor:
+    """Return ``w``'s pool buffer on ``device`` for ``facts`` (the same mapping each call keeps the fast path)."""
+    lane = wspool.current_lane()
+    handle = _pools().handle(w, device, lane)
+    held = handle.pool.buffer
+    try:
+        buffer = handle.sized(facts)
+    except RuleError as exc:
+        raise _missing(exc, w, facts) from exc
+    if buffer is not held and (w.setting, device, lane) not in _said:
+        _said.add((w.setting, device, lane))
+        own = facts.get("tokenspeed_bytes", 0)
+        logger.info(
+            "wspool: TokenSpeed's %s is %s of pool %s (%s on %s, lane %s; TokenSpeed's own: %s)",
+            w.name, format_size(buffer.numel()), w.pool, w.setting, device, lane, format_size(own),
+        )  # fmt: skip
+    return buffer
+
+
+def forget() -> None:
+    """Forget what was said once (after an undo, so a new load says it again)."""
+    _said.clear()
+
+
+# -- the shared block -------------------------------------------------------------------------
+
+
+class ServedWorkspacePool:
+    """TokenSpeed's ``WorkspacePool``, served from pool ``tokenspeed_scratch`` (it replaces the class).
+
+    TokenSpeed's contract is kept: views from one :meth:`allocate` never
+    overlap and start on 256-byte boundaries; views from separate calls share
+    the same bytes; the block grows to the largest single request and its
+    address is stable while frozen. Unlike TokenSpeed's, the constructor
+    allocates nothing: the block is made on the first request. An explicit
+    ``initial_nbytes``, or ``TOKENSPEED_WORKSPACE_INITIAL_MB`` when the user set
+    it, is the least the first request makes.
+
+    Device: the one given. Lane: the calling context's, per call. Thread
+    semantics: TokenSpeed's (main stream only; see its ``workspace.py``).
+    """
+
+    def __init__(self, device: torch.device | str, initial_nbytes: int | None = None) -> None:
+        self.device = torch.device(device)
+        if initial_nbytes is None:
+            initial_nbytes = _initial_from_variable()
+        self.initial_nbytes = initial_nbytes or 0
+        self._facts: dict[int, Mapping[str, int]] = {}
+
+    def allocate(self, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+        """Return one view per ``(shape, dtype)``, none overlapping the others (valid until the next call).
+
+        Raises:
+            WorkspaceFrozenError: The block would have to grow while frozen or capturing.
+            WorkspaceLimitError: Beyond ``pools.tokenspeed_scratch.max_bytes`` or the device's memory.
+        """
+        if not specs:
+            return []
+        sizes = [round_up(math.prod(shape) * dtype.itemsize, ALIGN_BYTES) for shape, dtype in specs]
+        total = sum(sizes)
+        facts = self._facts.get(total)
+        if facts is None:  # one mapping per total, so a repeated request takes the handle's fast path
+            facts = self._facts.setdefault(
+                total, MappingProxyType({"tokenspeed_bytes": max(total, self.initial_nbytes)})
+            )
+        block = _serve(BLOCK, self.device, facts)
+        views = []
+        offset = 0
+        for (shape, dtype), size in zip(specs, sizes, strict=True):
+            end = offset + math.prod(shape) * dtype.itemsize
+            views.append(block[offset:end].view(dtype).view(shape))
+            offset += size
+        return views
+
+    def freeze(self) -> None:
+        """Freeze wspool's registry (every pool, TokenSpeed calls it before capture); growth now raises."""
+        wspool.get_registry().freeze()
+        logger.info("wspool: TokenSpeed froze the workspace on %s: wspool's pools are frozen", self.device)
+
+    def unfreeze(self) -> None:
+        """Unfreeze wspool's registry (TokenSpeed calls it when it releases its graphs)."""
+        wspool.get_registry().unfreeze()
+
+    @property
+    def frozen(self) -> bool:
+        """Whether wspool's registry refuses growth (frozen by TokenSpeed or by wspool)."""
+        return wspool.get_registry().is_frozen
+
+
+def _initial_from_variable() -> int:
+    """``TOKENSPEED_WORKSPACE_INITIAL_MB`` in bytes when the user set it, else 0 (TokenSpeed's public ``envs``)."""
+    variable = _envs().TOKENSPEED_WORKSPACE_INITIAL_MB
+    return int(variable.get()) * MiB if variable.is_set() else 0
+
+
+def _envs() -> Any:
+    import importlib
+
+    return importlib.import_module("tokenspeed.runtime.utils.env").envs
+
+
+# -- the constructors -------------------------------------------------------------------------
+
+
+def _heads(spec: Any) -> int:
+    return max(int(spec.num_attention_heads) // int(spec.attn_tp_size), 1)
+
+
+def wrap_mha_constructor(original: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``TRTLLMMHAAttnBackend.__init__``: its draw from the block is rule ``tokenspeed_scratch.trtllm_mha``.
+
+    TokenSpeed sizes the draw from ``TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB``, read
+    in the constructor; where the rule resolves to another size, the
+    constructor runs under TokenSpeed's own ``envs.<variable>.override`` with
+    the rule's size in whole MiB (rounded up). Construction runs at start-up,
+    in one thread: the override is process-wide while the constructor runs.
+    """
+
+    @functools.wraps(original)
+    def __init__(self: Any, config: Any, spec: Any, *, kernel_page_size: int) -> None:
+        variable = _envs().TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB
+        own = int(variable.get()) * MiB
+        facts = {
+            "tokenspeed_bytes": own,
+            "num_qo_heads": _heads(spec),
+            "num_kv_heads": max(int(spec.num_kv_heads) // int(spec.attn_tp_size), 1),
+            "head_dim": int(spec.head_dim),
+            "batch_size": int(config.max_bs),
+        }
+        mib = ceil_div(_pools().resolve(TRTLLM_MHA, torch.device(config.device), facts), MiB)
+        sized = variable.override(mib) if mib * MiB != own else contextlib.nullcontext()
+        with sized:
+            original(self, config, spec, kernel_page_size=kernel_page_size)
+
+    return __init__
+
+
+@contextlib.contextmanager
+def _flashmla_buffer(buffer: torch.Tensor) -> Iterator[None]:
+    """Put ``buffer`` where FlashMLA's constructor takes its workspace, and what was there back after."""
+    module = internals.flashmla_module()
+    previous = internals.flashmla_workspace(module)
+    internals.set_flashmla_workspace(module, buffer)
+    try:
+        yield
+    finally:
+        internals.set_flashmla_workspace(module, previous)
+
+
+def wrap_flashmla_constructor(original: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``FlashMLABackend.__init__``: its FlashInfer prefill workspace from rule ``flashinfer.tokenspeed_flashmla``.
+
+    TokenSpeed keeps one module global that the first backend allocates and
+    every later one takes, whatever its device; here each construction takes
+    the pool's buffer for its own device, and the global is left as it was.
+    """
+    size_of = internals.flashmla_module().get_flashinfer_workspace_size
+
+    @functools.wraps(original)
+    def __init__(self: Any, config: Any, spec: Any, *, kernel_page_size: int) -> None:
+        facts = {
+            "tokenspeed_bytes": int(size_of()),
+            "num_qo_heads": _heads(spec),
+            "head_dim": int(spec.v_head_dim),
+            "kv_lora_rank": int(spec.kv_lora_rank),
+            "batch_size": int(config.max_bs),
+        }
+        with _flashmla_buffer(_serve(FLASHMLA, torch.device(config.device), facts)):
+            original(self, config, spec, kernel_page_size=kernel_page_size)
+
+    return __init__
+
+
+# -- the zeroed getters -----------------------------------------------------------------------
+
+
+def trtllm_mla_workspace(device: torch.device | str) -> torch.Tensor:
+    """``get_trtllm_workspace_buffer``: trtllm-gen MLA's zeroed workspace for ``device``, from its own pool.
+
+    TokenSpeed's keeps one buffer, made on the first call's device, for every
+    device; this one is per device (and lane).
+    """
+    own = int(_envs().TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB.get()) * MiB
+    return _serve(TRTLLM_MLA, torch.device(device), {"tokenspeed_bytes": own})
+
+
+@functools.cache
+def _dsa_facts() -> Mapping[str, int]:
+    return MappingProxyType({"tokenspeed_bytes": internals.dsa_workspace_bytes()})
+
+
+def dsa_workspace(device: torch.device | str) -> torch.Tensor:
+    """``_get_dsa_sparse_workspace``: DSA sparse MLA's zeroed workspace for ``device``, from its own pool.
+
+    Called per decode launch: in the steady state it is a bound handle's fast path.
+    """
+    return _serve(DSA, torch.device(device), _dsa_facts())
+
+
+def replacing(function: Callable[..., Any]) -> Callable[[Any], Any]:
+    """A target's ``make`` that replaces the original with ``function``."""
+
+    def make(_original: Any) -> Any:
+        return function
+
+    return make
