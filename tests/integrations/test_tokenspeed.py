@@ -273,20 +273,37 @@ def test_trtllm_mha_and_cute_dsl_mla_draw_from_the_block(ts: TokenSpeed, monkeyp
     assert scratch.data_ptr() == cute.cutedsl_workspace.data_ptr() == block.data_ptr()
 
 
-def test_the_configuration_names_mhas_draw_over_tokenspeeds_variable(
+def test_tokenspeeds_variable_wins_over_the_shipped_configuration(
     ts: TokenSpeed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the shipped configuration trtllm MHA draws its rule's size; wspool show says it overrides the variable."""
+    """With the shipped configuration (a shipped default), the user's TokenSpeed variable sizes trtllm MHA's draw."""
     monkeypatch.setenv("WSPOOL_CONFIG", "tokenspeed")
     monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "512")
     tokenspeed.register()
     mha = ts.trtllm.TRTLLMMHAAttnBackend(_attn_config(ts, _mha_spec(ts)), _mha_spec(ts), kernel_page_size=64)
-    rule = 8 * 8 * 8 * 256 + MiB + 64 * MiB  # 8 * num_qo_heads * batch_size * 256 + 1MiB + 64MiB
-    assert mha.workspace_buffer.numel() == -(-rule // MiB) * MiB
+    assert mha.workspace_buffer.numel() == 512 * MiB
+    _, provenance = load_settings_with_provenance()
+    explained = provenance.explain(("pools", "tokenspeed_scratch", "rules", "trtllm_mha"))
+    assert explained.startswith(
+        "TokenSpeed's variable TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB, over shipped configuration tokenspeed = "
+    )
+
+
+def test_the_users_rule_wins_over_tokenspeeds_variable_and_show_says_so(
+    ts: TokenSpeed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A rule the user's own file gives for trtllm MHA's draw wins over TokenSpeed's variable, and both are named."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("pools:\n  tokenspeed_scratch:\n    rules:\n      trtllm_mha: 96MiB\n")
+    monkeypatch.setenv("WSPOOL_CONFIG", str(path))
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "512")
+    tokenspeed.register()
+    mha = ts.trtllm.TRTLLMMHAAttnBackend(_attn_config(ts, _mha_spec(ts)), _mha_spec(ts), kernel_page_size=64)
+    assert mha.workspace_buffer.numel() == 96 * MiB
     assert ts.trtllm.envs.TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB.get() == 512  # TokenSpeed's variable as the user set it
     _, provenance = load_settings_with_provenance()
-    source = provenance.source_of(("pools", "tokenspeed_scratch", "rules", "trtllm_mha"))
-    assert source.endswith("tokenspeed.yaml; overrides environment variable TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB")
+    explained = provenance.explain(("pools", "tokenspeed_scratch", "rules", "trtllm_mha"))
+    assert explained == f"YAML file {path}, over TokenSpeed's variable TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB = {512 * MiB}"
 
 
 def test_a_frozen_block_refuses_to_grow_with_wspools_error(ts: TokenSpeed) -> None:
