@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from tests.helpers.paths import REPO_ROOT
 
 SCRIPT = (REPO_ROOT / ".ci" / "engine-envs").read_text()
-DOCS = ("README.md", "docs/vllm.md", "docs/sglang.md")
+DOCS = ("README.md", "docs/vllm.md", "docs/sglang.md", "docs/tokenspeed.md")
 
 
 def _array(name: str) -> list[str]:
@@ -27,6 +28,7 @@ class Environment:
     spec: str
     installer: str  # "pip" or "uv"
     flashinfer_override: str | None = None
+    constraints: tuple[str, ...] = ()  # beyond the script's cuda-python constraint
 
 
 def _environments() -> list[Environment]:
@@ -34,8 +36,9 @@ def _environments() -> list[Environment]:
     found = []
     for venv, spec in re.findall(r"^\s+(\.venv-\w+)/bin/pip install -q (\S+==\S+)", SCRIPT, re.MULTILINE):
         found.append(Environment(venv, spec, "pip"))
-    for venv, spec, override in re.findall(r"^\s+uv_engine (\.venv-\w+) (\S+==\S+)(?: (\S+))?$", SCRIPT, re.MULTILINE):
-        found.append(Environment(venv, spec, "uv", override or None))
+    for venv, spec, rest in re.findall(r"^\s+uv_engine (\.venv-\w+) (\S+==\S+)(.*)$", SCRIPT, re.MULTILINE):
+        override, *constraints = shlex.split(rest) or [""]
+        found.append(Environment(venv, spec, "uv", override or None, tuple(constraints)))
     return found
 
 
@@ -54,12 +57,13 @@ def _recipes(venv: str) -> list[tuple[str, str]]:
     return [(name, block) for name in DOCS for block in _bash_blocks(name) if creates.search(block)]
 
 
-def test_the_script_builds_the_three_engine_environments() -> None:
-    """.ci/engine-envs builds vLLM 0.33.0 with pip, vLLM 0.34.0 and SGLang 0.5.23 with uv."""
+def test_the_script_builds_the_four_engine_environments() -> None:
+    """.ci/engine-envs builds vLLM 0.33.0 with pip, vLLM 0.34.0, SGLang 0.5.23 and TokenSpeed 0.1.1 with uv."""
     assert _environments() == [
         Environment(".venv-vllm", "vllm==0.33.0", "pip"),
         Environment(".venv-vllm034", "vllm==0.34.0", "uv", "0.7.4"),
         Environment(".venv-sglang", "sglang==0.5.23", "uv"),
+        Environment(".venv-tokenspeed", "tokenspeed==0.1.1", "uv", None, ("tokenspeed-scheduler<=0.1.36",)),
     ]
     assert _array("test_packages") == ["pytest", "hypothesis"]
     assert _array("wspool_packages") == ["pydantic-settings", "PyYAML"]
@@ -76,11 +80,14 @@ def test_every_recipe_installs_what_the_script_installs(environment: Environment
         where = f"{name}: the recipe for {environment.venv}"
         assert environment.spec in words, where
         assert set(_array("test_packages")) <= set(words), where
-        assert set(_array("wspool_packages")) <= set(words), where
+        named = {re.split(r"[<>=]", w.strip("'"))[0] for w in words}
+        assert set(_array("wspool_packages")) <= named, where
         assert f"{environment.venv}/bin/pip install --no-deps -e" in " ".join(w for w in words if w != "-q"), where
         if environment.installer == "uv":
-            constraint = re.search(r'echo "(cuda-python[^"]+)" > "\$work/constraints\.txt"', SCRIPT)
-            assert constraint and f"'{constraint.group(1)}'" in block, where
+            constraint = re.search(r"printf '%s\\n' \"(cuda-python[^\"]+)\"", SCRIPT)
+            assert constraint, "the script's cuda-python constraint"
+            for needed in (constraint.group(1), *environment.constraints):
+                assert needed in block, f"{where}: {needed}"
             assert "--index-strategy unsafe-best-match" in block and " -c " in block, where
             override = f"'flashinfer-python=={environment.flashinfer_override}'"
             assert (override in block and "--override" in block) == bool(environment.flashinfer_override), where

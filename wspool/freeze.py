@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -101,7 +102,9 @@ def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
     index = device.index if device.index is not None else 0
     # torch.cuda.is_current_stream_capturing is a Python function around this C one (torch 2.4 to 2.14);
     # the probe runs per call, so it calls the C function where torch has it.
-    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    if not isinstance(capturing, types.BuiltinFunctionType):  # a CPU build's placeholder
+        capturing = torch.cuda.is_current_stream_capturing
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw_stream is None:  # pragma: no cover - every torch this project supports has it
         return capturing  # type: ignore[no-any-return]
