@@ -112,4 +112,6 @@ def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
     def probe() -> bool:
         return raw_stream(index) != 0 and capturing()
 
+    # Its parts, for a caller that asks per call and can spare the closure's frame (bound handles).
+    probe.cuda_parts = (raw_stream, index, capturing)  # type: ignore[attr-defined]
     return probe

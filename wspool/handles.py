@@ -81,11 +81,14 @@ class WorkspaceHandle:
         "_bound_facts",
         "_buffer",
         "_call_facts",
+        "_capturing",
         "_dtype",
         "_last_facts",
         "_pool",
         "_probe",
         "_raw",
+        "_raw_stream",
+        "_stream_index",
         "_valid",
         "_valid_facts",
         "hits",
@@ -115,6 +118,10 @@ class WorkspaceHandle:
         self._raw: torch.Tensor | None = None
         self._pool: WorkspacePool | None = None
         self._probe: Callable[[], bool] | None = None
+        # The CUDA probe's parts, called inline per call (None: no probe, or one of another kind).
+        self._raw_stream: Callable[[int], int] | None = None
+        self._stream_index = 0
+        self._capturing: Callable[[], bool] = bool
         self._last_facts: object = None
         #: Steady-state calls since the pool last took them into its statistics.
         self.hits = 0
@@ -132,8 +139,11 @@ class WorkspaceHandle:
         """
         buffer = self._buffer  # read first: a pool that replaces it clears it after moving the epoch
         if self._valid == _EPOCH[0] and buffer is not None:
-            probe = self._probe
-            if probe is not None and probe():
+            raw_stream = self._raw_stream
+            if raw_stream is not None:
+                if raw_stream(self._stream_index) != 0 and self._capturing():
+                    self._pool.note_captured()  # type: ignore[union-attr]
+            elif self._probe is not None and self._probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
             self.hits += 1
             return buffer
@@ -152,8 +162,11 @@ class WorkspaceHandle:
         """
         buffer = self._buffer  # read first: a pool that replaces it clears it after moving the epoch
         if self._valid == _EPOCH[0] and buffer is not None:
-            probe = self._probe
-            if probe is not None and probe():
+            raw_stream = self._raw_stream
+            if raw_stream is not None:
+                if raw_stream(self._stream_index) != 0 and self._capturing():
+                    self._pool.note_captured()  # type: ignore[union-attr]
+            elif self._probe is not None and self._probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
             self.hits += 1
             return buffer
@@ -173,8 +186,11 @@ class WorkspaceHandle:
         """
         buffer = self._buffer
         if facts is self._last_facts and self._valid_facts == _EPOCH[0] and buffer is not None:
-            probe = self._probe
-            if probe is not None and probe():
+            raw_stream = self._raw_stream
+            if raw_stream is not None:
+                if raw_stream(self._stream_index) != 0 and self._capturing():
+                    self._pool.note_captured()  # type: ignore[union-attr]
+            elif self._probe is not None and self._probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
             self.hits += 1
             return buffer
@@ -227,6 +243,8 @@ class WorkspaceHandle:
             old.take_hits(self)  # the calls made on the old binding stay in its statistics
         compiled = pool.spec.rules.get(self.rule)
         self._probe = pool.capture_probe
+        parts = getattr(self._probe, "cuda_parts", None)
+        self._raw_stream, self._stream_index, self._capturing = parts if parts is not None else (None, 0, bool)
         unbound = self._call_facts.difference(self._bound_facts)
         self.reads_call_facts = compiled is not None and bool(unbound.intersection(compiled.names))
         pool.attach(self)
