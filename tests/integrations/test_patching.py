@@ -216,3 +216,12 @@ def test_describe_config_names_how_the_configuration_was_named(tmp_path: Path) -
     path = tmp_path / "mine.yaml"
     path.write_text("{}\n")
     assert describe_config({"WSPOOL_CONFIG": str(path)}) == f"config {path}"
+
+
+def test_every_engines_switch_is_a_variable_the_settings_know() -> None:
+    """Turning an engine's integration off (WSPOOL_<ENGINE>=0) is never refused as an unknown WSPOOL_* variable."""
+    from wspool.settings.schema import EXTRA_ENV_VARS
+
+    switches = [info.switch_var for info in ENGINES]
+    assert switches == ["WSPOOL_VLLM", "WSPOOL_SGLANG", "WSPOOL_TOKENSPEED"]
+    assert set(switches) <= set(EXTRA_ENV_VARS)

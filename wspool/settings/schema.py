@@ -425,6 +425,7 @@ EXTRA_ENV_VARS: tuple[str, ...] = (
     "WSPOOL_VLLM_DEVICE",
     "WSPOOL_SGLANG",
     "WSPOOL_SGLANG_DEVICE",
+    "WSPOOL_TOKENSPEED",
 )
 
 #: vLLM's fixed sizes (its FlashInfer MLA backend after PR #47074): 128 MiB for plain MLA
