@@ -137,6 +137,8 @@ class WorkspaceHandle:
             WorkspaceFrozenError: Growth was needed while frozen or capturing.
             WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
         """
+        # The steady state is written out in get(), fetch() and sized() alike: a shared helper's
+        # call would cost about what the whole check costs.
         buffer = self._buffer  # read first: a pool that replaces it clears it after moving the epoch
         if self._valid == _EPOCH[0] and buffer is not None:
             raw_stream = self._raw_stream
