@@ -24,6 +24,7 @@ from typing import Any
 from wspool.errors import ConfigError
 from wspool.flashinfer.backends import call_facts
 from wspool.settings.sources import read_yaml_file
+from wspool.units import positive_int
 
 __all__ = ["DEFAULT_SHAPES", "MLAShape", "ShapeError", "load_shapes", "parse_shape", "shape_from_mapping"]
 
@@ -132,22 +133,24 @@ def shape_from_mapping(data: Mapping[str, object], where: str = "shape") -> MLAS
         if key == "return_lse":
             values[key] = _boolean(value, f"{where}: {key}")
         else:
-            values[key] = _positive(value, f"{where}: {key}")
+            values[key] = _shape_field(value, f"{where}: {key}")
     missing = [k for k in _REQUIRED if k not in values]
     if missing:
         raise ShapeError(f"{where}: missing {', '.join(missing)}")
     return MLAShape(**values)
 
 
-def _positive(value: object, where: str) -> int:
+def _shape_field(value: object, where: str) -> int:
+    number = value
     if isinstance(value, str):
         try:
-            value = int(value, 0)
+            number = int(value, 0)
         except ValueError:
             raise ShapeError(f"{where} must be a positive integer, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ShapeError(f"{where} must be a positive integer, got {value!r}")
-    return value
+    found = positive_int(number)
+    if found is None:
+        raise ShapeError(f"{where} must be a positive integer, got {number!r}")
+    return found
 
 
 def _boolean(value: object, where: str) -> bool:

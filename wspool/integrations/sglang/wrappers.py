@@ -35,7 +35,7 @@ from wspool.flashinfer import wrapper_buffers
 from wspool.integrations.sglang import facts as facts_of
 from wspool.regions import WrapperBinding, binding_of
 from wspool.targets import Target
-from wspool.units import format_size
+from wspool.units import format_size, positive_int
 
 __all__ = [
     "SEAMS",
@@ -71,10 +71,6 @@ def _warn_once(key: str, level: int, message: str, *args: object) -> None:
         logger.log(level, message, *args)
 
 
-def _positive(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
 def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole_prompts: bool = False) -> int | None:
     """Return the most query rows one extend batch of SGLang can carry, or ``None`` where SGLang's limits are unknown.
 
@@ -98,8 +94,12 @@ def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole
         return None
     try:
         limits = schedule()
-        chunked = _positive(limits.chunked_prefill_size)
-        rows = max(_positive(limits.max_prefill_tokens), _positive(buffer_tokens()), batch * tokens_per_request)
+        chunked = positive_int(limits.chunked_prefill_size) or 0
+        rows = max(
+            positive_int(limits.max_prefill_tokens) or 0,
+            positive_int(buffer_tokens()) or 0,
+            batch * tokens_per_request,
+        )
     except Exception:  # SGLang's accessors raise while nothing is published
         return None
     return max(rows, context_len) if whole_prompts or not chunked else rows
@@ -205,7 +205,9 @@ def bind_eager_wrappers(backend: Any) -> None:
             ("ragged", ragged, _prefill_rule(ragged._backend, planned)),
         ]
         dllm = backend.dllm_config
-        per_request = max(facts_of.current_facts().get("q_len", 1), _positive(getattr(dllm, "block_size", None)))
+        per_request = max(
+            facts_of.current_facts().get("q_len", 1), positive_int(getattr(dllm, "block_size", None)) or 0
+        )
         rows = prefill_rows(
             int(backend.max_context_len),
             batch,
