@@ -506,9 +506,16 @@ class WorkspacePool:
     def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> _GrowthRefusal | None:
         """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
         refusal = _growth_refusal(
-            self.spec, self.device, self.lane, nbytes=nbytes, old=self._state[1], reason=reason, setting=setting,
-            frozen=self._freeze.refuses_growth(), capturing=capturing,
-        )  # fmt: skip
+            self.spec,
+            self.device,
+            self.lane,
+            nbytes=nbytes,
+            old=self._state[1],
+            reason=reason,
+            setting=setting,
+            frozen=self._freeze.refuses_growth(),
+            capturing=capturing,
+        )
         if refusal is not None:
             self._refused += 1
         return refusal

@@ -151,9 +151,15 @@ def blackwell_backend(backend: str, *, num_heads: int, page_size: int, enable_dc
 
 
 def cute_dsl_workspace_bytes(
-    *, batch_size: int, q_len: int, num_heads: int, kv_lora_rank: int, sm_count: int, max_seq_len: int,
+    *,
+    batch_size: int,
+    q_len: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    sm_count: int,
+    max_seq_len: int,
     enable_dcp: bool,
-) -> int:  # fmt: skip
+) -> int:
     """Return the workspace bytes FlashInfer's cute-dsl MLA decode needs for these facts.
 
     Asks FlashInfer itself: the size function of the cute-dsl implementation
@@ -348,9 +354,14 @@ def path_need_bytes(
         return slab + TRTLLM_SCRATCH_BYTES
     if path == "cute-dsl":
         return cute_dsl_workspace_bytes(
-            batch_size=batch_size, q_len=q_len, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
-            sm_count=sm_count, max_seq_len=max_seq_len, enable_dcp=enable_dcp,
-        )  # fmt: skip
+            batch_size=batch_size,
+            q_len=q_len,
+            num_heads=num_heads,
+            kv_lora_rank=kv_lora_rank,
+            sm_count=sm_count,
+            max_seq_len=max_seq_len,
+            enable_dcp=enable_dcp,
+        )
     if path == "reference":
         return 0
     raise ValueError(f"no known workspace need for MLA decode path {path!r}; resolve 'auto' first")

@@ -229,9 +229,15 @@ def bind_paged_wrapper(
 
     regions = wrapper_regions(registry, INT_POOL)
     return regions.bind(
-        wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group, setting=_rule_setting(rule),
+        wrapper,
+        device=device,
+        nbytes=nbytes,
+        kind=kind,
+        lane=lane,
+        group=group,
+        setting=_rule_setting(rule),
         install=reseat,
-    )  # fmt: skip
+    )
 
 
 def _reset_workspace_buffer(wrapper: Any, float_workspace: torch.Tensor, int_workspace: torch.Tensor) -> None:
@@ -381,9 +387,15 @@ def bind_mla_wrapper(
     _check_mla_bytes(registry, device, facts or {}, nbytes)
     regions = wrapper_regions(registry, INT_POOL)
     return regions.bind(
-        wrapper, device=device, nbytes=nbytes, kind="mla", lane=lane, group=group, pinned=True,
+        wrapper,
+        device=device,
+        nbytes=nbytes,
+        kind="mla",
+        lane=lane,
+        group=group,
+        pinned=True,
         setting=_rule_setting("mla"),
-    )  # fmt: skip
+    )
 
 
 def _rule_setting(rule: str) -> str:

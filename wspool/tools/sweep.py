@@ -67,9 +67,15 @@ class MLAShape:
     def facts(self, sm_count: int, dtype_bytes: int = 2) -> dict[str, int]:
         """Return the facts :class:`~wspool.flashinfer.MLADecodePlan` passes for this call."""
         return call_facts(
-            batch_size=self.batch_size, q_len=self.q_len, num_heads=self.num_heads, max_seq_len=self.max_seq_len,
-            page_size=self.page_size, dtype_bytes=dtype_bytes, sm_count=sm_count, cp_world=1,
-        )  # fmt: skip
+            batch_size=self.batch_size,
+            q_len=self.q_len,
+            num_heads=self.num_heads,
+            max_seq_len=self.max_seq_len,
+            page_size=self.page_size,
+            dtype_bytes=dtype_bytes,
+            sm_count=sm_count,
+            cp_world=1,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Return the shape as plain data."""

@@ -122,15 +122,21 @@ class _Planned:
         return cls(updater.num_qo_heads, updater.num_kv_heads, (updater.q_data_type, updater.data_type))
 
     def facts(self, batch: int, tokens: int) -> dict[str, int]:
-        return {"batch_size": batch, "num_tokens": tokens, "num_qo_heads": self.num_qo_heads,
-                "num_kv_heads": self.num_kv_heads}  # fmt: skip
+        return {
+            "batch_size": batch,
+            "num_tokens": tokens,
+            "num_qo_heads": self.num_qo_heads,
+            "num_kv_heads": self.num_kv_heads,
+        }
 
 
 def _decode_rule(backend: Any, planned: _Planned) -> str | None:
     return wrapper_buffers.paged_int_rule(
-        "decode", use_tensor_cores=bool(backend.decode_use_tensor_cores), backend=backend.decode_backend,
+        "decode",
+        use_tensor_cores=bool(backend.decode_use_tensor_cores),
+        backend=backend.decode_backend,
         dtypes=planned.dtypes,
-    )  # fmt: skip
+    )
 
 
 def _prefill_rule(backend: str, planned: _Planned) -> str | None:
@@ -152,9 +158,14 @@ def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) ->
         return current.region.nbytes
     try:
         binding = wrapper_buffers.bind_paged_wrapper(
-            wrapper, _float_workspace(wrapper), registry=wspool.get_registry(), rule=rule, facts=facts,
-            lane=wspool.current_lane(), kind=f"sglang-{kind}",
-        )  # fmt: skip
+            wrapper,
+            _float_workspace(wrapper),
+            registry=wspool.get_registry(),
+            rule=rule,
+            facts=facts,
+            lane=wspool.current_lane(),
+            kind=f"sglang-{kind}",
+        )
     except RuleError as exc:
         given = ", ".join(f"{k}={v}" for k, v in facts.items())
         raise RuleError(
@@ -174,9 +185,12 @@ def _describe(bound: Iterable[tuple[str, int | None]]) -> str:
 
 def _not_as_read(backend: Any, exc: AttributeError) -> None:
     _warn_once(
-        "layout", logging.WARNING, "wspool: SGLang's FlashInfer wrappers keep FlashInfer's int workspaces: "
-        "%s is not as wspool read it (%s)", type(backend).__name__, exc,
-    )  # fmt: skip
+        "layout",
+        logging.WARNING,
+        "wspool: SGLang's FlashInfer wrappers keep FlashInfer's int workspaces: %s is not as wspool read it (%s)",
+        type(backend).__name__,
+        exc,
+    )
 
 
 def bind_eager_wrappers(backend: Any) -> None:
@@ -226,18 +240,25 @@ def bind_eager_wrappers(backend: Any) -> None:
         elif kind != "decode" and rows is None:
             kept.append(kind)
             _warn_once(
-                "limits", logging.WARNING, "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
+                "limits",
+                logging.WARNING,
+                "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
                 "workspaces: SGLang's scheduling limits (max_prefill_tokens) are not published in this process",
-            )  # fmt: skip
+            )
         elif (nbytes := _bind_paged(wrapper, kind, rule, facts)) is None:
             kept.append(f"{kind} (the registry keeps FlashInfer's buffers)")
         else:
             bound.append((kind, nbytes))
     logger.info(
         "wspool: %s's FlashInfer wrappers take int workspaces from pool %s: %s (batch %d, extend rows %s); "
-        "FlashInfer's own: %s", type(backend).__name__, wrapper_buffers.INT_POOL, _describe(bound), batch,
-        rows, ", ".join(sorted(set(kept))) or "none",
-    )  # fmt: skip
+        "FlashInfer's own: %s",
+        type(backend).__name__,
+        wrapper_buffers.INT_POOL,
+        _describe(bound),
+        batch,
+        rows,
+        ", ".join(sorted(set(kept))) or "none",
+    )
 
 
 def _bind_graph_wrappers(backend: Any, bs: int, num_tokens: int) -> None:
@@ -289,8 +310,11 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
     A wrapper left with FlashInfer's buffers is remembered, and its later plans pass straight through.
     """
     binding = wrapper_buffers.bind_mla_wrapper(
-        wrapper, registry=wspool.get_registry(), device=_float_workspace(wrapper).device, lane=wspool.current_lane(),
-    )  # fmt: skip
+        wrapper,
+        registry=wspool.get_registry(),
+        device=_float_workspace(wrapper).device,
+        lane=wspool.current_lane(),
+    )
     if binding is None:
         _left_alone.add(wrapper)
         hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
@@ -300,8 +324,13 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
         )
     else:
         size = format_size(binding.region.nbytes)
-        _warn_once("mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s "
-                   "at their first plan", size, wrapper_buffers.INT_POOL)  # fmt: skip
+        _warn_once(
+            "mla",
+            logging.INFO,
+            "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s at their first plan",
+            size,
+            wrapper_buffers.INT_POOL,
+        )
     return binding
 
 
@@ -331,17 +360,40 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def call_begin_forward(
-        self: Any, wrapper_ragged: Any, wrapper_paged: Any, req_pool_indices: Any, paged_kernel_lens: Any,
-        paged_kernel_lens_sum: Any, seq_lens: Any, prefix_lens: Any, kv_indptr: Any, qo_indptr: Any,
-        use_ragged: bool, *args: Any, **kwargs: Any,
-    ) -> Any:  # fmt: skip
+        self: Any,
+        wrapper_ragged: Any,
+        wrapper_paged: Any,
+        req_pool_indices: Any,
+        paged_kernel_lens: Any,
+        paged_kernel_lens_sum: Any,
+        seq_lens: Any,
+        prefix_lens: Any,
+        kv_indptr: Any,
+        qo_indptr: Any,
+        use_ragged: bool,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         binding = binding_of(wrapper_paged)
         if binding is None and not use_ragged and wrapper_paged not in _left_alone:
             binding = _bind_mla(wrapper_paged)
         return wrapper_buffers.call_supplying(
-            binding, original, self, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
-            paged_kernel_lens_sum, seq_lens, prefix_lens, kv_indptr, qo_indptr, use_ragged, *args, **kwargs,
-        )  # fmt: skip
+            binding,
+            original,
+            self,
+            wrapper_ragged,
+            wrapper_paged,
+            req_pool_indices,
+            paged_kernel_lens,
+            paged_kernel_lens_sum,
+            seq_lens,
+            prefix_lens,
+            kv_indptr,
+            qo_indptr,
+            use_ragged,
+            *args,
+            **kwargs,
+        )
 
     return call_begin_forward
 
