@@ -1,28 +1,16 @@
 """Measure what an engine's CUDA-graph decode plans hold: the pool, FlashInfer's buffers, pinned memory.
 
-An engine captures one decode graph per batch size. This captures 20 decode
-plans (batch sizes 1..256, one plan and one graph per batch size, on one
-registry) and reports the device memory before and after, split into what
-the pool holds, the int workspace regions wspool gives the wrappers, what
-FlashInfer's wrappers hold themselves (:mod:`wspool.memory`), and the rest
-(index buffers, outputs, the graphs' memory), with the pinned host memory
-the wrappers hold. Kinds:
+This captures 20 decode plans (batch sizes 1..256, one plan and one graph
+each, on one registry) and reports the device memory before and after: the
+pool, wspool's int regions, what FlashInfer's wrappers hold themselves
+(:mod:`wspool.memory`), the rest, and the pinned host memory. Kinds: ``mla``
+(wspool's MLA decode plans, 128 heads, the LSE returned) and ``paged``
+(FlashInfer's graph-mode ``BatchDecodeWithPagedKVCacheWrapper``, 64 query and 8
+KV heads, bound by :func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper`).
 
-- ``mla``: wspool's MLA decode plans (128 heads, the LSE returned).
-- ``paged``: FlashInfer's graph-mode ``BatchDecodeWithPagedKVCacheWrapper``
-  (64 query and 8 KV heads, head dim 128, page 16, tensor cores), built the
-  way engines build them, its int workspace bound by
-  :func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper`.
-
-Run it on a GPU::
-
-    python -m wspool.tools.graph_plans                              # MLA, int regions from wspool
-    python -m wspool.tools.graph_plans --int-workspace flashinfer   # MLA, FlashInfer's own buffers
-    python -m wspool.tools.graph_plans --kind paged
-    python -m wspool.tools.graph_plans --profile fixed              # vLLM's fixed 128/256 MiB
-
-Device semantics: the current CUDA device. It allocates about 1 GiB of
-inputs besides what it measures.
+Run it on a GPU: ``python -m wspool.tools.graph_plans [--kind paged]
+[--int-workspace flashinfer] [--profile fixed]``. Device semantics: the
+current CUDA device; it allocates about 1 GiB of inputs besides what it measures.
 """
 
 from __future__ import annotations
