@@ -27,6 +27,7 @@ __all__ = [
     "BLACKWELL_ARCHS",
     "BLACKWELL_BACKENDS",
     "KV_LORA_RANK",
+    "PRIVATE_NAMES_READ",
     "QK_ROPE_HEAD_DIM",
     "TRTLLM_SCRATCH_BYTES",
     "DCPArgs",
@@ -35,6 +36,7 @@ __all__ = [
     "check_dcp",
     "check_int_tensor",  # importable here too; it lives with the page-table checks in layouts
     "check_kernel_keywords",
+    "cute_dsl_sizer_functions",
     "cute_dsl_workspace_bytes",
     "device_arch",
     "int8_view",
@@ -169,18 +171,38 @@ def cute_dsl_workspace_bytes(
     Raises:
         ImportError: The installed FlashInfer has no such function (the message names its version).
     """
+    resolve, call = cute_dsl_sizer_functions()
     try:
-        core = importlib.import_module("flashinfer.mla._core")
-        resolve = core._resolve_cute_dsl_workspace_sizer
-        call = core._call_cute_dsl_workspace_sizer
         sizer, impl = resolve("auto", None, enable_dcp)
-    except (ImportError, AttributeError) as exc:
+    except AttributeError as exc:
         raise ImportError(
             f"FlashInfer {_flashinfer_version()} has no cute-dsl MLA workspace size function ({exc}); "
-            f"wspool's cute-dsl path is tested with flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 and 0.7.4"
+            f"wspool's cute-dsl path is tested with {PRIVATE_NAMES_READ}"
         ) from exc
     _, nbytes = call(sizer, impl, batch_size, q_len, num_heads, kv_lora_rank, sm_count, max_seq_len)
     return int(nbytes)
+
+
+#: The FlashInfer releases whose private names wspool reads were read from: the cute-dsl size
+#: functions here, and the wrappers' ``_backend`` and ``_float_workspace_buffer`` (``wspool.flashinfer.kernels``).
+PRIVATE_NAMES_READ = "flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 and 0.7.4"
+
+
+def cute_dsl_sizer_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Return FlashInfer's private ``flashinfer.mla._core._resolve_cute_dsl_workspace_sizer`` and
+    ``_call_cute_dsl_workspace_sizer``: there is no public size function (read from :data:`PRIVATE_NAMES_READ`).
+
+    Raises:
+        ImportError: The installed FlashInfer has neither (the message names its version and the ones read).
+    """
+    try:
+        core = importlib.import_module("flashinfer.mla._core")
+        return core._resolve_cute_dsl_workspace_sizer, core._call_cute_dsl_workspace_sizer
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(
+            f"FlashInfer {_flashinfer_version()} has no cute-dsl MLA workspace size function ({exc}); "
+            f"wspool's cute-dsl path is tested with {PRIVATE_NAMES_READ}"
+        ) from exc
 
 
 def int8_view(workspace: torch.Tensor) -> torch.Tensor:

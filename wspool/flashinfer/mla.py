@@ -347,7 +347,7 @@ class MLADecodePlan:
     def flashinfer_backend(self) -> str | None:
         """The backend FlashInfer's planned wrapper reports after planning (``None`` on other paths)."""
         wrapper = self._wrapper
-        return None if wrapper is None else getattr(wrapper, "_backend", None)
+        return None if wrapper is None else kernels.wrapper_backend(wrapper)
 
     # -- the metadata it is planned for ------------------------------------------
 

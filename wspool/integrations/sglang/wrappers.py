@@ -31,7 +31,8 @@ import torch
 
 import wspool
 from wspool.errors import RuleError
-from wspool.flashinfer import wrapper_buffers
+from wspool.flashinfer import kernels, wrapper_buffers
+from wspool.flashinfer.backends import PRIVATE_NAMES_READ
 from wspool.integrations.sglang import facts as facts_of
 from wspool.regions import WrapperBinding, binding_of
 from wspool.targets import Target
@@ -145,7 +146,7 @@ def _prefill_rule(backend: str, planned: _Planned) -> str | None:
 
 def _float_workspace(wrapper: Any) -> torch.Tensor:
     # Given back to reset_workspace_buffer unchanged: whatever SGLang built the wrapper on.
-    return wrapper._float_workspace_buffer  # type: ignore[no-any-return]
+    return kernels.wrapper_float_workspace(wrapper)
 
 
 def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) -> int | None:
@@ -210,13 +211,16 @@ def bind_eager_wrappers(backend: Any) -> None:
         batch = int(backend.kv_indptr[0].numel()) - 1
         decode_rule, prefill_rule = _decode_rule(backend, planned), _prefill_rule(backend.prefill_backend, planned)
         ragged = backend.prefill_wrapper_ragged
+        ragged_backend = kernels.wrapper_backend(ragged)
+        if ragged_backend is None:
+            raise AttributeError(f"{type(ragged).__name__} has no _backend (read from {PRIVATE_NAMES_READ})")
         wrappers = [
             *(("decode", w, decode_rule) for w in backend.decode_wrappers),
             *(
                 ("prefill", w, prefill_rule)
                 for w in (*backend.prefill_wrappers_paged, *backend.prefill_wrappers_verify)
             ),
-            ("ragged", ragged, _prefill_rule(ragged._backend, planned)),
+            ("ragged", ragged, _prefill_rule(ragged_backend, planned)),
         ]
         dllm = backend.dllm_config
         per_request = max(
@@ -236,7 +240,7 @@ def bind_eager_wrappers(backend: Any) -> None:
     for kind, wrapper, rule in wrappers:
         facts = planned.facts(batch, batch if kind == "decode" else rows or 0)
         if rule is None:
-            kept.append(f"{kind} ({ragged._backend})" if kind == "ragged" else kind)
+            kept.append(f"{kind} ({ragged_backend})" if kind == "ragged" else kind)
         elif kind != "decode" and rows is None:
             kept.append(kind)
             _warn_once(
