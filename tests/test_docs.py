@@ -30,6 +30,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PATH_CITATION = r"(?<![\w./-])((?:wspool|tests|configs|docs|\.ci)/[\w./*-]*)"
 
 NEEDS_CUDA = "# needs a CUDA device"
 NOT_RUN = "# not run:"
@@ -177,18 +178,20 @@ def _cited(pattern: str) -> list[tuple[str, str]]:
 
 def test_every_cited_path_exists() -> None:
     """Every repository path the documents cite (wspool/, tests/, configs/, docs/, .ci/) exists."""
-    missing = [
-        (doc, cited)
-        for doc, cited in _cited(r"(?<![\w./-])((?:wspool|tests|configs|docs|\.ci)/[\w./*-]*)")
-        if not list(ROOT.glob(cited.split("::")[0].rstrip("/")))
-    ]
+    citations = _cited(PATH_CITATION)
+    assert {("profiles.md", "wspool/data/configs/"), ("multi-gpu.md", "tests/flashinfer/test_mla_decode.py")} <= set(
+        citations
+    )
+    missing = [(doc, cited) for doc, cited in citations if not list(ROOT.glob(cited.split("::")[0].rstrip("/")))]
     assert not missing, "cited but missing: " + ", ".join(f"{doc}: {cited}" for doc, cited in missing)
 
 
 def test_every_cited_module_and_name_imports() -> None:
     """Every dotted ``wspool.…`` name the documents cite is a module, or a name in one."""
     missing = []
-    for doc, cited in _cited(r"(?<![\w./])(wspool(?:\.\w+)+)"):
+    citations = _cited(r"(?<![\w./])(wspool(?:\.\w+)+)")
+    assert ("profiles.md", "wspool.settings.profiles.shipped_config") in citations
+    for doc, cited in citations:
         parts = cited.split(".")
         for split in range(len(parts), 0, -1):
             try:
@@ -211,7 +214,9 @@ def test_every_cited_test_exists() -> None:
     functions = {
         name for path in tests.rglob("test_*.py") for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
     }
-    cited_files = [(doc, name) for doc, name in _cited(r"(?:^|/|::)?(test_\w+\.py)") if name not in files]
+    files_cited = _cited(r"(?:^|/|::)?(test_\w+\.py)")
+    assert ("multi-gpu.md", "test_mla_decode_gpu.py") in files_cited
+    cited_files = [(doc, name) for doc, name in files_cited if name not in files]
     cited_functions = [(doc, name) for doc, name in _cited(r"(?:^|::)(test_\w+)(?![\w.])") if name not in functions]
     missing = cited_files + cited_functions
     assert not missing, "cited but missing: " + ", ".join(f"{doc}: {cited}" for doc, cited in missing)

@@ -213,11 +213,13 @@ def _local_request(
         problems.append(("config", f"device={quote(device)} does not name a device ({exc})"))
     # Whatever the pools' device: a rank in the middle of a capture is in no state to agree.
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # type: ignore[no-untyped-call]
-        problems.append((
-            "frozen",
-            f"wspool.distributed.agree() cannot run during CUDA-graph capture on {local}: agree before "
-            "capturing (its collectives would be captured, not run)",
-        ))  # fmt: skip
+        problems.append(
+            (
+                "frozen",
+                f"wspool.distributed.agree() cannot run during CUDA-graph capture on {local}: agree before "
+                "capturing (its collectives would be captured, not run)",
+            )
+        )
     wanted: dict[_Key, int] = {}
     if reserve is not None and not isinstance(reserve, Mapping):
         problems.append(("config", f"reserve must map (pool, lane) to a size, got {type(reserve).__name__}"))

@@ -44,7 +44,7 @@ from wspool.freeze import FreezeState, cuda_capture_probe
 from wspool.handles import bump_epoch
 from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.streams import StreamOrderWatch
-from wspool.units import MAX_SIZE_BYTES, format_size
+from wspool.units import MAX_SIZE_BYTES, format_size, positive_int
 
 if TYPE_CHECKING:
     from wspool.devices import DeviceLike
@@ -443,7 +443,7 @@ class WorkspacePool:
 
     def _check_request_size(self, nbytes: object) -> None:
         """Refuse a request size that is not a positive integer (``int`` subclasses other than bool pass)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        if positive_int(nbytes) is None:
             raise SizeError(
                 f"pool {self.spec.name!r}: a request needs a positive integer number of bytes, got {nbytes!r}"
             )
@@ -506,9 +506,16 @@ class WorkspacePool:
     def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> _GrowthRefusal | None:
         """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
         refusal = _growth_refusal(
-            self.spec, self.device, self.lane, nbytes=nbytes, old=self._state[1], reason=reason, setting=setting,
-            frozen=self._freeze.refuses_growth(), capturing=capturing,
-        )  # fmt: skip
+            self.spec,
+            self.device,
+            self.lane,
+            nbytes=nbytes,
+            old=self._state[1],
+            reason=reason,
+            setting=setting,
+            frozen=self._freeze.refuses_growth(),
+            capturing=capturing,
+        )
         if refusal is not None:
             self._refused += 1
         return refusal

@@ -185,9 +185,16 @@ class ProfileView:
     ) -> Declaration:
         """Build this view's spec for a declaration, validated as YAML is; change nothing."""
         return _build_declaration(
-            name, declared, settings=self.settings, specs=self.specs, hosts=self.hosts,
-            shared_hosts=self.buffer_specs, host_in_use=host_in_use, spec_of=self.spec, replay=replay,
-        )  # fmt: skip
+            name,
+            declared,
+            settings=self.settings,
+            specs=self.specs,
+            hosts=self.hosts,
+            shared_hosts=self.buffer_specs,
+            host_in_use=host_in_use,
+            spec_of=self.spec,
+            replay=replay,
+        )
 
     def apply(self, change: Declaration) -> None:
         """Install a staged declaration; swapping whole dicts keeps lock-free readers consistent."""

@@ -292,9 +292,17 @@ class WrapperRegions:
             region = binding.region
             entry = totals.setdefault(
                 (region.device, region.lane),
-                {"device": region.device, "lane": region.lane, "wrappers": 0, "regions": 0, "region_bytes": 0,
-                 "pinned_bytes": 0, "pinned_chunk_bytes": 0, "kinds": {}},
-            )  # fmt: skip
+                {
+                    "device": region.device,
+                    "lane": region.lane,
+                    "wrappers": 0,
+                    "regions": 0,
+                    "region_bytes": 0,
+                    "pinned_bytes": 0,
+                    "pinned_chunk_bytes": 0,
+                    "kinds": {},
+                },
+            )
             entry["wrappers"] += 1
             entry["kinds"][binding.kind] = entry["kinds"].get(binding.kind, 0) + 1
             if binding.pinned is not None:

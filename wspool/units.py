@@ -24,6 +24,7 @@ __all__ = [
     "ceil_div",
     "format_size",
     "parse_size",
+    "positive_int",
     "round_up",
 ]
 
@@ -63,6 +64,13 @@ def ceil_div(value: int, divisor: int) -> int:
     if divisor <= 0:
         raise ZeroDivisionError("ceil_div's divisor must be positive")
     return -(-value // divisor)
+
+
+def positive_int(value: object) -> int | None:
+    """Return ``value`` when it is a positive ``int`` (a bool is not), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -612,6 +612,7 @@ def test_the_public_names_still_import_from_the_package() -> None:
     import importlib
 
     fresh = importlib.import_module("wspool")
+    assert {"PoolRegistry", "load_settings", "get_registry"} <= set(fresh.__all__)
     assert all(getattr(fresh, name) is not None for name in fresh.__all__)
     from wspool import PoolRegistry, load_settings
 

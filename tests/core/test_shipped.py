@@ -1,4 +1,4 @@
-"""Tests for wspool.settings.profiles: the package data matches configs/, and survives a regular installation."""
+"""Tests for wspool.settings.profiles: the package data is configs/ itself, and the wheel and installs hold it."""
 
 from __future__ import annotations
 
@@ -6,21 +6,55 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import ConfigError
-from wspool.settings.profiles import shipped_config, shipped_config_names, shipped_text
+from wspool.settings.profiles import PROFILE_NAMES, shipped_config, shipped_config_names, shipped_text
+
+SHIPPED_CONFIGS = ["blackwell", "default", "hopper", "kimi_dcp", "sglang", "tokenspeed", "vllm"]
 
 
-def test_top_level_configs_are_the_package_data() -> None:
-    """configs/*.yaml, the files users read and copy, are byte for byte the shipped package data."""
+def _copy_source(destination: Path) -> Path:
+    """Copy the files a build reads into ``destination``, links kept as links (as a checkout holds them)."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO_ROOT / "wspool", destination / "wspool", symlinks=True, ignore=ignore)
+    shutil.copytree(REPO_ROOT / "configs", destination / "configs", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, destination / name)
+    return destination
+
+
+def test_configs_are_the_package_data_through_one_link() -> None:
+    """The package's data/configs is a link to configs/, so each shipped configuration exists once."""
+    link = REPO_ROOT / "wspool" / "data" / "configs"
+    assert link.is_symlink() and link.resolve() == (REPO_ROOT / "configs").resolve()
     top = sorted(p.stem for p in (REPO_ROOT / "configs").glob("*.yaml"))
-    assert top == shipped_config_names()
+    assert top == SHIPPED_CONFIGS
+    assert shipped_config_names() == SHIPPED_CONFIGS
     for name in top:
         assert (REPO_ROOT / "configs" / f"{name}.yaml").read_text() == shipped_text("configs", name), name
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_every_shipped_configuration_and_profile(tmp_path: Path) -> None:
+    """A wheel built from the sources holds each file of configs/ and every profile, as real files."""
+    pytest.importorskip("setuptools", reason="building the wheel without isolation needs setuptools")
+    source = _copy_source(tmp_path / "src")
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([*build, "-w", str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("wspool-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        held = {info.filename: info for info in archive.infolist() if info.filename.startswith("wspool/data/")}
+        configs = {f"wspool/data/configs/{name}.yaml" for name in SHIPPED_CONFIGS}
+        profiles = {f"wspool/data/profiles/{name}.yaml" for name in PROFILE_NAMES}
+        assert set(held) == configs | profiles
+        for name in SHIPPED_CONFIGS:
+            shipped = archive.read(f"wspool/data/configs/{name}.yaml").decode()
+            assert shipped == (REPO_ROOT / "configs" / f"{name}.yaml").read_text(), name
 
 
 def test_shipped_config_is_a_readable_path() -> None:
@@ -47,10 +81,7 @@ def test_a_regular_install_finds_the_profiles_and_configs(tmp_path: Path) -> Non
     """A non-editable pip install (no dependencies, no build isolation) loads every profile and shipped config,
     each also by its name."""
     pytest.importorskip("setuptools", reason="building the wheel without isolation needs setuptools")
-    source = tmp_path / "src"
-    shutil.copytree(REPO_ROOT / "wspool", source / "wspool", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO_ROOT / name, source / name)
+    source = _copy_source(tmp_path / "src")
     target = tmp_path / "site"
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
     subprocess.run([*install, "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
@@ -68,5 +99,4 @@ def test_a_regular_install_finds_the_profiles_and_configs(tmp_path: Path) -> Non
         [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    names = "['blackwell', 'default', 'hopper', 'kimi_dcp', 'sglang', 'tokenspeed', 'vllm']"
-    assert result.stdout.strip() == f"{names} True"
+    assert result.stdout.strip() == f"{SHIPPED_CONFIGS} True"

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wspool.errors import SizeError
-from wspool.units import MAX_SIZE_BYTES, format_size, parse_size
+from wspool.units import MAX_SIZE_BYTES, format_size, parse_size, positive_int
 
 
 @pytest.mark.parametrize(
@@ -126,3 +126,9 @@ def test_a_huge_integer_size_is_a_readable_size_error(value: int) -> None:
     """An integer size of thousands of digits is a SizeError quoting its magnitude, not Python's ValueError."""
     with pytest.raises(SizeError, match=r"^size 1e\+(5000|400) exceeds the limit of 1024TiB$"):
         parse_size(value)
+
+
+def test_positive_int_takes_positive_ints_only() -> None:
+    """positive_int returns a positive int unchanged and None for zero, negatives, bools and other types."""
+    assert positive_int(3) == 3
+    assert [positive_int(v) for v in (0, -1, True, 2.0, "4", None)] == [None] * 6

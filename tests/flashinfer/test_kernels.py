@@ -178,3 +178,64 @@ def test_an_ownership_record_lives_as_long_as_its_wrapper() -> None:
     del wrapper
     gc.collect()
     assert alive() is None
+
+
+# -- FlashInfer's private names, each read through one accessor -----------------------------------------------
+
+
+def _private_names_read() -> dict[str, tuple[str, ...]]:
+    """FlashInfer's wrapper classes and the private attributes their constructors set that wspool reads."""
+    mla = pytest.importorskip("flashinfer.mla", reason="flashinfer-python is not installed")
+    prefill = pytest.importorskip("flashinfer.prefill")
+    decode = pytest.importorskip("flashinfer.decode")
+    return {
+        "BatchMLAPagedAttentionWrapper": (inspect.getsource(mla.BatchMLAPagedAttentionWrapper), "_backend"),
+        "BatchPrefillWithRaggedKVCacheWrapper": (
+            inspect.getsource(prefill.BatchPrefillWithRaggedKVCacheWrapper),
+            "_backend",
+            "_float_workspace_buffer",
+        ),
+        "BatchPrefillWithPagedKVCacheWrapper": (
+            inspect.getsource(prefill.BatchPrefillWithPagedKVCacheWrapper),
+            "_float_workspace_buffer",
+        ),
+        "BatchDecodeWithPagedKVCacheWrapper": (
+            inspect.getsource(decode.BatchDecodeWithPagedKVCacheWrapper),
+            "_float_workspace_buffer",
+        ),
+    }
+
+
+def test_the_installed_flashinfer_still_sets_the_private_names_read() -> None:
+    """Each wrapper class wspool reads a private attribute of still assigns it (else: which name, which releases)."""
+    from importlib.metadata import version
+
+    from wspool.flashinfer.backends import PRIVATE_NAMES_READ
+
+    found = _private_names_read()
+    assert len(found) == 4
+    gone = [
+        f"{cls}.{name}" for cls, (source, *names) in found.items() for name in names if f"self.{name} = " not in source
+    ]
+    assert not gone, (
+        f"flashinfer-python {version('flashinfer-python')} no longer sets {', '.join(gone)}: "
+        f"wspool.flashinfer.kernels.wrapper_backend / wrapper_float_workspace were read from {PRIVATE_NAMES_READ}"
+    )
+
+
+def test_the_installed_flashinfer_has_the_cute_dsl_size_functions() -> None:
+    """FlashInfer's private cute-dsl size functions are found (the ImportError names the releases read otherwise)."""
+    pytest.importorskip("flashinfer.mla", reason="flashinfer-python is not installed")
+    from wspool.flashinfer.backends import cute_dsl_sizer_functions
+
+    resolve, call = cute_dsl_sizer_functions()
+    assert callable(resolve) and callable(call)
+
+
+def test_a_wrapper_without_the_private_names_is_named() -> None:
+    """No ``_backend``: none; no ``_float_workspace_buffer``: an error naming the releases read."""
+    assert kernels.wrapper_backend(object()) is None
+    with pytest.raises(
+        AttributeError, match=r"^object has no _float_workspace_buffer \(read from flashinfer-python 0\.7\.1rc2"
+    ):
+        kernels.wrapper_float_workspace(object())

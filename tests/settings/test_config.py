@@ -38,7 +38,17 @@ def test_default_yaml_matches_builtin_defaults() -> None:
 
 def test_every_shipped_config_validates() -> None:
     """Every file under configs/ loads without error."""
-    for path in sorted((REPO_ROOT / "configs").glob("*.yaml")):
+    paths = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+    assert [path.stem for path in paths] == [
+        "blackwell",
+        "default",
+        "hopper",
+        "kimi_dcp",
+        "sglang",
+        "tokenspeed",
+        "vllm",
+    ]
+    for path in paths:
         load_settings(path)
 
 
@@ -514,7 +524,9 @@ def test_every_shipped_name_is_reachable() -> None:
     """Each shipped configuration, whatever its name, loads by that name."""
     from wspool.settings.profiles import shipped_config_names
 
-    for name in shipped_config_names():
+    names = shipped_config_names()
+    assert names == ["blackwell", "default", "hopper", "kimi_dcp", "sglang", "tokenspeed", "vllm"]
+    for name in names:
         load_settings(name)
 
 

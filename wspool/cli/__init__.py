@@ -202,9 +202,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if unknown or not sections:
             raise UsageError(f"--sections takes a subset of {','.join(SECTIONS)}; got {args.sections!r}")
         figures = run_benchmarks(
-            sections=sections, hot_device=args.device, repeats=args.repeats, runs=args.runs, rules_file=args.rules,
+            sections=sections,
+            hot_device=args.device,
+            repeats=args.repeats,
+            runs=args.runs,
+            rules_file=args.rules,
             shapes=load_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
-        )  # fmt: skip
+        )
         if args.json == "-":
             print(json.dumps(figures, indent=2))
         else:
@@ -257,9 +261,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _command(commands: Any, name: str, summary: str, description: str | None = None) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = commands.add_parser(
-        name, help=summary, description=description or summary[0].upper() + summary[1:] + ".",
+        name,
+        help=summary,
+        description=description or summary[0].upper() + summary[1:] + ".",
         formatter_class=_HelpFormatter,
-    )  # fmt: skip
+    )
     return parser
 
 
@@ -275,13 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     doctor = _command(
-        commands, "doctor", "check this environment: versions, devices, engines, configuration, problems",
+        commands,
+        "doctor",
+        "check this environment: versions, devices, engines, configuration, problems",
         "Report wspool's version, Python, torch, CUDA and each device's profile, FlashInfer, each engine wspool "
         "integrates (installed, supported, active, what it patches), the active configuration with every value "
         "that differs from the built-in defaults and its source, and the problems found, one line each with the "
         "setting that fixes it. Exit status 0: no problem; 1: problems found. Imports no engine and creates no "
         "CUDA context.",
-    )  # fmt: skip
+    )
     add_config_option(doctor)
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(handler=_handler("wspool.cli.doctor", "cmd_doctor"))
@@ -309,11 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.set_defaults(handler=_handler("wspool.cli.commands", "cmd_resolve"))
 
     stats = _command(
-        commands, "stats", "what the pools would hold for given facts (a dry run)",
+        commands,
+        "stats",
+        "what the pools would hold for given facts (a dry run)",
         "Request every configured rule once with the given facts on the meta device, which allocates nothing, "
         "and print what each buffer would hold and which backends share it. A running process reports its own "
         "pools with PoolRegistry.memory_summary() / memory_stats().",
-    )  # fmt: skip
+    )
     stats.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the calls")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     add_config_option(stats)
@@ -323,9 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="device of the hot-path pools (default: the GPU, else cpu)")
     bench.add_argument("--repeats", type=int, default=101, help="timed batches per hot-path figure")
     bench.add_argument(
-        "--runs", type=int, default=None,
+        "--runs",
+        type=int,
+        default=None,
         help="timed pairs per GPU figure, after warm-up (default: 1000 for mla_decode, 100 for decode_step)",
-    )  # fmt: skip
+    )
     bench.add_argument(
         "--json", nargs="?", const="-", metavar="FILE", help="write the figures to FILE (no FILE: print JSON only)"
     )
@@ -334,17 +346,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rules", metavar="FILE", help="measured rules (default: shipped hopper, or blackwell)")
     bench.add_argument("--shapes", metavar="FILE", help="YAML shapes of the memory sweep (default: the built-in sweep)")
     bench.add_argument(
-        "--sections", default=",".join(BENCH_DEFAULT_SECTIONS), metavar="LIST",
+        "--sections",
+        default=",".join(BENCH_DEFAULT_SECTIONS),
+        metavar="LIST",
         help=f"comma-separated subset of {', '.join(BENCH_SECTIONS)}",
-    )  # fmt: skip
+    )
     bench.set_defaults(handler=_cmd_bench)
 
     calibrate = _command(commands, "calibrate", "measure MLA decode's workspace on this GPU; write the rules")
     calibrate.add_argument("--shapes", metavar="FILE", help="YAML file: shapes: [{batch_size: 1, num_heads: 128, ...}]")
     calibrate.add_argument(
-        "--shape", action="append", type=shape_arg, metavar="SPEC",
+        "--shape",
+        action="append",
+        type=shape_arg,
+        metavar="SPEC",
         help="a shape, e.g. batch_size=1,num_heads=128,max_seq_len=4096,lse (repeatable; default: the built-in sweep)",
-    )  # fmt: skip
+    )
     calibrate.add_argument("--out", metavar="FILE", help="write the rules YAML here (default: print it)")
     calibrate.add_argument("--table", metavar="FILE", help="also write the Markdown table here")
     calibrate.add_argument("--json", metavar="FILE", help="also write the measurements as JSON here")

@@ -114,12 +114,20 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     for entry in devices:
         shown = ", ".join(f"{k}={v}" for k, v in entry["facts"].items()) or "none (not a GPU)"
-        print(wrap(f"device {entry['device']}: profile {entry['profile']} ({printable(entry['reason'])}); "
-                   f"device facts: {shown}"))  # fmt: skip
+        print(
+            wrap(
+                f"device {entry['device']}: profile {entry['profile']} ({printable(entry['reason'])}); "
+                f"device facts: {shown}"
+            )
+        )
     for name in profiles:
         print(wrap(f"profile {name}: {load_profile(name).description}"))
-    print(wrap(f"FlashInfer wrappers' int workspaces: {printable(int_workspaces['mla'])}; paged wrappers take "
-               "theirs through reset_workspace_buffer"))  # fmt: skip
+    print(
+        wrap(
+            f"FlashInfer wrappers' int workspaces: {printable(int_workspaces['mla'])}; paged wrappers take "
+            "theirs through reset_workspace_buffer"
+        )
+    )
     for rule, entry in int_workspaces["rules"].items():
         print(wrap(f"  pools.flashinfer_int.rules.{rule} = {printable(entry['value'])} (from {entry['source']})"))
     for name, rows in tables.items():
@@ -223,11 +231,24 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     origin = _rule_origin(provenance, (args.pool, args.rule))
     key, variable = setting_names(("pools", args.pool, "rules", args.rule))
     if args.json:
-        print(json.dumps({
-            "pool": args.pool, "rule": args.rule, "bytes": nbytes, "size": format_size(nbytes),
-            "rule_source": str(rule.source), "source": origin, "key": key, "variable": variable,
-            "device": str(device), "profile": choice.profile, "facts": facts,
-        }, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "pool": args.pool,
+                    "rule": args.rule,
+                    "bytes": nbytes,
+                    "size": format_size(nbytes),
+                    "rule_source": str(rule.source),
+                    "source": origin,
+                    "key": key,
+                    "variable": variable,
+                    "device": str(device),
+                    "profile": choice.profile,
+                    "facts": facts,
+                },
+                indent=2,
+            )
+        )
     elif args.bytes:
         print(nbytes)
     else:
@@ -254,8 +275,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     choice = registry.profile_of("meta")
-    print(wrap(f"every rule requested once with these facts, on the meta device (nothing is allocated), as "
-               f"{current} (profile {choice.profile}: {choice.reason}):"))  # fmt: skip
+    print(
+        wrap(
+            f"every rule requested once with these facts, on the meta device (nothing is allocated), as "
+            f"{current} (profile {choice.profile}: {choice.reason}):"
+        )
+    )
     print(memory_summary(registry))
     print(
         f"held: {format_size(data['held_bytes'])}; with a buffer per pool (no shared_with): "
@@ -279,8 +304,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # The demo's calls pass their shape; the device facts come from the device, as for `resolve`. A rule
     # that reads one this device lacks (sm_count on the CPU under --config hopper) is refused here with
     # resolve's error, rather than sized for a stand-in.
-    shape = call_facts(batch_size=1, q_len=1, num_heads=1, max_seq_len=1, page_size=64, dtype_bytes=2, sm_count=0,
-                       cp_world=None)  # fmt: skip
+    shape = call_facts(
+        batch_size=1, q_len=1, num_heads=1, max_seq_len=1, page_size=64, dtype_bytes=2, sm_count=0, cp_world=None
+    )
     for name in DEVICE_FACTS:
         shape.pop(name, None)
     for rule in ("default", "lse"):

@@ -167,9 +167,12 @@ def _devices(settings: WspoolSettings | None, problems: list[str]) -> tuple[dict
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         described = DeviceDescription(
-            str(props.name), int(props.major), int(props.minor), int(props.multi_processor_count),
+            str(props.name),
+            int(props.major),
+            int(props.minor),
+            int(props.multi_processor_count),
             int(props.total_memory),
-        )  # fmt: skip
+        )
         devices.append(
             {"device": f"cuda:{index}", "name": described.label(), **_choice(choose_profile(setting, described))}
         )

@@ -8,7 +8,7 @@ selection are importable here too.
 
 from wspool.flashinfer.backends import select_path
 from wspool.flashinfer.mla import COUNTER_POOL, MLA_POOL, MLADecodePlan, mla_decode_plan
-from wspool.flashinfer.mla_cache import mla_decode
+from wspool.flashinfer.mla_decode import mla_decode
 from wspool.flashinfer.paged import PAGED_POOL, PagedAttentionPlan, paged_decode_plan, paged_prefill_plan
 from wspool.flashinfer.reference import mla_decode_reference, paged_attention_reference
 from wspool.flashinfer.refusals import WorkspaceRefusal, parse_refusal

@@ -27,6 +27,7 @@ __all__ = [
     "BLACKWELL_ARCHS",
     "BLACKWELL_BACKENDS",
     "KV_LORA_RANK",
+    "PRIVATE_NAMES_READ",
     "QK_ROPE_HEAD_DIM",
     "TRTLLM_SCRATCH_BYTES",
     "DCPArgs",
@@ -35,6 +36,7 @@ __all__ = [
     "check_dcp",
     "check_int_tensor",  # importable here too; it lives with the page-table checks in layouts
     "check_kernel_keywords",
+    "cute_dsl_sizer_functions",
     "cute_dsl_workspace_bytes",
     "device_arch",
     "int8_view",
@@ -151,9 +153,15 @@ def blackwell_backend(backend: str, *, num_heads: int, page_size: int, enable_dc
 
 
 def cute_dsl_workspace_bytes(
-    *, batch_size: int, q_len: int, num_heads: int, kv_lora_rank: int, sm_count: int, max_seq_len: int,
+    *,
+    batch_size: int,
+    q_len: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    sm_count: int,
+    max_seq_len: int,
     enable_dcp: bool,
-) -> int:  # fmt: skip
+) -> int:
     """Return the workspace bytes FlashInfer's cute-dsl MLA decode needs for these facts.
 
     Asks FlashInfer itself: the size function of the cute-dsl implementation
@@ -163,18 +171,38 @@ def cute_dsl_workspace_bytes(
     Raises:
         ImportError: The installed FlashInfer has no such function (the message names its version).
     """
+    resolve, call = cute_dsl_sizer_functions()
     try:
-        core = importlib.import_module("flashinfer.mla._core")
-        resolve = core._resolve_cute_dsl_workspace_sizer
-        call = core._call_cute_dsl_workspace_sizer
         sizer, impl = resolve("auto", None, enable_dcp)
-    except (ImportError, AttributeError) as exc:
+    except AttributeError as exc:
         raise ImportError(
             f"FlashInfer {_flashinfer_version()} has no cute-dsl MLA workspace size function ({exc}); "
-            f"wspool's cute-dsl path is tested with flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 and 0.7.4"
+            f"wspool's cute-dsl path is tested with {PRIVATE_NAMES_READ}"
         ) from exc
     _, nbytes = call(sizer, impl, batch_size, q_len, num_heads, kv_lora_rank, sm_count, max_seq_len)
     return int(nbytes)
+
+
+#: The FlashInfer releases whose private names wspool reads were read from: the cute-dsl size
+#: functions here, and the wrappers' ``_backend`` and ``_float_workspace_buffer`` (``wspool.flashinfer.kernels``).
+PRIVATE_NAMES_READ = "flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 and 0.7.4"
+
+
+def cute_dsl_sizer_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Return FlashInfer's private ``flashinfer.mla._core._resolve_cute_dsl_workspace_sizer`` and
+    ``_call_cute_dsl_workspace_sizer``: there is no public size function (read from :data:`PRIVATE_NAMES_READ`).
+
+    Raises:
+        ImportError: The installed FlashInfer has neither (the message names its version and the ones read).
+    """
+    try:
+        core = importlib.import_module("flashinfer.mla._core")
+        return core._resolve_cute_dsl_workspace_sizer, core._call_cute_dsl_workspace_sizer
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(
+            f"FlashInfer {_flashinfer_version()} has no cute-dsl MLA workspace size function ({exc}); "
+            f"wspool's cute-dsl path is tested with {PRIVATE_NAMES_READ}"
+        ) from exc
 
 
 def int8_view(workspace: torch.Tensor) -> torch.Tensor:
@@ -348,9 +376,14 @@ def path_need_bytes(
         return slab + TRTLLM_SCRATCH_BYTES
     if path == "cute-dsl":
         return cute_dsl_workspace_bytes(
-            batch_size=batch_size, q_len=q_len, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
-            sm_count=sm_count, max_seq_len=max_seq_len, enable_dcp=enable_dcp,
-        )  # fmt: skip
+            batch_size=batch_size,
+            q_len=q_len,
+            num_heads=num_heads,
+            kv_lora_rank=kv_lora_rank,
+            sm_count=sm_count,
+            max_seq_len=max_seq_len,
+            enable_dcp=enable_dcp,
+        )
     if path == "reference":
         return 0
     raise ValueError(f"no known workspace need for MLA decode path {path!r}; resolve 'auto' first")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer.backends import DCPArgs, int8_view
+from wspool.flashinfer.backends import PRIVATE_NAMES_READ, DCPArgs, int8_view
 from wspool.pool import WorkspacePool
 from wspool.regions import PlanOwner, binding_of
 
@@ -37,6 +37,8 @@ __all__ = [
     "paged_prefill_run_kwargs",
     "shared_wrapper",
     "trtllm_decode_kwargs",
+    "wrapper_backend",
+    "wrapper_float_workspace",
     "wrapper_init_kwargs",
     "wrapper_plan_kwargs",
     "wrapper_run_kwargs",
@@ -378,3 +380,28 @@ def ownership(wrapper: Any) -> PlanOwner:
     if record is None:
         record = _ownership.setdefault(wrapper, PlanOwner())  # one record even when threads race here
     return record
+
+
+def wrapper_backend(wrapper: Any) -> str | None:
+    """Return the backend a FlashInfer wrapper resolved (its private ``_backend``), ``None`` where it has none.
+
+    FlashInfer has no public name for it; read from :data:`~wspool.flashinfer.backends.PRIVATE_NAMES_READ`
+    (``BatchMLAPagedAttentionWrapper`` and the paged and ragged prefill wrappers set it).
+    """
+    return getattr(wrapper, "_backend", None)
+
+
+def wrapper_float_workspace(wrapper: Any) -> torch.Tensor:
+    """Return the float workspace a FlashInfer wrapper was built on (its private ``_float_workspace_buffer``).
+
+    FlashInfer has no public getter; read from :data:`~wspool.flashinfer.backends.PRIVATE_NAMES_READ`.
+
+    Raises:
+        AttributeError: The wrapper has no such attribute (a FlashInfer release not read), named.
+    """
+    try:
+        return wrapper._float_workspace_buffer  # type: ignore[no-any-return]
+    except AttributeError:
+        raise AttributeError(
+            f"{type(wrapper).__name__} has no _float_workspace_buffer (read from {PRIVATE_NAMES_READ})"
+        ) from None

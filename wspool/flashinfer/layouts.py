@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from wspool.units import MiB, round_up
+from wspool.units import MiB, positive_int, round_up
 
 __all__ = [
     "FA_MLA_WORKSPACE_RULE",
@@ -165,7 +165,7 @@ def check_page_table(block_tables: torch.Tensor, seq_lens: torch.Tensor, **sizes
     if block_tables.shape[0] != batch_size:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {batch_size} entries")
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if positive_int(value) is None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return device, batch_size
 

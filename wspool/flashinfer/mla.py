@@ -85,10 +85,7 @@ class MLAGeometry:
 
 @dataclass(frozen=True, eq=False)
 class MLAStep:
-    """One engine step as a plan serves it: the checked metadata and what every layer's call shares.
-
-    The tensors are the caller's, held by reference; editing them in place after
-    planning must be followed by :meth:`MLADecodePlan.replan`.
+    """One engine step as a plan serves it: the checked metadata (the caller's tensors, held by reference).
 
     Attributes:
         block_tables: ``[batch, max_pages]`` int32 page ids.
@@ -176,9 +173,15 @@ def mla_decode_plan(
         block_tables, seq_lens, num_heads=num_heads, page_size=page_size, q_len=q_len, max_seq_len=max_seq_len
     )
     dcp = check_dcp(
-        enable_dcp, cp_world, cp_rank, causal_seqlens_kv_global, backend=backend, return_lse=return_lse,
-        batch_size=batch_size, device=device,
-    )  # fmt: skip
+        enable_dcp,
+        cp_world,
+        cp_rank,
+        causal_seqlens_kv_global,
+        backend=backend,
+        return_lse=return_lse,
+        batch_size=batch_size,
+        device=device,
+    )
     path = backends.select_path(device, backend, num_heads=num_heads, page_size=page_size, enable_dcp=enable_dcp)
     geometry = MLAGeometry(
         num_heads, page_size, q_dtype, kv_dtype or q_dtype, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim
@@ -193,14 +196,10 @@ def mla_decode_plan(
 
 
 class MLADecodePlan:
-    """MLA decode planned for one page table and set of lengths: one step of an engine.
+    """MLA decode planned for one step's page table and lengths; :meth:`run` is the per-layer call.
 
-    Made by :func:`mla_decode_plan`; :meth:`run` is the per-layer call. It never
-    runs against metadata it was not planned for: a pool that grew, or a shared
-    FlashInfer wrapper that another plan took over, makes it replan. Mutating
-    ``block_tables`` or ``seq_lens`` after planning is the caller's contract to
-    avoid (or to follow with :meth:`replan`); :func:`mla_decode` detects it
-    through the tensors' version counters.
+    A pool that grew, or a shared wrapper another plan took, makes it replan;
+    metadata edited in place needs :meth:`replan` (docs/kernels.md).
 
     Attributes:
         step: The metadata and the per-call options it was planned for.
@@ -278,11 +277,17 @@ class MLADecodePlan:
         self._registry = registry
         self._pool = registry.pool(pool, step.device, lane=lane)
         call = backends.call_facts(
-            batch_size=step.batch_size, q_len=step.q_len, num_heads=geometry.num_heads, max_seq_len=step.max_seq_len,
-            page_size=geometry.page_size, kv_lora_rank=geometry.kv_lora_rank,
-            qk_rope_head_dim=geometry.qk_rope_head_dim, dtype_bytes=geometry.q_dtype.itemsize,
-            sm_count=backends.sm_count(step.device), cp_world=self.dcp.cp_world if self.dcp.enable_dcp else None,
-        )  # fmt: skip
+            batch_size=step.batch_size,
+            q_len=step.q_len,
+            num_heads=geometry.num_heads,
+            max_seq_len=step.max_seq_len,
+            page_size=geometry.page_size,
+            kv_lora_rank=geometry.kv_lora_rank,
+            qk_rope_head_dim=geometry.qk_rope_head_dim,
+            dtype_bytes=geometry.q_dtype.itemsize,
+            sm_count=backends.sm_count(step.device),
+            cp_world=self.dcp.cp_world if self.dcp.enable_dcp else None,
+        )
         # Merged once: every per-layer request passes complete facts.
         self.facts: dict[str, int] = {**self._pool.default_facts(self.rule), **call, **(facts or {})}
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
@@ -295,10 +300,16 @@ class MLADecodePlan:
         """
         step, geometry = self.step, self.geometry
         self.need_bytes = path_need_bytes(
-            self.path, sm_count=self.facts["sm_count"], batch_size=step.batch_size, q_len=step.q_len,
-            num_heads=geometry.num_heads, kv_lora_rank=geometry.kv_lora_rank, max_seq_len=step.max_seq_len,
-            return_lse=step.return_lse, enable_dcp=self.dcp.enable_dcp,
-        )  # fmt: skip
+            self.path,
+            sm_count=self.facts["sm_count"],
+            batch_size=step.batch_size,
+            q_len=step.q_len,
+            num_heads=geometry.num_heads,
+            kv_lora_rank=geometry.kv_lora_rank,
+            max_seq_len=step.max_seq_len,
+            return_lse=step.return_lse,
+            enable_dcp=self.dcp.enable_dcp,
+        )
         rule_bytes = self._pool.resolve(self.rule, self.facts)
         self._nbytes = max(rule_bytes, self.need_bytes)
         if self.need_bytes > rule_bytes:
@@ -309,16 +320,23 @@ class MLADecodePlan:
                 logger.warning(
                     "wspool: rule %s of pool %s resolves to %d bytes, below the %d bytes FlashInfer's %s MLA decode "
                     "needs here; requesting %d bytes. Raise %s to at least that to silence this",
-                    self.rule, pool, rule_bytes, self.need_bytes, self.path, self._nbytes, self._setting,
-                )  # fmt: skip
+                    self.rule,
+                    pool,
+                    rule_bytes,
+                    self.need_bytes,
+                    self.path,
+                    self._nbytes,
+                    self._setting,
+                )
         reason = f"rule {self.rule}" if self._nbytes == rule_bytes else f"the {self.path} kernel path"
         self._pool.grow_to(self._nbytes, reason, self._setting)
 
     def _prepare_path(self, lane: str | None) -> None:
         """Check the Blackwell kernel's keywords and take its counters, or plan the wrapper."""
         if self.path in BLACKWELL_BACKENDS:
-            check_kernel_keywords(kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla,
-                                  kernels.TRTLLM_DECODE_KEYWORDS)  # fmt: skip
+            check_kernel_keywords(
+                kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla, kernels.TRTLLM_DECODE_KEYWORDS
+            )
         if self.path == "trtllm-gen":
             self._counters = counter_pool(self._registry, self.step.device, lane, self.facts)
         elif self.path != "reference":
@@ -329,7 +347,7 @@ class MLADecodePlan:
     def flashinfer_backend(self) -> str | None:
         """The backend FlashInfer's planned wrapper reports after planning (``None`` on other paths)."""
         wrapper = self._wrapper
-        return None if wrapper is None else getattr(wrapper, "_backend", None)
+        return None if wrapper is None else kernels.wrapper_backend(wrapper)
 
     # -- the metadata it is planned for ------------------------------------------
 
@@ -378,10 +396,7 @@ class MLADecodePlan:
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
         """Replay ``graph`` (captured from this plan's :meth:`run`), replanning first if another plan took its region.
 
-        For graph plans that share an int workspace (``int_group``): the region
-        holds the metadata of the plan that planned it last. Call :meth:`replan`
-        after editing the metadata, as for any graph plan; this adds the check
-        that no other plan of the group planned since.
+        The check is for plans sharing an int workspace (``int_group``); edited metadata still needs :meth:`replan`.
         """
         if self._ownership.owner is not self._token:
             self.plan_metadata()
@@ -421,9 +436,7 @@ class MLADecodePlan:
             WorkspaceFrozenError: The pool would have to grow while frozen or capturing.
             WorkspaceOverflowError: FlashInfer still overflowed after recovery.
         """
-        # The per-layer fast path: a packed query on the wrapper path, the form FlashInfer
-        # takes natively. Every check here is one the general path makes too.
-        # (FlashInfer itself checks the KV cache's feature width against the plan.)
+        # The fast path (a packed query on the wrapper path) makes a subset of the general path's checks.
         geometry = self.geometry
         if (
             query.shape == self._fast_shape
@@ -439,20 +452,19 @@ class MLADecodePlan:
             # kernels.wrapper_run_kwargs's arguments, inlined (the CPU doubles bind every
             # call to FlashInfer's real signature).
             return self._wrapper.run(  # type: ignore[no-any-return]
-                query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=return_lse,
+                query=query,
+                kv_cache=kv_cache,
+                out=out,
+                lse=lse,
+                return_lse=return_lse,
                 return_lse_base_on_e=return_lse,
-            )  # fmt: skip
+            )
         return self._run_general(query, kv_cache, out, lse)
 
     def run_matched(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run a 4-D query whose shape and dtype the caller matched to :attr:`call_signature`.
-
-        ``mla_decode``'s per-call path: it skips the query checks that the
-        signature comparison already made, and returns the caller's own
-        ``out``/``lse`` where given.
-        """
+        """Run a 4-D query whose shape and dtype the caller matched to :attr:`call_signature`."""
         if self._fast_shape is None or len(kv_shape := kv_cache.shape) != 3 or kv_shape[1] != self.geometry.page_size:
             return self._run_general(query, kv_cache, out, lse)
         workspace = self._pool.request(self._nbytes, self.rule)
@@ -462,11 +474,13 @@ class MLADecodePlan:
         # view(*sizes) parses faster than view(tuple): each view is a measurable part of this path.
         tokens, heads, dim = self._packed_shape
         result = self._wrapper.run(
-            query=query.view(tokens, heads, dim), kv_cache=kv_cache,
+            query=query.view(tokens, heads, dim),
+            kv_cache=kv_cache,
             out=None if out is None else out.view(tokens, heads, self.geometry.kv_lora_rank),
             lse=None if lse is None else lse.view(tokens, heads),
-            return_lse=return_lse, return_lse_base_on_e=return_lse,
-        )  # fmt: skip
+            return_lse=return_lse,
+            return_lse_base_on_e=return_lse,
+        )
         return self._shape_result(result, out, lse)
 
     def _run_general(
@@ -535,9 +549,15 @@ class MLADecodePlan:
                 )  # fmt: skip
             except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 workspace = grow_after_overflow(
-                    exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt, op="MLA decode",
-                    rule=self.rule, setting=self._setting, path=self.path,
-                )  # fmt: skip
+                    exc,
+                    pool=self._pool,
+                    capacity=workspace.numel(),
+                    attempt=attempt,
+                    op="MLA decode",
+                    rule=self.rule,
+                    setting=self._setting,
+                    path=self.path,
+                )
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _shape_result(
@@ -637,9 +657,13 @@ class MLADecodePlan:
             wrapper = kernels.shared_wrapper(self._pool, workspace, self.path, self.step.return_lse)
         group = None if self.int_group is None else (self._pool.spec.name, self.int_group)
         wrapper_buffers.bind_mla_wrapper(
-            wrapper, registry=self._registry, device=self.step.device, lane=self._pool.lane, group=group,
+            wrapper,
+            registry=self._registry,
+            device=self.step.device,
+            lane=self._pool.lane,
+            group=group,
             facts={"sm_count": self.facts["sm_count"]},
-        )  # fmt: skip
+        )
         track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
         return wrapper
 

@@ -144,9 +144,13 @@ class PagedAttentionPlan:
     ) -> None:
         """Check the arguments, size the pool for the step and plan it; the public functions document them."""
         self.device, batch = check_page_table(
-            block_tables, seq_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_tables,
+            seq_lens,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             page_size=page_size,
-        )  # fmt: skip
+        )
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.path = _select_path(backend, self.device)
@@ -232,17 +236,25 @@ class PagedAttentionPlan:
             WorkspaceOverflowError: FlashInfer still overflowed after recovery.
         """
         if query.shape != self._query_shape or query.dtype != self.q_dtype:
-            raise ValueError(f"query is {tuple(query.shape)} {query.dtype}, but the plan is for "
-                             f"{self._query_shape} {self.q_dtype}; make a new plan for a new shape")  # fmt: skip
+            raise ValueError(
+                f"query is {tuple(query.shape)} {query.dtype}, but the plan is for "
+                f"{self._query_shape} {self.q_dtype}; make a new plan for a new shape"
+            )
         if kv_cache.dim() != 5 or kv_cache.shape[1:] != self._kv_shape:
-            raise ValueError(f"kv_cache must be [pages, {', '.join(map(str, self._kv_shape))}] (NHD), "
-                             f"got {tuple(kv_cache.shape)}")  # fmt: skip
+            raise ValueError(
+                f"kv_cache must be [pages, {', '.join(map(str, self._kv_shape))}] (NHD), got {tuple(kv_cache.shape)}"
+            )
         self._pool.workspace(self.kind, self.facts)  # counts the request; grows only if the pool was reset
         if self.path == "reference":
             ref_out, ref_lse = paged_attention_reference(
-                query, kv_cache, self.qo_indptr, self.block_tables, self.seq_lens, sm_scale=self.sm_scale,
+                query,
+                kv_cache,
+                self.qo_indptr,
+                self.block_tables,
+                self.seq_lens,
+                sm_scale=self.sm_scale,
                 causal=self.causal,
-            )  # fmt: skip
+            )
             if out is not None:
                 ref_out = out.copy_(ref_out)
             if not return_lse:
@@ -271,11 +283,17 @@ class PagedAttentionPlan:
         """Plan the pool's cached wrapper (made if missing) for the current page table; return it."""
         kv_indptr, kv_indices, last_page_len = self._csr
         common: dict[str, Any] = {
-            "kv_indptr": kv_indptr, "kv_indices": kv_indices, "kv_last_page_len": last_page_len,
-            "num_qo_heads": self.num_qo_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "page_size": self.page_size, "sm_scale": self.sm_scale, "q_dtype": self.q_dtype,
+            "kv_indptr": kv_indptr,
+            "kv_indices": kv_indices,
+            "kv_last_page_len": last_page_len,
+            "num_qo_heads": self.num_qo_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "page_size": self.page_size,
+            "sm_scale": self.sm_scale,
+            "q_dtype": self.q_dtype,
             "kv_dtype": self.kv_dtype,
-        }  # fmt: skip
+        }
         if self.kind == "decode":
             plan_kwargs = kernels.paged_decode_plan_kwargs(**common)
         else:
@@ -291,9 +309,14 @@ class PagedAttentionPlan:
                     cache[self._key] = wrapper
             if self.int_rule is not None:  # a region that holds this step's plan (a larger one when it grew)
                 wrapper_buffers.bind_paged_wrapper(
-                    wrapper, workspace, registry=self._registry, rule=self.int_rule, facts=self.facts,
-                    lane=self._pool.lane, kind=self.kind,
-                )  # fmt: skip
+                    wrapper,
+                    workspace,
+                    registry=self._registry,
+                    rule=self.int_rule,
+                    facts=self.facts,
+                    lane=self._pool.lane,
+                    kind=self.kind,
+                )
             record = kernels.ownership(wrapper)
             record.owner = None  # no plan may run it while it is being planned
             try:
@@ -301,10 +324,16 @@ class PagedAttentionPlan:
                 wrapper.plan(**plan_kwargs)
             except (RuntimeError, ValueError) as exc:  # the C++ allocator's, or FlashInfer's Python checks
                 grow_after_overflow(
-                    exc, pool=self._pool, capacity=workspace.numel(), attempt=attempt, op=f"paged {self.kind}",
-                    rule=self.kind, setting=self._setting, float_carves=FLOAT_CARVES,
+                    exc,
+                    pool=self._pool,
+                    capacity=workspace.numel(),
+                    attempt=attempt,
+                    op=f"paged {self.kind}",
+                    rule=self.kind,
+                    setting=self._setting,
+                    float_carves=FLOAT_CARVES,
                     int_setting=wrapper_buffers.int_setting_of(wrapper),
-                )  # fmt: skip
+                )
                 continue
             record.owner = self._token
             self._ownership, self._planned_wrapper = record, weakref.ref(wrapper)
@@ -365,10 +394,25 @@ def paged_decode_plan(
             ``num_qo_heads``, ``num_kv_heads``, ``head_dim``, ``page_size``, ``dtype_bytes`` and ``sm_count``.
     """
     return PagedAttentionPlan(
-        "decode", block_tables, seq_lens, None, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, page_size=page_size, causal=False, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
-        use_tensor_cores=use_tensor_cores, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
-    )  # fmt: skip
+        "decode",
+        block_tables,
+        seq_lens,
+        None,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        causal=False,
+        sm_scale=sm_scale,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        use_tensor_cores=use_tensor_cores,
+        registry=registry,
+        pool=pool,
+        backend=backend,
+        lane=lane,
+        facts=facts,
+    )
 
 
 def paged_prefill_plan(
@@ -400,7 +444,22 @@ def paged_prefill_plan(
         Others: As for :func:`paged_decode_plan` (rule ``prefill``).
     """
     return PagedAttentionPlan(
-        "prefill", block_tables, seq_lens, qo_indptr, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, page_size=page_size, causal=causal, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
-        use_tensor_cores=None, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
-    )  # fmt: skip
+        "prefill",
+        block_tables,
+        seq_lens,
+        qo_indptr,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        causal=causal,
+        sm_scale=sm_scale,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        use_tensor_cores=None,
+        registry=registry,
+        pool=pool,
+        backend=backend,
+        lane=lane,
+        facts=facts,
+    )

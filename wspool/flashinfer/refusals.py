@@ -281,8 +281,9 @@ def grow_after_overflow(
     if limit is not None and needed <= limit < target:
         target = limit
     if attempt == 0:
-        _warn_growth(op, pool, rule, setting, overflow, available=available, capacity=capacity,
-                     target=target, needed=needed)  # fmt: skip
+        _warn_growth(
+            op, pool, rule, setting, overflow, available=available, capacity=capacity, target=target, needed=needed
+        )
     return pool.grow_to(target, f"overflow recovery ({overflow.name})", setting)
 
 

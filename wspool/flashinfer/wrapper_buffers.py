@@ -1,36 +1,17 @@
 """FlashInfer wrappers' int workspaces and pinned copies, right-sized from wspool instead of 8 MiB each.
 
-Every FlashInfer wrapper keeps its plan's metadata in an int workspace on the
-device (8 MiB by default) and writes it through a pinned host copy (8 MiB
-more), though a plan uses a few KiB to about 600 KiB of it. wspool gives a
-wrapper a region of :class:`~wspool.regions.WrapperRegions` instead, sized by
-a rule of pool ``flashinfer_int`` (:data:`INT_RULES`, configurable like any
-pool's rules):
-
-- ``mla``: the MLA planner's carves, whatever the batch (measured exact on an H200).
-- ``decode``: an upper bound of the CUDA-core decode planner's carves.
-- ``prefill``: an upper bound of the fa2 prefill planner's carves (tensor-core
-  decode uses this planner too).
-
-How a region reaches the wrapper:
-
-- Paged decode and prefill wrappers: FlashInfer's public
-  ``reset_workspace_buffer(float, int)``, which also remakes the wrapper's
-  pinned copy at the region's size (:func:`bind_paged_wrapper`).
-- ``BatchMLAPagedAttentionWrapper`` takes no int buffer: its fa2/fa3 backend
-  objects allocate the pair inside every ``plan()``. wspool wraps that backend
-  class's constructor, on the FlashInfer versions whose source it has read
-  (:data:`READ_VERSIONS`), so that inside :func:`supplying` a backend built
-  with no int buffer or no pinned copy takes the bound wrapper's. Anywhere
-  else the constructor behaves as FlashInfer wrote it. On any other version
-  the MLA wrappers keep FlashInfer's buffers (:func:`mla_hook_status` says why).
-
-Sharing: a wrapper bound with ``group=None`` has a region of its own. Wrappers
-bound with one group on one device and lane share a region; their plans must
-never be live at once (per-size CUDA-graph plans that are each planned right
-before their replay), and the region's record (:func:`~wspool.flashinfer.kernels.ownership`)
-lets every wspool plan see that another plan took it. Pinned copies are never
-shared. Device, capture and thread semantics: :mod:`wspool.regions`.
+A wrapper gets a region of :class:`~wspool.regions.WrapperRegions` sized by a
+rule of pool ``flashinfer_int`` (:data:`INT_RULES`: ``mla``, ``decode``,
+``prefill``). Paged wrappers take it through FlashInfer's public
+``reset_workspace_buffer`` (:func:`bind_paged_wrapper`). The MLA wrapper's
+backend allocates its pair inside ``plan()``, so on the FlashInfer versions
+read (:data:`READ_VERSIONS`) wspool wraps that backend's constructor, and
+inside :func:`supplying` a backend built without an int buffer takes the bound
+wrapper's; elsewhere, and on other versions, FlashInfer's buffers stay
+(:func:`mla_hook_status` says why). Wrappers bound with one group on one device
+and lane share a region (their plans are never live at once); pinned copies
+are never shared. Device, capture and thread semantics: :mod:`wspool.regions`.
+Sizes, the hook and sharing: docs/wrapper-buffers.md.
 """
 
 from __future__ import annotations
@@ -229,9 +210,15 @@ def bind_paged_wrapper(
 
     regions = wrapper_regions(registry, INT_POOL)
     return regions.bind(
-        wrapper, device=device, nbytes=nbytes, kind=kind, lane=lane, group=group, setting=_rule_setting(rule),
+        wrapper,
+        device=device,
+        nbytes=nbytes,
+        kind=kind,
+        lane=lane,
+        group=group,
+        setting=_rule_setting(rule),
         install=reseat,
-    )  # fmt: skip
+    )
 
 
 def _reset_workspace_buffer(wrapper: Any, float_workspace: torch.Tensor, int_workspace: torch.Tensor) -> None:
@@ -381,9 +368,15 @@ def bind_mla_wrapper(
     _check_mla_bytes(registry, device, facts or {}, nbytes)
     regions = wrapper_regions(registry, INT_POOL)
     return regions.bind(
-        wrapper, device=device, nbytes=nbytes, kind="mla", lane=lane, group=group, pinned=True,
+        wrapper,
+        device=device,
+        nbytes=nbytes,
+        kind="mla",
+        lane=lane,
+        group=group,
+        pinned=True,
         setting=_rule_setting("mla"),
-    )  # fmt: skip
+    )
 
 
 def _rule_setting(rule: str) -> str:

@@ -540,9 +540,11 @@ class _StrictLoader(yaml.SafeLoader):
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
             shown = quote(node.value) if isinstance(node, yaml.ScalarNode) else node.tag
             raise yaml.constructor.ConstructorError(
-                None, None, f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(exc).__name__})",
+                None,
+                None,
+                f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(exc).__name__})",
                 node.start_mark,
-            ) from None  # fmt: skip
+            ) from None
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -568,9 +570,11 @@ def _refuse_repeated_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: b
             continue
         if first is not None:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {quote(key)} (first given on line {first.start_mark.line + 1})",
+                None,
+                None,
+                f"duplicate key {quote(key)} (first given on line {first.start_mark.line + 1})",
                 key_node.start_mark,
-            )  # fmt: skip
+            )
         seen[key] = key_node
 
 

@@ -300,9 +300,15 @@ def measure_decode_step(
         inputs = DecodeInputs(batch, num_heads, max_seq_len, device, layers=layers)
         tables, lens = inputs.block_tables, inputs.seq_lens
         plan = mla_decode_plan(
-            tables, lens, max_seq_len, num_heads=num_heads, sm_scale=SM_SCALE, page_size=PAGE_SIZE,
-            return_lse=True, registry=registry,
-        )  # fmt: skip
+            tables,
+            lens,
+            max_seq_len,
+            num_heads=num_heads,
+            sm_scale=SM_SCALE,
+            page_size=PAGE_SIZE,
+            return_lse=True,
+            registry=registry,
+        )
         nbytes = registry.resolve("flashinfer_mla", "lse", **plan.facts)
         direct, twin = (
             DirectMLA(torch.zeros(nbytes, dtype=torch.uint8, device=device), plan.path, num_heads, True)
@@ -349,9 +355,16 @@ def _graph_step_us(
     """Capture a step's layer calls of a ``use_cuda_graph=True`` plan and time its replay."""
     try:
         plan = mla_decode_plan(
-            inputs.block_tables, inputs.seq_lens, inputs.max_seq_len, num_heads=heads, sm_scale=SM_SCALE,
-            page_size=PAGE_SIZE, return_lse=True, registry=registry, use_cuda_graph=True,
-        )  # fmt: skip
+            inputs.block_tables,
+            inputs.seq_lens,
+            inputs.max_seq_len,
+            num_heads=heads,
+            sm_scale=SM_SCALE,
+            page_size=PAGE_SIZE,
+            return_lse=True,
+            registry=registry,
+            use_cuda_graph=True,
+        )
         n = inputs.distinct
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())

@@ -91,16 +91,24 @@ def run_demo(
     )
     sm_scale = 1.0 / (128 + 64) ** 0.5
     ok = True
-    echo(f"wspool demo: MLA decode on {target}, batch {batch}, {heads} heads, lengths up to {max_len}, "
-         f"{layers} layers per step")  # fmt: skip
+    echo(
+        f"wspool demo: MLA decode on {target}, batch {batch}, {heads} heads, lengths up to {max_len}, "
+        f"{layers} layers per step"
+    )
     choice = registry.profile_of(target)
     echo(f"profile {choice.profile} on {target}: {choice.reason}")
     for step, return_lse in enumerate((False, True)):
         t = _inputs(batch, heads, max_len, target, seed=step)
         plan = mla_decode_plan(
-            t["block_tables"], t["seq_lens"], max_len, num_heads=heads, sm_scale=sm_scale, page_size=_PAGE_SIZE,
-            return_lse=return_lse, registry=registry,
-        )  # fmt: skip
+            t["block_tables"],
+            t["seq_lens"],
+            max_len,
+            num_heads=heads,
+            sm_scale=sm_scale,
+            page_size=_PAGE_SIZE,
+            return_lse=return_lse,
+            registry=registry,
+        )
         for _ in range(layers):
             result = plan.run(t["query"], t["kv_cache"])
         out, lse = result if isinstance(result, tuple) else (result, None)
@@ -117,15 +125,19 @@ def run_demo(
         passed = err < 1e-2 and lse_err < 1e-3
         ok = ok and passed
         nbytes = registry.resolve("flashinfer_mla", plan.rule, device=target, **plan.facts)
-        echo(f"  step {step}: return_lse={return_lse!s:<5} path={plan.path:<10} rule={plan.rule:<7} "
-             f"workspace {format_size(nbytes):>7}  plans {plan.plan_calls}  "
-             f"vs {check_name}: out rel err {err:.1e}"
-             + (f", lse abs err {lse_err:.1e}" if lse is not None else "")
-             + ("  ok" if passed else "  FAILED"))  # fmt: skip
+        echo(
+            f"  step {step}: return_lse={return_lse!s:<5} path={plan.path:<10} rule={plan.rule:<7} "
+            f"workspace {format_size(nbytes):>7}  plans {plan.plan_calls}  "
+            f"vs {check_name}: out rel err {err:.1e}"
+            + (f", lse abs err {lse_err:.1e}" if lse is not None else "")
+            + ("  ok" if passed else "  FAILED")
+        )
     stats = registry.stats("flashinfer_mla", device=target)
-    echo(f"pool flashinfer_mla on {stats.device}: capacity {format_size(stats.capacity_bytes)}, "
-         f"peak request {format_size(stats.peak_request_bytes)}, {stats.request_count} requests "
-         f"{dict(stats.requests_by_rule)}, {stats.grow_count} grows (last: {stats.last_grow_reason})")  # fmt: skip
+    echo(
+        f"pool flashinfer_mla on {stats.device}: capacity {format_size(stats.capacity_bytes)}, "
+        f"peak request {format_size(stats.peak_request_bytes)}, {stats.request_count} requests "
+        f"{dict(stats.requests_by_rule)}, {stats.grow_count} grows (last: {stats.last_grow_reason})"
+    )
     ok = _overflow_replay(registry, echo) and ok
     echo("demo: all checks passed" if ok else "demo: CHECKS FAILED")
     return ok
@@ -145,12 +157,20 @@ def _overflow_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> boo
     """
     heads, batch, scratch = 128, 512, 32 * MiB
     call = call_facts(
-        batch_size=batch, q_len=1, num_heads=heads, max_seq_len=4096, page_size=_PAGE_SIZE, dtype_bytes=2,
-        sm_count=REPLAY_DEVICE.sm_count, cp_world=None,
-    )  # fmt: skip
+        batch_size=batch,
+        q_len=1,
+        num_heads=heads,
+        max_seq_len=4096,
+        page_size=_PAGE_SIZE,
+        dtype_bytes=2,
+        sm_count=REPLAY_DEVICE.sm_count,
+        cp_world=None,
+    )
     slab = softmax_slab_bytes(heads, batch, 1)
-    echo(f"vLLM's fixed 128MiB, replayed (trtllm-gen carve, Blackwell launcher model): LSE call with {heads} heads "
-         f"x {batch} requests needs a {format_size(slab)} softmax slab + ~{format_size(scratch)} scratch")  # fmt: skip
+    echo(
+        f"vLLM's fixed 128MiB, replayed (trtllm-gen carve, Blackwell launcher model): LSE call with {heads} heads "
+        f"x {batch} requests needs a {format_size(slab)} softmax slab + ~{format_size(scratch)} scratch"
+    )
     crashed = not _fits(128 * MiB, heads, batch, scratch, "  vLLM's fixed size", echo)
     settings, provenance = profile_settings(registry.settings, "blackwell")
     pool = settings.pools["flashinfer_mla"]
@@ -164,17 +184,20 @@ def _overflow_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> boo
         return False  # the profile for this device is wrong
     own = load_profile("blackwell").settings["pools"]["flashinfer_mla"]
     own_size = compile_rule(own["rules"]["lse"], _LSE_RULE).resolve(call, {**defaults, **own.get("facts", {})})
-    echo(f"  this configuration does not size MLA decode for Blackwell ({source} replaces the blackwell "
-         "profile's rule); on Blackwell, use configs/blackwell.yaml or leave pools.flashinfer_mla.rules to "
-         "the profile")  # fmt: skip
+    echo(
+        f"  this configuration does not size MLA decode for Blackwell ({source} replaces the blackwell "
+        "profile's rule); on Blackwell, use configs/blackwell.yaml or leave pools.flashinfer_mla.rules to "
+        "the profile"
+    )
     return _fits(own_size, heads, batch, scratch, "  the blackwell profile's rule", echo) and crashed
 
 
 def _fits(nbytes: int, heads: int, batch: int, scratch: int, label: str, echo: Callable[[str], None]) -> bool:
     """Carve the call in ``nbytes``; print whether it fits."""
     try:
-        carve_trtllm_mla_workspace(nbytes, num_heads=heads, batch_size=batch, q_len=1, return_lse=True,
-                                   scratch_bytes=scratch)  # fmt: skip
+        carve_trtllm_mla_workspace(
+            nbytes, num_heads=heads, batch_size=batch, q_len=1, return_lse=True, scratch_bytes=scratch
+        )
     except RuntimeError as exc:
         echo(f"{label} = {format_size(nbytes)}: {exc}")
         return False

@@ -84,11 +84,17 @@ class DirectMLA:
         self.wrapper.plan(
             **kernels.wrapper_plan_kwargs(
                 metadata=self.fi.MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, lengths),
-                num_heads=self.heads, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM,
-                page_size=PAGE_SIZE, causal=False, sm_scale=SM_SCALE, q_dtype=torch.bfloat16,
-                kv_dtype=torch.bfloat16, return_lse=self.return_lse,
+                num_heads=self.heads,
+                kv_lora_rank=KV_LORA_RANK,
+                qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+                page_size=PAGE_SIZE,
+                causal=False,
+                sm_scale=SM_SCALE,
+                q_dtype=torch.bfloat16,
+                kv_dtype=torch.bfloat16,
+                return_lse=self.return_lse,
             )
-        )  # fmt: skip
+        )
 
     def run(self, flat_query: torch.Tensor, kv: torch.Tensor) -> Any:
         """One layer's ``run()`` with the arguments the op passes."""

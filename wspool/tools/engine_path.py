@@ -154,10 +154,15 @@ def _vllm_probes() -> list[_Probe]:
     if name in patches:
         probes.append(
             _module_call(
-                mla, "_get_multi_ctas_kv_counter_buffer", patches[name].original, "4096, q.device",
-                "MLA multi-CTA counters", "per layer", q=q,
+                mla,
+                "_get_multi_ctas_kv_counter_buffer",
+                patches[name].original,
+                "4096, q.device",
+                "MLA multi-CTA counters",
+                "per layer",
+                q=q,
             )
-        )  # fmt: skip
+        )
     for module_name, attr, label in (
         ("vllm.v1.attention.backends.mla.flashinfer_mla_sparse", "_get_workspace_buffer", "sparse MLA workspace"),
         ("vllm.models.deepseek_v4.nvidia.flashinfer_sparse", "get_flashinfer_dsv4_workspace", "DeepSeek V4 workspace"),

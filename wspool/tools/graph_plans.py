@@ -1,28 +1,16 @@
 """Measure what an engine's CUDA-graph decode plans hold: the pool, FlashInfer's buffers, pinned memory.
 
-An engine captures one decode graph per batch size. This captures 20 decode
-plans (batch sizes 1..256, one plan and one graph per batch size, on one
-registry) and reports the device memory before and after, split into what
-the pool holds, the int workspace regions wspool gives the wrappers, what
-FlashInfer's wrappers hold themselves (:mod:`wspool.memory`), and the rest
-(index buffers, outputs, the graphs' memory), with the pinned host memory
-the wrappers hold. Kinds:
+This captures 20 decode plans (batch sizes 1..256, one plan and one graph
+each, on one registry) and reports the device memory before and after: the
+pool, wspool's int regions, what FlashInfer's wrappers hold themselves
+(:mod:`wspool.memory`), the rest, and the pinned host memory. Kinds: ``mla``
+(wspool's MLA decode plans, 128 heads, the LSE returned) and ``paged``
+(FlashInfer's graph-mode ``BatchDecodeWithPagedKVCacheWrapper``, 64 query and 8
+KV heads, bound by :func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper`).
 
-- ``mla``: wspool's MLA decode plans (128 heads, the LSE returned).
-- ``paged``: FlashInfer's graph-mode ``BatchDecodeWithPagedKVCacheWrapper``
-  (64 query and 8 KV heads, head dim 128, page 16, tensor cores), built the
-  way engines build them, its int workspace bound by
-  :func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper`.
-
-Run it on a GPU::
-
-    python -m wspool.tools.graph_plans                              # MLA, int regions from wspool
-    python -m wspool.tools.graph_plans --int-workspace flashinfer   # MLA, FlashInfer's own buffers
-    python -m wspool.tools.graph_plans --kind paged
-    python -m wspool.tools.graph_plans --profile fixed              # vLLM's fixed 128/256 MiB
-
-Device semantics: the current CUDA device. It allocates about 1 GiB of
-inputs besides what it measures.
+Run it on a GPU: ``python -m wspool.tools.graph_plans [--kind paged]
+[--int-workspace flashinfer] [--profile fixed]``. Device semantics: the
+current CUDA device; it allocates about 1 GiB of inputs besides what it measures.
 """
 
 from __future__ import annotations
@@ -185,9 +173,17 @@ def _capture_mla(
         lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
         block_tables = tables[:batch].contiguous()
         plan = mla_decode_plan(
-            block_tables, lens, seq_len, num_heads=heads, sm_scale=1 / 192**0.5, page_size=_PAGE, return_lse=True,
-            registry=registry, use_cuda_graph=True, int_group="decode" if mode == "shared" else None,
-        )  # fmt: skip
+            block_tables,
+            lens,
+            seq_len,
+            num_heads=heads,
+            sm_scale=1 / 192**0.5,
+            page_size=_PAGE,
+            return_lse=True,
+            registry=registry,
+            use_cuda_graph=True,
+            int_group="decode" if mode == "shared" else None,
+        )
         out = torch.empty(batch, 1, heads, _LATENT, dtype=torch.bfloat16, device=device)
         lse = torch.empty(batch, 1, heads, dtype=torch.float32, device=device)
         q = query[:batch]
@@ -220,9 +216,17 @@ def _capture_paged(
     query = torch.randn(largest, hq, dim, generator=generator, device=device).to(torch.bfloat16)
     ready()
     workspace = registry.workspace(
-        PAGED_POOL, device, rule="decode", batch_size=largest, num_tokens=largest, num_qo_heads=hq, num_kv_heads=hkv,
-        head_dim=dim, page_size=page, dtype_bytes=2,
-    )  # fmt: skip
+        PAGED_POOL,
+        device,
+        rule="decode",
+        batch_size=largest,
+        num_tokens=largest,
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=dim,
+        page_size=page,
+        dtype_bytes=2,
+    )
     rule = wrapper_buffers.paged_int_rule(
         "decode", use_tensor_cores=True, backend="auto", dtypes=(torch.bfloat16, torch.bfloat16)
     )
@@ -232,15 +236,25 @@ def _capture_paged(
         indices = torch.arange(batch * per_request, dtype=torch.int32, device=device)
         last = torch.full((batch,), seq_len - (per_request - 1) * page, dtype=torch.int32, device=device)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
-        )  # fmt: skip
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last,
+        )
         track_kernel_buffers(registry, registry.pool(PAGED_POOL, device), wrapper, (indptr, indices, last))
         if rule is not None:
             wrapper_buffers.bind_paged_wrapper(
-                wrapper, workspace, registry=registry, rule=rule, lane="main", kind="decode",
+                wrapper,
+                workspace,
+                registry=registry,
+                rule=rule,
+                lane="main",
+                kind="decode",
                 facts={"batch_size": batch, "num_tokens": batch, "num_qo_heads": hq, "num_kv_heads": hkv},
-            )  # fmt: skip
+            )
         wrapper.plan(indptr, indices, last, hq, hkv, dim, page, q_data_type=torch.bfloat16)
         out = torch.empty(batch, hq, dim, dtype=torch.bfloat16, device=device)
         q = query[:batch]
@@ -255,9 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, help="profile for every device (default: the configured one)")
     parser.add_argument("--kind", choices=KINDS, default="mla", help="MLA plans or paged decode wrappers")
     parser.add_argument(
-        "--int-workspace", choices=INT_WORKSPACES, default="pooled",
+        "--int-workspace",
+        choices=INT_WORKSPACES,
+        default="pooled",
         help="wspool's int regions (a region per wrapper, or one for the MLA plans) or FlashInfer's",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -270,11 +286,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    print(f"{figures['plans']} CUDA-graph {figures['kind']} plans (batch {BATCH_SIZES[0]}..{BATCH_SIZES[-1]}, "
-          f"{figures['heads']} heads) on {figures['device']}, profile {figures['profile']}, int workspaces "
-          f"{figures['int_workspace']}:")  # fmt: skip
-    keys = ("device_used_delta", "caller_bytes", "beyond_caller_bytes", "torch_allocated_delta", "pool_bytes",
-            "region_bytes", "kernel_device_bytes", "kernel_pinned_host_bytes", "wspool_pinned_chunk_bytes")  # fmt: skip
+    print(
+        f"{figures['plans']} CUDA-graph {figures['kind']} plans (batch {BATCH_SIZES[0]}..{BATCH_SIZES[-1]}, "
+        f"{figures['heads']} heads) on {figures['device']}, profile {figures['profile']}, int workspaces "
+        f"{figures['int_workspace']}:"
+    )
+    keys = (
+        "device_used_delta",
+        "caller_bytes",
+        "beyond_caller_bytes",
+        "torch_allocated_delta",
+        "pool_bytes",
+        "region_bytes",
+        "kernel_device_bytes",
+        "kernel_pinned_host_bytes",
+        "wspool_pinned_chunk_bytes",
+    )
     for key in (*keys, "pinned_host_reserved_delta"):
         if figures[key] is not None:
             print(f"  {key:<26} {figures[key]:>12} bytes ({format_size(figures[key])})")

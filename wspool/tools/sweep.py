@@ -24,6 +24,7 @@ from typing import Any
 from wspool.errors import ConfigError
 from wspool.flashinfer.backends import call_facts
 from wspool.settings.sources import read_yaml_file
+from wspool.units import positive_int
 
 __all__ = ["DEFAULT_SHAPES", "MLAShape", "ShapeError", "load_shapes", "parse_shape", "shape_from_mapping"]
 
@@ -66,9 +67,15 @@ class MLAShape:
     def facts(self, sm_count: int, dtype_bytes: int = 2) -> dict[str, int]:
         """Return the facts :class:`~wspool.flashinfer.MLADecodePlan` passes for this call."""
         return call_facts(
-            batch_size=self.batch_size, q_len=self.q_len, num_heads=self.num_heads, max_seq_len=self.max_seq_len,
-            page_size=self.page_size, dtype_bytes=dtype_bytes, sm_count=sm_count, cp_world=1,
-        )  # fmt: skip
+            batch_size=self.batch_size,
+            q_len=self.q_len,
+            num_heads=self.num_heads,
+            max_seq_len=self.max_seq_len,
+            page_size=self.page_size,
+            dtype_bytes=dtype_bytes,
+            sm_count=sm_count,
+            cp_world=1,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Return the shape as plain data."""
@@ -132,22 +139,24 @@ def shape_from_mapping(data: Mapping[str, object], where: str = "shape") -> MLAS
         if key == "return_lse":
             values[key] = _boolean(value, f"{where}: {key}")
         else:
-            values[key] = _positive(value, f"{where}: {key}")
+            values[key] = _shape_field(value, f"{where}: {key}")
     missing = [k for k in _REQUIRED if k not in values]
     if missing:
         raise ShapeError(f"{where}: missing {', '.join(missing)}")
     return MLAShape(**values)
 
 
-def _positive(value: object, where: str) -> int:
+def _shape_field(value: object, where: str) -> int:
+    number = value
     if isinstance(value, str):
         try:
-            value = int(value, 0)
+            number = int(value, 0)
         except ValueError:
             raise ShapeError(f"{where} must be a positive integer, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ShapeError(f"{where} must be a positive integer, got {value!r}")
-    return value
+    found = positive_int(number)
+    if found is None:
+        raise ShapeError(f"{where} must be a positive integer, got {number!r}")
+    return found
 
 
 def _boolean(value: object, where: str) -> bool:

@@ -241,14 +241,24 @@ def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
             logger.warning(
                 "wspool: SGLang's %s gets %s from %s, less than the %s SGLang allocates here; raise it "
                 "(WSPOOL_POOLS__%s__RULES__%s) if FlashInfer reports a workspace overflow",
-                w.name, format_size(buffer.numel()), setting, format_size(request.nbytes), w.pool.upper(),
+                w.name,
+                format_size(buffer.numel()),
+                setting,
+                format_size(request.nbytes),
+                w.pool.upper(),
                 rule.upper(),
-            )  # fmt: skip
+            )
         else:
             logger.info(
                 "wspool: SGLang's %s is %s of pool %s (%s on %s, lane %s; SGLang's own: %s)",
-                w.name, format_size(buffer.numel()), w.pool, setting, device, lane, format_size(request.nbytes),
-            )  # fmt: skip
+                w.name,
+                format_size(buffer.numel()),
+                w.pool,
+                setting,
+                device,
+                lane,
+                format_size(request.nbytes),
+            )
     return view
 
 
@@ -284,9 +294,12 @@ def serve(name: str, factory: Callable[[], Any], own: Callable[[], Any]) -> Any:
         return own()
     if len(request.shape) != 1 or request.dtype not in (torch.uint8, torch.int8):
         _warn_once(
-            name, "wspool: SGLang's %s stays SGLang's own: it is %s %s, not a flat byte buffer",
-            name, request.dtype, list(request.shape),
-        )  # fmt: skip
+            name,
+            "wspool: SGLang's %s stays SGLang's own: it is %s %s, not a flat byte buffer",
+            name,
+            request.dtype,
+            list(request.shape),
+        )
         return own()
     return _from_pool(w, request)
 
@@ -383,8 +396,9 @@ def wrap_constructor(
                     _warn_once(
                         CUTE_DSL_WORKSPACE.name,
                         "wspool: SGLang's %s stays SGLang's own: %s's parent constructor is not one wspool wraps",
-                        CUTE_DSL_WORKSPACE.name, type(self).__name__,
-                    )  # fmt: skip
+                        CUTE_DSL_WORKSPACE.name,
+                        type(self).__name__,
+                    )
             else:
                 construct()
             pending = _AFTER_PARENT.get()

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from wspool.units import positive_int
+
 __all__ = [
     "FACT_NAMES",
     "Request",
@@ -100,12 +102,6 @@ def probe_factory(factory: Callable[[], Any]) -> Request:
     return Request(tuple(made.shape), made.dtype, made.device)
 
 
-def _positive(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return None
-    return value
-
-
 def _read(get: Callable[[], Any]) -> Any:
     # SGLang's accessors raise while its configuration is not published (a bare
     # runner in a test, a process that never publishes): the facts they give are left out.
@@ -116,7 +112,7 @@ def _read(get: Callable[[], Any]) -> Any:
 
 
 def _itemsize(dtype: object) -> int | None:
-    return _positive(getattr(dtype, "itemsize", None))
+    return positive_int(getattr(dtype, "itemsize", None))
 
 
 _UNKNOWN = object()  # a context SGLang could not give: every fact read from it is left out
@@ -129,7 +125,7 @@ def _q_len(spec: Any) -> int | None:
         tokens = spec.speculative_num_draft_tokens
     except Exception:
         return None
-    return _positive(tokens) or 1  # SGLang's None: no speculative decoding, one query token
+    return positive_int(tokens) or 1  # SGLang's None: no speculative decoding, one query token
 
 
 def facts_from_runner(runner: Any, *, parallel: Any = None, spec: Any = None) -> dict[str, int]:
@@ -143,20 +139,20 @@ def facts_from_runner(runner: Any, *, parallel: Any = None, spec: Any = None) ->
     Returns:
         ``{fact: value}`` with positive integers only; facts SGLang does not give are left out.
     """
-    tp = _positive(_read(lambda: parallel.attn_tp_size)) if parallel is not None else 1
+    tp = positive_int(_read(lambda: parallel.attn_tp_size)) if parallel is not None else 1
     model = getattr(runner, "model_config", None)
-    heads = _positive(getattr(model, "num_attention_heads", None))
+    heads = positive_int(getattr(model, "num_attention_heads", None))
     facts: dict[str, int | None] = {
         "num_heads": heads // tp if heads and tp else None,
-        "num_kv_heads": _positive(_read(lambda: model.get_num_kv_heads(tp))) if model is not None and tp else None,
-        "head_dim": _positive(getattr(model, "head_dim", None)),
-        "kv_lora_rank": _positive(getattr(model, "kv_lora_rank", None)),
-        "qk_rope_head_dim": _positive(getattr(model, "qk_rope_head_dim", None)),
-        "page_size": _positive(getattr(runner, "page_size", None)),
-        "batch_size": _positive(getattr(runner, "max_running_requests", None)),
+        "num_kv_heads": positive_int(_read(lambda: model.get_num_kv_heads(tp))) if model is not None and tp else None,
+        "head_dim": positive_int(getattr(model, "head_dim", None)),
+        "kv_lora_rank": positive_int(getattr(model, "kv_lora_rank", None)),
+        "qk_rope_head_dim": positive_int(getattr(model, "qk_rope_head_dim", None)),
+        "page_size": positive_int(getattr(runner, "page_size", None)),
+        "batch_size": positive_int(getattr(runner, "max_running_requests", None)),
         "kv_dtype_size": _itemsize(getattr(runner, "kv_cache_dtype", None)),
         "dtype_bytes": _itemsize(getattr(runner, "dtype", None)),
-        "cp_world": _positive(_read(lambda: parallel.attn_dcp_size)) if parallel is not None else 1,
+        "cp_world": positive_int(_read(lambda: parallel.attn_dcp_size)) if parallel is not None else 1,
         "q_len": _q_len(spec),
     }
     facts["num_qo_heads"] = facts["num_heads"]

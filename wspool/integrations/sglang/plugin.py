@@ -37,9 +37,13 @@ _CUTE = buffers.CUTE_DSL_WORKSPACE
 
 
 def _init(
-    module: str, cls: str, *more: str, make: Callable[[Any], Any] = buffers.wrap_constructor, what: str = _FACTS,
+    module: str,
+    cls: str,
+    *more: str,
+    make: Callable[[Any], Any] = buffers.wrap_constructor,
+    what: str = _FACTS,
     **kw: Any,
-) -> Target:  # fmt: skip
+) -> Target:
     """A backend constructor target: ``__init__(self, model_runner, skip_prefill, *more)``."""
     params = ("self", "model_runner", "skip_prefill", *more)
     return Target(f"sglang.srt.layers.attention.{module}", f"{cls}.__init__", params, make, what, **kw)

@@ -31,11 +31,12 @@ import torch
 
 import wspool
 from wspool.errors import RuleError
-from wspool.flashinfer import wrapper_buffers
+from wspool.flashinfer import kernels, wrapper_buffers
+from wspool.flashinfer.backends import PRIVATE_NAMES_READ
 from wspool.integrations.sglang import facts as facts_of
 from wspool.regions import WrapperBinding, binding_of
 from wspool.targets import Target
-from wspool.units import format_size
+from wspool.units import format_size, positive_int
 
 __all__ = [
     "SEAMS",
@@ -71,10 +72,6 @@ def _warn_once(key: str, level: int, message: str, *args: object) -> None:
         logger.log(level, message, *args)
 
 
-def _positive(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
 def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole_prompts: bool = False) -> int | None:
     """Return the most query rows one extend batch of SGLang can carry, or ``None`` where SGLang's limits are unknown.
 
@@ -98,8 +95,12 @@ def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole
         return None
     try:
         limits = schedule()
-        chunked = _positive(limits.chunked_prefill_size)
-        rows = max(_positive(limits.max_prefill_tokens), _positive(buffer_tokens()), batch * tokens_per_request)
+        chunked = positive_int(limits.chunked_prefill_size) or 0
+        rows = max(
+            positive_int(limits.max_prefill_tokens) or 0,
+            positive_int(buffer_tokens()) or 0,
+            batch * tokens_per_request,
+        )
     except Exception:  # SGLang's accessors raise while nothing is published
         return None
     return max(rows, context_len) if whole_prompts or not chunked else rows
@@ -122,15 +123,21 @@ class _Planned:
         return cls(updater.num_qo_heads, updater.num_kv_heads, (updater.q_data_type, updater.data_type))
 
     def facts(self, batch: int, tokens: int) -> dict[str, int]:
-        return {"batch_size": batch, "num_tokens": tokens, "num_qo_heads": self.num_qo_heads,
-                "num_kv_heads": self.num_kv_heads}  # fmt: skip
+        return {
+            "batch_size": batch,
+            "num_tokens": tokens,
+            "num_qo_heads": self.num_qo_heads,
+            "num_kv_heads": self.num_kv_heads,
+        }
 
 
 def _decode_rule(backend: Any, planned: _Planned) -> str | None:
     return wrapper_buffers.paged_int_rule(
-        "decode", use_tensor_cores=bool(backend.decode_use_tensor_cores), backend=backend.decode_backend,
+        "decode",
+        use_tensor_cores=bool(backend.decode_use_tensor_cores),
+        backend=backend.decode_backend,
         dtypes=planned.dtypes,
-    )  # fmt: skip
+    )
 
 
 def _prefill_rule(backend: str, planned: _Planned) -> str | None:
@@ -139,7 +146,7 @@ def _prefill_rule(backend: str, planned: _Planned) -> str | None:
 
 def _float_workspace(wrapper: Any) -> torch.Tensor:
     # Given back to reset_workspace_buffer unchanged: whatever SGLang built the wrapper on.
-    return wrapper._float_workspace_buffer  # type: ignore[no-any-return]
+    return kernels.wrapper_float_workspace(wrapper)
 
 
 def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) -> int | None:
@@ -152,9 +159,14 @@ def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) ->
         return current.region.nbytes
     try:
         binding = wrapper_buffers.bind_paged_wrapper(
-            wrapper, _float_workspace(wrapper), registry=wspool.get_registry(), rule=rule, facts=facts,
-            lane=wspool.current_lane(), kind=f"sglang-{kind}",
-        )  # fmt: skip
+            wrapper,
+            _float_workspace(wrapper),
+            registry=wspool.get_registry(),
+            rule=rule,
+            facts=facts,
+            lane=wspool.current_lane(),
+            kind=f"sglang-{kind}",
+        )
     except RuleError as exc:
         given = ", ".join(f"{k}={v}" for k, v in facts.items())
         raise RuleError(
@@ -174,9 +186,12 @@ def _describe(bound: Iterable[tuple[str, int | None]]) -> str:
 
 def _not_as_read(backend: Any, exc: AttributeError) -> None:
     _warn_once(
-        "layout", logging.WARNING, "wspool: SGLang's FlashInfer wrappers keep FlashInfer's int workspaces: "
-        "%s is not as wspool read it (%s)", type(backend).__name__, exc,
-    )  # fmt: skip
+        "layout",
+        logging.WARNING,
+        "wspool: SGLang's FlashInfer wrappers keep FlashInfer's int workspaces: %s is not as wspool read it (%s)",
+        type(backend).__name__,
+        exc,
+    )
 
 
 def bind_eager_wrappers(backend: Any) -> None:
@@ -196,16 +211,21 @@ def bind_eager_wrappers(backend: Any) -> None:
         batch = int(backend.kv_indptr[0].numel()) - 1
         decode_rule, prefill_rule = _decode_rule(backend, planned), _prefill_rule(backend.prefill_backend, planned)
         ragged = backend.prefill_wrapper_ragged
+        ragged_backend = kernels.wrapper_backend(ragged)
+        if ragged_backend is None:
+            raise AttributeError(f"{type(ragged).__name__} has no _backend (read from {PRIVATE_NAMES_READ})")
         wrappers = [
             *(("decode", w, decode_rule) for w in backend.decode_wrappers),
             *(
                 ("prefill", w, prefill_rule)
                 for w in (*backend.prefill_wrappers_paged, *backend.prefill_wrappers_verify)
             ),
-            ("ragged", ragged, _prefill_rule(ragged._backend, planned)),
+            ("ragged", ragged, _prefill_rule(ragged_backend, planned)),
         ]
         dllm = backend.dllm_config
-        per_request = max(facts_of.current_facts().get("q_len", 1), _positive(getattr(dllm, "block_size", None)))
+        per_request = max(
+            facts_of.current_facts().get("q_len", 1), positive_int(getattr(dllm, "block_size", None)) or 0
+        )
         rows = prefill_rows(
             int(backend.max_context_len),
             batch,
@@ -220,22 +240,29 @@ def bind_eager_wrappers(backend: Any) -> None:
     for kind, wrapper, rule in wrappers:
         facts = planned.facts(batch, batch if kind == "decode" else rows or 0)
         if rule is None:
-            kept.append(f"{kind} ({ragged._backend})" if kind == "ragged" else kind)
+            kept.append(f"{kind} ({ragged_backend})" if kind == "ragged" else kind)
         elif kind != "decode" and rows is None:
             kept.append(kind)
             _warn_once(
-                "limits", logging.WARNING, "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
+                "limits",
+                logging.WARNING,
+                "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
                 "workspaces: SGLang's scheduling limits (max_prefill_tokens) are not published in this process",
-            )  # fmt: skip
+            )
         elif (nbytes := _bind_paged(wrapper, kind, rule, facts)) is None:
             kept.append(f"{kind} (the registry keeps FlashInfer's buffers)")
         else:
             bound.append((kind, nbytes))
     logger.info(
         "wspool: %s's FlashInfer wrappers take int workspaces from pool %s: %s (batch %d, extend rows %s); "
-        "FlashInfer's own: %s", type(backend).__name__, wrapper_buffers.INT_POOL, _describe(bound), batch,
-        rows, ", ".join(sorted(set(kept))) or "none",
-    )  # fmt: skip
+        "FlashInfer's own: %s",
+        type(backend).__name__,
+        wrapper_buffers.INT_POOL,
+        _describe(bound),
+        batch,
+        rows,
+        ", ".join(sorted(set(kept))) or "none",
+    )
 
 
 def _bind_graph_wrappers(backend: Any, bs: int, num_tokens: int) -> None:
@@ -287,8 +314,11 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
     A wrapper left with FlashInfer's buffers is remembered, and its later plans pass straight through.
     """
     binding = wrapper_buffers.bind_mla_wrapper(
-        wrapper, registry=wspool.get_registry(), device=_float_workspace(wrapper).device, lane=wspool.current_lane(),
-    )  # fmt: skip
+        wrapper,
+        registry=wspool.get_registry(),
+        device=_float_workspace(wrapper).device,
+        lane=wspool.current_lane(),
+    )
     if binding is None:
         _left_alone.add(wrapper)
         hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
@@ -298,8 +328,13 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
         )
     else:
         size = format_size(binding.region.nbytes)
-        _warn_once("mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s "
-                   "at their first plan", size, wrapper_buffers.INT_POOL)  # fmt: skip
+        _warn_once(
+            "mla",
+            logging.INFO,
+            "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s at their first plan",
+            size,
+            wrapper_buffers.INT_POOL,
+        )
     return binding
 
 
@@ -329,17 +364,40 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def call_begin_forward(
-        self: Any, wrapper_ragged: Any, wrapper_paged: Any, req_pool_indices: Any, paged_kernel_lens: Any,
-        paged_kernel_lens_sum: Any, seq_lens: Any, prefix_lens: Any, kv_indptr: Any, qo_indptr: Any,
-        use_ragged: bool, *args: Any, **kwargs: Any,
-    ) -> Any:  # fmt: skip
+        self: Any,
+        wrapper_ragged: Any,
+        wrapper_paged: Any,
+        req_pool_indices: Any,
+        paged_kernel_lens: Any,
+        paged_kernel_lens_sum: Any,
+        seq_lens: Any,
+        prefix_lens: Any,
+        kv_indptr: Any,
+        qo_indptr: Any,
+        use_ragged: bool,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         binding = binding_of(wrapper_paged)
         if binding is None and not use_ragged and wrapper_paged not in _left_alone:
             binding = _bind_mla(wrapper_paged)
         return wrapper_buffers.call_supplying(
-            binding, original, self, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
-            paged_kernel_lens_sum, seq_lens, prefix_lens, kv_indptr, qo_indptr, use_ragged, *args, **kwargs,
-        )  # fmt: skip
+            binding,
+            original,
+            self,
+            wrapper_ragged,
+            wrapper_paged,
+            req_pool_indices,
+            paged_kernel_lens,
+            paged_kernel_lens_sum,
+            seq_lens,
+            prefix_lens,
+            kv_indptr,
+            qo_indptr,
+            use_ragged,
+            *args,
+            **kwargs,
+        )
 
     return call_begin_forward
 

@@ -97,9 +97,12 @@ TRTLLM_MHA = Workspace(
 )
 #: trtllm-gen MLA's zeroed workspace (``get_trtllm_workspace_buffer``).
 TRTLLM_MLA = Workspace(
-    "trtllm-gen MLA workspace", "tokenspeed_trtllm_mla", "default", zeroed=True,
+    "trtllm-gen MLA workspace",
+    "tokenspeed_trtllm_mla",
+    "default",
+    zeroed=True,
     variable="TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB",
-)  # fmt: skip
+)
 #: FlashMLA's FlashInfer prefill workspace (``FlashMLABackend``'s ``_global_workspace_buffer``).
 FLASHMLA = Workspace(
     "FlashMLA's FlashInfer prefill workspace", "flashinfer", "tokenspeed_flashmla", variable="FLASHINFER_WORKSPACE_SIZE"
@@ -217,8 +220,14 @@ def _serve(w: Workspace, device: Any, facts: Mapping[str, int]) -> torch.Tensor:
         own = facts.get("tokenspeed_bytes", 0)
         logger.info(
             "wspool: TokenSpeed's %s is %s of pool %s (%s on %s, lane %s; TokenSpeed's own: %s)",
-            w.name, format_size(buffer.numel()), w.pool, w.setting, device, lane, format_size(own),
-        )  # fmt: skip
+            w.name,
+            format_size(buffer.numel()),
+            w.pool,
+            w.setting,
+            device,
+            lane,
+            format_size(own),
+        )
     return buffer
 
 

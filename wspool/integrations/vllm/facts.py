@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from wspool.units import ceil_div, positive_int
+
 __all__ = [
     "FACT_NAMES",
     "REQUESTS",
@@ -65,19 +67,13 @@ _KV_DTYPE_SIZES = {
 _KERNEL_CACHE_LIMIT = 256
 
 
-def _positive_int(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return None
-    return value
-
-
 def _kv_dtype_size(config: Any) -> int | None:
     cache_dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", None)
     if isinstance(cache_dtype, str) and cache_dtype != "auto":
         return _KV_DTYPE_SIZES.get(cache_dtype)
     dtype = getattr(getattr(config, "model_config", None), "dtype", None)
     itemsize = getattr(dtype, "itemsize", None)
-    return _positive_int(itemsize)
+    return positive_int(itemsize)
 
 
 def _num_heads(config: Any) -> int | None:
@@ -87,7 +83,7 @@ def _num_heads(config: Any) -> int | None:
     if get_heads is None or parallel is None:
         return None
     try:
-        return _positive_int(get_heads(parallel))
+        return positive_int(get_heads(parallel))
     except Exception:  # a model config without an HF config behind it: leave the fact out
         return None
 
@@ -104,11 +100,11 @@ def facts_from_config(config: Any) -> dict[str, int]:
     scheduler = getattr(config, "scheduler_config", None)
     facts: dict[str, int | None] = {
         "num_heads": _num_heads(config),
-        "cp_world": _positive_int(
+        "cp_world": positive_int(
             getattr(getattr(config, "parallel_config", None), "decode_context_parallel_size", None)
         ),
-        "batch_size": _positive_int(getattr(scheduler, "max_num_seqs", None)),
-        "batch_tokens": _positive_int(getattr(scheduler, "max_num_batched_tokens", None)),
+        "batch_size": positive_int(getattr(scheduler, "max_num_seqs", None)),
+        "batch_tokens": positive_int(getattr(scheduler, "max_num_batched_tokens", None)),
         "kv_dtype_size": _kv_dtype_size(config),
     }
     speculative = getattr(config, "speculative_config", None)
@@ -160,8 +156,8 @@ def decode_kernel_shape(tokens: int, heads: int, cp_world: int, metadata: Any) -
         The kernel's shape, or ``None`` where the metadata lacks what the branches read.
     """
     decode = getattr(metadata, "decode", None)
-    num_decodes = _positive_int(getattr(metadata, "num_decodes", None))
-    max_query_len = _positive_int(getattr(decode, "max_query_len", None))
+    num_decodes = positive_int(getattr(metadata, "num_decodes", None))
+    max_query_len = positive_int(getattr(decode, "max_query_len", None))
     num_decode_tokens = getattr(metadata, "num_decode_tokens", tokens)
     if decode is None or num_decodes is None or max_query_len is None or not isinstance(num_decode_tokens, int):
         return None
@@ -184,10 +180,6 @@ def folded_kernel_shape(tokens: int, heads: int, cp_world: int, fold: int) -> Ke
     return KernelShape(TOKENS, max(1, tokens // fold), 1, heads * fold, cp_world, fold)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _token_bound(configured: Mapping[str, int]) -> int | None:
     """The most decode tokens a step holds: ``min(max_num_seqs * q_len, max_num_batched_tokens)``."""
     seqs = configured.get("batch_size")
@@ -205,7 +197,7 @@ def _kernel_key(configured: Mapping[str, int], shape: KernelShape) -> tuple[int,
         q_len = max(shape.q_len, configured.get("q_len", 1))
     else:
         tokens = _token_bound(configured)
-        bound = None if tokens is None else _ceil_div(tokens, shape.fold)
+        bound = None if tokens is None else ceil_div(tokens, shape.fold)
         q_len = shape.q_len
     return max(shape.rows, bound or 0), q_len, shape.heads, max(1, shape.cp_world)
 

@@ -1,4 +1,4 @@
-"""GPU tests for wspool.flashinfer.mla_cache: plan reuse, and decode context parallelism on one GPU.
+"""GPU tests for wspool.flashinfer.mla_decode: plan reuse, and decode context parallelism on one GPU.
 
 ``mla_decode`` never runs a stale plan: after in-place edits, a new batch or
 a grown pool its results stay the reference's. For DCP, each KV share is

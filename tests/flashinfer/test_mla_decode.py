@@ -1,13 +1,14 @@
-"""Tests for wspool.flashinfer.mla_cache on the CPU: mla_decode's plan reuse, and decode-context parallelism.
+"""Tests for wspool.flashinfer.mla_decode on the CPU: mla_decode's plan reuse, and decode-context parallelism.
 
 The DCP tests run what each DCP rank runs, through ``mla_decode`` on its
 reference path, so CI exercises the split and the merge;
-tests/flashinfer/test_mla_cache_gpu.py runs the same with FlashInfer's kernel.
+tests/flashinfer/test_mla_decode_gpu.py runs the same with FlashInfer's kernel.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ import wspool
 from tests.helpers.dcp_shares import RAGGED_LENGTHS, decode_by_shares, split_into_shares
 from tests.helpers.mla_doubles import WrapperDouble
 from tests.helpers.mla_inputs import MLAInputs, make_inputs, mla_reference, run_mla_decode
-from wspool.flashinfer import mla_cache, mla_decode, mla_decode_plan, mla_decode_reference
+from wspool.flashinfer import mla_decode, mla_decode_plan, mla_decode_reference
+from wspool.flashinfer.mla_decode import MLAPlanCache
 from wspool.units import ceil_div
 
 PAGE = 64
@@ -77,12 +79,12 @@ def test_metadata_resized_in_place_makes_a_new_plan(hopper: None) -> None:
     """Tensors resized in place (another batch) get a new plan, never a replan of the old shapes."""
     inputs = make_inputs(3, 4, [10, 20, 30])
     run_mla_decode(inputs)
-    first = mla_cache.MLAPlanCache.of(wspool.get_registry())[("flashinfer_mla", "main", "auto", False)]
+    first = MLAPlanCache.of(wspool.get_registry())[("flashinfer_mla", "main", "auto", False)]
     inputs.seq_lens.resize_(2)
     inputs.block_tables.resize_(2, inputs.block_tables.shape[1])
     inputs.query = inputs.query[:2].clone()
     torch.testing.assert_close(run_mla_decode(inputs), mla_reference(inputs)[0])
-    second = mla_cache.MLAPlanCache.of(wspool.get_registry())[("flashinfer_mla", "main", "auto", False)]
+    second = MLAPlanCache.of(wspool.get_registry())[("flashinfer_mla", "main", "auto", False)]
     assert second is not first and second.step.batch_size == 2
 
 
@@ -91,9 +93,9 @@ def test_reset_forgets_the_plans(hopper: None) -> None:
     inputs = make_inputs(2, 4, [10, 20])
     run_mla_decode(inputs)
     registry = wspool.get_registry()
-    assert registry.peek_state(mla_cache.MLAPlanCache)
+    assert registry.peek_state(MLAPlanCache)
     registry.reset()
-    assert registry.peek_state(mla_cache.MLAPlanCache) is None
+    assert registry.peek_state(MLAPlanCache) is None
     torch.testing.assert_close(run_mla_decode(inputs), mla_reference(inputs)[0])
 
 
@@ -111,7 +113,7 @@ def test_mla_decode_takes_packed_queries(path: str, request: pytest.FixtureReque
     )  # fmt: skip
     torch.testing.assert_close(got_out, want_out.view(6, 4, 512))
     torch.testing.assert_close(got_lse, want_lse.view(6, 4))
-    plans = mla_cache.MLAPlanCache.of(wspool.get_registry())
+    plans = MLAPlanCache.of(wspool.get_registry())
     (plan,) = plans.values()
     assert plan.step.q_len == 2
     four_d_out, _ = run_mla_decode(inputs, return_lse=True)  # type: ignore[misc]
@@ -143,7 +145,7 @@ def test_inference_tensor_metadata_plans_every_call(
     hopper: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Metadata made under inference_mode has no write counter: each call replans (right results) and warns once."""
-    monkeypatch.setattr(mla_cache, "_warned_unversioned", False)
+    monkeypatch.setattr(sys.modules["wspool.flashinfer.mla_decode"], "_warned_unversioned", False)
     with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="wspool"):
         inputs = make_inputs(2, 4, [50, 60])
         assert inputs.seq_lens.is_inference()
@@ -173,7 +175,7 @@ def test_the_plan_cache_is_keyed_by_the_lane_in_effect() -> None:
         run_mla_decode(inputs)
     lanes = {s.lane: s.request_count for s in reg.all_stats() if s.pool == "flashinfer_mla"}
     assert lanes == {"a": 1, "b": 1}
-    plans = mla_cache.MLAPlanCache.of(reg)
+    plans = MLAPlanCache.of(reg)
     assert {key[1] for key in plans} == {"a", "b"}
 
 
@@ -181,7 +183,7 @@ def test_other_facts_make_a_new_plan() -> None:
     """A call whose facts differ from the remembered plan's plans again; the same facts reuse it."""
     inputs = make_inputs(2, 4, [10, 20])
     run_mla_decode(inputs, facts={"cp_world": 2})
-    plans = mla_cache.MLAPlanCache.of(wspool.get_registry())
+    plans = MLAPlanCache.of(wspool.get_registry())
     (first,) = plans.values()
     run_mla_decode(inputs, facts={"cp_world": 2})
     assert list(plans.values()) == [first]

@@ -136,10 +136,22 @@ def mla_decode(
         plan, four_d = reused
         return plan.run_matched(query, kv_cache, out, lse) if four_d else plan.run(query, kv_cache, out=out, lse=lse)
     plan = plans[key] = mla_decode_plan(
-        block_tables, seq_lens, max_seq_len, num_heads=_query_heads(query), sm_scale=sm_scale,
-        page_size=kv_cache.shape[1], q_len=_query_len(query, seq_lens), q_dtype=query.dtype, kv_dtype=kv_cache.dtype,
-        return_lse=return_lse, registry=registry, pool=pool, backend=backend, lane=lane, facts=facts,
-    )  # fmt: skip
+        block_tables,
+        seq_lens,
+        max_seq_len,
+        num_heads=_query_heads(query),
+        sm_scale=sm_scale,
+        page_size=kv_cache.shape[1],
+        q_len=_query_len(query, seq_lens),
+        q_dtype=query.dtype,
+        kv_dtype=kv_cache.dtype,
+        return_lse=return_lse,
+        registry=registry,
+        pool=pool,
+        backend=backend,
+        lane=lane,
+        facts=facts,
+    )
     return plan.run(query, kv_cache, out=out, lse=lse)
 
 
