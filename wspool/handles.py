@@ -35,6 +35,7 @@ __all__ = ["EPOCH", "WorkspaceHandle", "bump_epoch"]
 EPOCH = [0]
 _EPOCH = EPOCH
 _epoch_lock = threading.Lock()
+_UNSTEADY: tuple[int, None, None, int] = (-1, None, None, 0)
 
 
 def bump_epoch() -> None:
@@ -94,6 +95,7 @@ class WorkspaceHandle:
         "hits",
         "reads_call_facts",
         "rule",
+        "steady",
     )
 
     def __init__(
@@ -127,6 +129,12 @@ class WorkspaceHandle:
         self.hits = 0
         #: Whether the rule reads any fact the call site passes (decided at binding).
         self.reads_call_facts = False
+        #: ``(epoch, buffer, raw_stream, stream_index)``: the steady state of :meth:`get` for a call site
+        #: that writes it out. While ``epoch == EPOCH[0]`` and ``raw_stream`` is ``None`` or
+        #: ``raw_stream(stream_index) == 0`` (CUDA's legacy default stream, which cannot capture),
+        #: ``buffer`` is what :meth:`get` returns, and the call site adds one to :attr:`hits`;
+        #: otherwise it calls :meth:`get`.
+        self.steady: tuple[int, torch.Tensor | None, Callable[[int], int] | None, int] = _UNSTEADY
         self._rebind()
 
     def get(self) -> torch.Tensor:
@@ -205,6 +213,7 @@ class WorkspaceHandle:
     def forget_buffer(self) -> None:
         """Let go of the buffer held (its pool replaced or dropped it, and moved the epoch): the next call serves."""
         self._valid = self._valid_facts = -1
+        self.steady = _UNSTEADY
         self._buffer = self._raw = None
 
     def current_reads_call_facts(self) -> bool:
@@ -229,10 +238,13 @@ class WorkspaceHandle:
         self._buffer = view
         self._last_facts = None
         self._valid = self._valid_facts = -1
+        self.steady = _UNSTEADY
         # Held only if nothing moved the epoch meanwhile (this call's own growth did: serve again next time).
         if _EPOCH[0] == epoch and not pool.watches_streams:
             if plain and not self.reads_call_facts:
                 self._valid = epoch
+                if self._probe is None or self._raw_stream is not None:
+                    self.steady = (epoch, view, self._raw_stream, self._stream_index)
             elif not plain:
                 self._valid_facts = epoch
         return view
@@ -252,6 +264,7 @@ class WorkspaceHandle:
         pool.attach(self)
         self._pool = pool
         self._valid = self._valid_facts = -1
+        self.steady = _UNSTEADY
         self._bound = epoch
 
     @property

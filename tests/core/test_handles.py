@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers.registry import make_registry
 from wspool.errors import RuleError, WorkspaceFrozenError
-from wspool.handles import WorkspaceHandle
+from wspool.handles import EPOCH, WorkspaceHandle
 from wspool.pool import PoolSpec, WorkspacePool
 
 MiB = 1 << 20
@@ -110,3 +110,25 @@ def test_a_dtype_view_is_shared_by_every_handle_of_the_pool() -> None:
     big = reg.handle("p", "big", device=CPU, dtype=torch.int8).get()
     small = reg.handle("p", "small", device=CPU, dtype=torch.int8).get()
     assert small is big and big.dtype == torch.int8
+
+
+def test_the_steady_tuple_holds_the_buffer_only_while_the_epoch_stands() -> None:
+    """``steady`` is what get() returns while its epoch is current; growth, reset and a fact-reading rule clear it."""
+    reg = make_registry({"p": {"rules": {"small": "1MiB", "big": "2MiB", "rows": "rows * 1MiB"}}})
+    handle = reg.handle("p", "small", device=CPU)
+    assert handle.steady[1] is None
+    buffer = handle.get()  # grows, which moves the epoch: the next call serves again and holds it
+    assert handle.get() is buffer
+    epoch, held, raw_stream, _ = handle.steady
+    assert held is buffer and epoch == EPOCH[0] and raw_stream is None  # on the CPU: no stream to ask
+    reg.workspace("p", CPU, rule="big")
+    assert handle.steady[0] != EPOCH[0] or handle.steady[1] is None
+    grown = handle.get()
+    assert handle.steady[1] is grown and handle.get() is grown and handle.steady[0] == EPOCH[0]
+    reg.reset()
+    assert handle.steady[0] != EPOCH[0] or handle.steady[1] is None
+    reading = reg.handle("p", "rows", device=CPU, call_facts=("rows",))
+    facts = {"rows": 1}
+    reading.sized(facts)
+    reading.sized(facts)
+    assert reading.steady[1] is None  # a rule that reads the call's facts has no fact-free steady state

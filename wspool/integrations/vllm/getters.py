@@ -302,11 +302,15 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
         RuleError: The rule reads a fact vLLM did not give (named in the message).
         WorkspaceFrozenError: It would have to grow while vLLM's workspace is locked, or during capture.
     """
-    # The steady state: no micro-batch, vLLM's lane 0 and wspool's lane main, the handle bound.
-    handle = (
-        _main_mla[return_lse] if not _contexts and not _vllm_lane_of() and _wspool_lane_of() == _MAIN_LANE else None
-    )
-    if handle is None:
+    # The steady state (no micro-batch, vLLM's lane 0, wspool's lane main): the handle's, written out.
+    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
+    handle = _main_mla[return_lse] if in_main else None
+    if handle is not None:
+        epoch, buffer, raw_stream, index = handle.steady
+        if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
+            handle.hits += 1
+            return buffer  # type: ignore[return-value]
+    else:
         handle = _mla_handle(return_lse)
     try:
         return handle.fetch(_facts)
@@ -334,7 +338,12 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
     if not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE:
         found = _COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
-            return found[0].get()
+            handle = found[0]
+            epoch, buffer, raw_stream, index = handle.steady  # WorkspaceHandle.get's steady state
+            if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
+                handle.hits += 1
+                return buffer  # type: ignore[return-value]
+            return handle.get()
     return _counters(_COUNTERS, min_bytes, device)
 
 
@@ -347,7 +356,12 @@ def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device)
     if not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE:
         found = _PAGED_COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
-            return found[0].get()
+            handle = found[0]
+            epoch, buffer, raw_stream, index = handle.steady
+            if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
+                handle.hits += 1
+                return buffer  # type: ignore[return-value]
+            return handle.get()
     return _counters(_PAGED_COUNTERS, min_bytes, device)
 
 
@@ -388,6 +402,14 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
     in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
     if in_main and found is not None and found[1] == device:
         handle = found[0]
+        epoch, buffer, raw_stream, index = handle.steady
+        if (
+            epoch == EPOCH[0]
+            and (min_bytes is None or min_bytes <= buffer.numel())  # type: ignore[union-attr]
+            and (raw_stream is None or not raw_stream(index))
+        ):
+            handle.hits += 1
+            return buffer  # type: ignore[return-value]
     else:
         handle = _device_handle(_SPARSE, _SPARSE_MAIN, device)
     try:
@@ -444,56 +466,24 @@ def _prefill_floor(builder: Any, bytes_per_elem: int | None) -> int:
         return 0
 
 
-def get_dsv4_workspace(device: torch.device) -> torch.Tensor:
-    """Return DeepSeek V4's FlashInfer sparse MLA workspace: pool ``flashinfer_dsv4``, rule ``default``.
+def _device_getter(
+    table: _Handles, main: list[tuple[WorkspaceHandle, Any] | None], name: str, doc: str
+) -> Callable[[torch.device], torch.Tensor]:
+    """A getter of ``table``'s rule ``default`` on the device vLLM names, its steady state written out."""
 
-    Replaces ``vllm.models.deepseek_v4.nvidia.flashinfer_sparse.get_flashinfer_dsv4_workspace``
-    and every copy imported by name (vLLM 0.34), and vLLM 0.33's two
-    ``_get_flashinfer_dsv4_workspace``. The kernels keep their split-merge
-    counters in it and zero them at a workspace's first use, so the buffer is
-    the pool's own (:data:`OWN_BUFFER_POOLS`), zeroed once when allocated, and
-    the same tensor on later calls while it suffices.
+    def get_workspace(device: torch.device) -> torch.Tensor:
+        found = main[0]
+        if found is not None and found[1] == device and not _contexts and not _vllm_lane_of():
+            handle = found[0]
+            epoch, buffer, raw_stream, index = handle.steady
+            if epoch == EPOCH[0] and _wspool_lane_of() is _MAIN_LANE and (raw_stream is None or not raw_stream(index)):
+                handle.hits += 1
+                return buffer  # type: ignore[return-value]
+        return _device_handle(table, main, device).get()
 
-    Args:
-        device: Where (the query's device).
-
-    Returns:
-        A ``uint8`` buffer of the rule's size (vLLM's 128 MiB by default).
-
-    Raises:
-        ConfigError: The pool is configured to share another pool's buffer.
-        WorkspaceFrozenError: It would have to grow while locked or capturing.
-    """
-    found = _DSV4_MAIN[0]
-    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
-    if in_main and found is not None and found[1] == device:
-        return found[0].get()
-    return _device_handle(_DSV4, _DSV4_MAIN, device).get()
-
-
-def get_dash_workspace(device: torch.device) -> torch.Tensor:
-    """Return DASH attention's FlashInfer prefill workspace: pool ``flashinfer_dash``, rule ``default``.
-
-    Replaces ``vllm.v1.attention.ops.dash_attention._workspace`` (vLLM 0.34),
-    which vLLM caches per device and hands to up to eight
-    ``BatchPrefillWithRaggedKVCacheWrapper`` plans (``use_cuda_graph=True``),
-    run one after another on one stream. Each wrapper keeps the tensor it was
-    built with, so the memory stays valid for its captured graphs even if the
-    pool grows later.
-
-    Args:
-        device: Where.
-
-    Returns:
-        A ``uint8`` buffer of the rule's size (vLLM's 128 MiB by default),
-        zero-filled when allocated (vLLM's is uninitialised; FlashInfer writes
-        before it reads).
-    """
-    found = _DASH_MAIN[0]
-    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
-    if in_main and found is not None and found[1] == device:
-        return found[0].get()
-    return _device_handle(_DASH, _DASH_MAIN, device).get()
+    get_workspace.__name__ = get_workspace.__qualname__ = name
+    get_workspace.__doc__ = doc
+    return get_workspace
 
 
 def _device_handle(table: _Handles, main: list[tuple[WorkspaceHandle, Any] | None], device: Any) -> WorkspaceHandle:
@@ -512,6 +502,33 @@ def _device_handle(table: _Handles, main: list[tuple[WorkspaceHandle, Any] | Non
 _SPARSE_MAIN: list[tuple[WorkspaceHandle, Any] | None] = [None]
 _DSV4_MAIN: list[tuple[WorkspaceHandle, Any] | None] = [None]
 _DASH_MAIN: list[tuple[WorkspaceHandle, Any] | None] = [None]
+
+get_dsv4_workspace = _device_getter(
+    _DSV4,
+    _DSV4_MAIN,
+    "get_dsv4_workspace",
+    """Return DeepSeek V4's FlashInfer sparse MLA workspace: pool ``flashinfer_dsv4``, rule ``default``.
+
+    Replaces vLLM's ``get_flashinfer_dsv4_workspace(device)`` (docs/vllm.md). The kernels
+    keep split-merge counters in it, so the buffer is the pool's own (:data:`OWN_BUFFER_POOLS`),
+    zeroed once when allocated, and the same ``uint8`` tensor while it suffices.
+
+    Raises:
+        ConfigError: The pool is configured to share another pool's buffer.
+        WorkspaceFrozenError: It would have to grow while locked or capturing.
+    """,
+)
+get_dash_workspace = _device_getter(
+    _DASH,
+    _DASH_MAIN,
+    "get_dash_workspace",
+    """Return DASH attention's FlashInfer prefill workspace: pool ``flashinfer_dash``, rule ``default``.
+
+    Replaces vLLM 0.34's ``dash_attention._workspace(device)`` (docs/vllm.md): a zero-filled
+    ``uint8`` buffer of the rule's size; each FlashInfer wrapper keeps the tensor it was built
+    with, so the memory stays valid for its captured graphs if the pool grows later.
+    """,
+)
 
 
 def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
