@@ -109,13 +109,29 @@ class WrapperBinding:
         self.region, self.pinned, self.kind, self.setting = region, pinned, kind, setting
 
 
-# Every registry's bindings, for the look-up by wrapper alone (a wrapper has one binding at a time).
-_BOUND: weakref.WeakKeyDictionary[Any, WrapperBinding] = weakref.WeakKeyDictionary()
+# Every registry's bindings by ``id(wrapper)``: (a weak reference to the wrapper, its binding). A wrapper
+# has one binding at a time; its entry leaves when it dies. Engines look a binding up per plan call, so the
+# key is the id, not the wrapper (a WeakKeyDictionary makes a weak reference per look-up).
+_BOUND: dict[int, tuple[weakref.ref[Any], WrapperBinding]] = {}
 
 
 def binding_of(wrapper: Any) -> WrapperBinding | None:
-    """Return the region binding ``wrapper`` has in any registry, or ``None``."""
-    return _BOUND.get(wrapper)
+    """Return the region binding ``wrapper`` has in any registry, or ``None`` (any thread)."""
+    found = _BOUND.get(id(wrapper))
+    if found is not None and found[0]() is wrapper:
+        return found[1]
+    return None
+
+
+def _remember(wrapper: Any, binding: WrapperBinding) -> None:
+    key = id(wrapper)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        found = _BOUND.get(key)
+        if found is not None and found[0] is ref:  # not a later wrapper's entry under a reused id
+            _BOUND.pop(key, None)
+
+    _BOUND[key] = (weakref.ref(wrapper, forget), binding)
 
 
 class WrapperRegions:
@@ -209,7 +225,7 @@ class WrapperRegions:
         with self._lock:
             previous = self._bindings.get(wrapper)
             self._bindings[wrapper] = binding
-            _BOUND[wrapper] = binding
+            _remember(wrapper, binding)
         if previous is not None and previous.region is not region:
             previous.region.record.owner = None  # the wrapper's plans no longer live there
         return binding

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class Target:
         optional: It may be absent from the version in use (a function of one
             version, a by-name copy in a module some builds lack); absent, it is skipped.
         requires: Module attributes the replacement reads, which must exist.
+        imported_only: Located only where its module is already imported (a by-name
+            copy: a later import binds the patched original); otherwise absent.
     """
 
     module: str
@@ -59,6 +62,7 @@ class Target:
     what: str
     optional: bool = False
     requires: tuple[str, ...] = ()
+    imported_only: bool = False
 
     @property
     def name(self) -> str:
@@ -113,13 +117,16 @@ def _import(module: str) -> Any:
 def locate(target: Target) -> Located:
     """Return where ``target`` is and its current value, checked against what wspool knows.
 
-    Imports the target's module (running its code when not yet imported).
+    Imports the target's module (running its code when not yet imported), except
+    for an ``imported_only`` target.
 
     Raises:
         TargetAbsent: Its module, class or attribute does not exist.
         TargetChanged: It exists with other parameters or without a signature, a
             required module attribute is missing, or its module fails to import.
     """
+    if target.imported_only and target.module not in sys.modules:
+        raise TargetAbsent(f"module {target.module} is not imported yet (an import binds the patched original)")
     module = _import(target.module)
     for attr in target.requires:
         if not hasattr(module, attr):

@@ -169,3 +169,12 @@ def test_undo_leaves_what_someone_else_replaced_since(engine: types.ModuleType) 
     hooks: list[str] = []
     patches.on_undo(lambda: hooks.append("ran"))
     assert patches.undo() == [f"{MODULE}.one"] and engine.two is _three and hooks == ["ran"]
+
+
+def test_an_imported_only_target_is_absent_until_its_module_is_imported(engine: types.ModuleType) -> None:
+    """A by-name copy is located only in a module already imported; locating it never imports one."""
+    assert locate(_target("one", imported_only=True)).current is _one
+    missing = Target("wspool_test_module_never_imported", "one", ("a",), _wrap("one"), "a copy", imported_only=True)
+    with pytest.raises(TargetAbsent, match="not imported yet"):
+        locate(missing)
+    assert "wspool_test_module_never_imported" not in sys.modules

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import sys
 from collections.abc import Iterator
@@ -108,6 +109,8 @@ def _module(name: str) -> Any:
 
 def _present(target: Target) -> bool:
     """Whether this vLLM has the target's attribute (the optional ones exist in one version only)."""
+    if target.imported_only and target.module not in sys.modules:
+        return False  # a by-name copy in a module not imported: patched by its import, not by loading
     try:
         owner: Any = importlib.import_module(target.module)
     except ModuleNotFoundError:
@@ -369,6 +372,37 @@ def test_vllm_lanes_map_to_wspool_lanes(loaded: None) -> None:
     assert other is not main
     lanes = {s.lane for s in wspool.get_registry().all_stats()}
     assert lanes == {"main", "vllm-u0-l1"}
+
+
+def test_wspools_lane_follows_vllms_workspace_lane(loaded: None) -> None:
+    """Inside vLLM's lane 1 wspool's lane is vllm-u0-l1; inside lane 0 within it, the lane outside them all."""
+    workspace = _module(WORKSPACE)
+    counters = _module(MLA)._get_multi_ctas_kv_counter_buffer
+    mla = _module(MLA)._get_workspace_buffer
+    main, main_mla = counters(64, torch.device("cpu")), mla(False)
+    with wspool.lane("mine"), workspace.use_workspace_lane(1):
+        assert wspool.current_lane() == "vllm-u0-l1" and workspace._workspace_lane.get() == 1
+        assert counters(64, torch.device("cpu")) is not main
+        with workspace.use_workspace_lane(0):
+            assert wspool.current_lane() == "mine" and workspace._workspace_lane.get() == 0
+        assert wspool.current_lane() == "vllm-u0-l1"
+    with workspace.use_workspace_lane(1), workspace.use_workspace_lane(0):
+        assert wspool.current_lane() == "main"
+        assert counters(64, torch.device("cpu")) is main and mla(False) is main_mla  # the steady state again
+    assert wspool.current_lane() == "main" and workspace._workspace_lane.get() == 0
+
+
+def test_only_use_workspace_lane_sets_vllms_lane(vllm: ModuleType) -> None:
+    """wspool's lane follows vLLM's through use_workspace_lane: no other code of vLLM may set the lane."""
+    package = Path(vllm.__file__).parent
+    setters = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if "_workspace_lane.set(" in path.read_text(encoding="utf-8", errors="replace")
+    )
+    assert setters == ["v1/worker/workspace.py"], f"vLLM sets its workspace lane elsewhere too: {setters}"
+    source = inspect.getsource(inspect.unwrap(_module(WORKSPACE).use_workspace_lane))
+    assert "_workspace_lane.set(" in source
 
 
 def _fake_mla_call(

@@ -39,6 +39,7 @@ __all__ = [
     "MLA_BACKEND_CLASS",
     "MLA_HOOK",
     "READ_VERSIONS",
+    "SUPPLIED",
     "bind_mla_wrapper",
     "bind_paged_wrapper",
     "call_supplying",
@@ -76,8 +77,10 @@ READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
 #: The FlashInfer class whose constructor makes the MLA int workspace and pinned copy.
 MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchMLAGeneratedFaMechanics")
 
-# The binding whose buffers an MLA backend built in this context takes (this thread or task only).
-_SUPPLY: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
+#: The binding whose buffers an MLA backend built in this context takes (this thread or task only).
+#: :func:`supplying` and :func:`call_supplying` set it around a plan; a call site that plans every
+#: step may set and reset it itself around exactly the plan call.
+SUPPLIED: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
 _hook_lock = threading.Lock()
 
 
@@ -256,7 +259,7 @@ def _supplied_init(original: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        binding = _SUPPLY.get()
+        binding = SUPPLIED.get()
         if binding is not None:
             int_buffer = kwargs.get("int_workspace_buffer")
             if int_buffer is None:
@@ -408,11 +411,11 @@ def call_supplying(binding: WrapperBinding | None, call: Callable[..., _R], *arg
 
     For a call site that plans every step: no generator, and the binding it already looked up.
     """
-    token = _SUPPLY.set(binding)
+    token = SUPPLIED.set(binding)
     try:
         return call(*args, **kwargs)
     finally:
-        _SUPPLY.reset(token)
+        SUPPLIED.reset(token)
 
 
 @contextlib.contextmanager
@@ -423,8 +426,8 @@ def supplying(wrapper: Any) -> Iterator[WrapperBinding | None]:
     as FlashInfer wrote it.
     """
     binding = binding_of(wrapper)
-    token = _SUPPLY.set(binding)
+    token = SUPPLIED.set(binding)
     try:
         yield binding
     finally:
-        _SUPPLY.reset(token)
+        SUPPLIED.reset(token)

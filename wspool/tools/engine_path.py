@@ -7,8 +7,8 @@ attribute set to the engine's original and to wspool's replacement, in turn.
 The engine's own functions run in their steady state: their cached buffer is
 made once first (on the CPU where they would name CUDA). Wrappers that record
 a call's shape are timed around a call that does nothing, so the figure is what
-the wrapper adds. Each probe says how often the engine calls it. Figures:
-docs/performance.md.
+the wrapper adds. Each probe says how often the engine calls it; vLLM's MLA
+getters are timed again under the hopper profile. Figures: docs/performance.md.
 
 Device semantics: the CPU (``WSPOOL_VLLM_DEVICE`` / ``WSPOOL_SGLANG_DEVICE`` are
 set to ``cpu`` here). Nothing here runs at import; an engine that is not
@@ -163,9 +163,11 @@ def _vllm_probes() -> list[_Probe]:
                 q=q,
             )
         )
+    dsv4 = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
     for module_name, attr, label in (
         ("vllm.v1.attention.backends.mla.flashinfer_mla_sparse", "_get_workspace_buffer", "sparse MLA workspace"),
-        ("vllm.models.deepseek_v4.nvidia.flashinfer_sparse", "get_flashinfer_dsv4_workspace", "DeepSeek V4 workspace"),
+        (dsv4, "get_flashinfer_dsv4_workspace", "DeepSeek V4 workspace"),  # vLLM 0.34's name
+        (dsv4, "_get_flashinfer_dsv4_workspace", "DeepSeek V4 workspace"),  # vLLM 0.33's
     ):
         name = f"{module_name}.{attr}"
         if name in patches:
@@ -230,10 +232,23 @@ def _sglang_plan_probes() -> list[_Probe]:
     return [_Probe(probe.call, probe.path, probe.own, probe.wspool)]
 
 
-#: Each engine: its distribution and its probes.
-_ENGINES: tuple[tuple[str, str, Callable[[], list[_Probe]]], ...] = (
-    ("vLLM", "vllm", _vllm_probes),
-    ("SGLang", "sglang", _sglang_probes),
+def _vllm_hopper_probes() -> list[_Probe]:
+    """vLLM's MLA getters again under the hopper profile (its rules read facts vLLM never passes)."""
+    from wspool.registry import PoolRegistry, set_registry
+
+    # The engine path runs on the CPU, which has no SM count: the H200's stands in.
+    set_registry(PoolRegistry.from_config(profile="hopper", pools={"flashinfer_mla": {"facts": {"sm_count": 132}}}))
+    return [
+        _Probe(f"{p.call}, hopper profile", p.path, p.own, p.wspool, p.own_in_place)
+        for p in _vllm_probes()
+        if p.call.startswith("MLA workspace")
+    ]
+
+
+#: Each engine: its distribution and its probe sets, each set timed on its own (a set may change the registry).
+_ENGINES: tuple[tuple[str, str, tuple[Callable[[], list[_Probe]], ...]], ...] = (
+    ("vLLM", "vllm", (_vllm_probes, _vllm_hopper_probes)),
+    ("SGLang", "sglang", (_sglang_probes,)),
 )
 
 
@@ -241,18 +256,26 @@ def measure_engine_path(*, rounds: int = 30, batch: int = 20000) -> dict[str, An
     """Time every probe of every installed engine; return ``{engine: {"version", "rows"} or {"skipped"}}``."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from wspool.registry import get_registry, set_registry
+
     results: dict[str, Any] = {}
-    for engine, distribution, probes_of in _ENGINES:
+    for engine, distribution, probe_sets in _ENGINES:
         try:
             found = version(distribution)
         except PackageNotFoundError:
             results[engine] = {"skipped": f"{engine} is not installed here"}
             continue
-        probes = probes_of()
-        times = _interleaved(probes, rounds, batch)
-        rows = [
-            ProbeFigures(engine, p.call, p.path, own, mine).as_dict()
-            for p, (own, mine) in zip(probes, times, strict=True)
-        ]
+        registry = get_registry()
+        rows: list[dict[str, Any]] = []
+        try:
+            for probes_of in probe_sets:
+                probes = probes_of()
+                times = _interleaved(probes, rounds, batch)
+                rows.extend(
+                    ProbeFigures(engine, p.call, p.path, own, mine).as_dict()
+                    for p, (own, mine) in zip(probes, times, strict=True)
+                )
+        finally:
+            set_registry(registry)
         results[engine] = {"version": found, "rows": rows}
     return results

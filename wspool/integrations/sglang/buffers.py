@@ -308,16 +308,18 @@ def wrap_get_buffer(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``RuntimeContext.get_buffer``: the names of :data:`BUFFERS` from pools, every other SGLang's own.
 
     Every other name is SGLang 0.5.23's get-or-create in ``self.resources.buffers``,
-    done here without a second call, since SGLang asks for some per layer.
+    done here without a second call, since SGLang asks for some per layer. A pooled
+    name is never kept there, except SGLang's own buffer where its factory could not
+    be sized, which is what serving it again would return: the look-up comes first.
     """
     pooled = frozenset(BUFFERS)
 
     def get_buffer(self: Any, name: str, factory: Any) -> Any:
-        if name in pooled:
-            return serve(name, factory, lambda: original(self, name, factory))
         buffers = self.resources.buffers
         buf = buffers.get(name)
         if buf is None:
+            if name in pooled:
+                return serve(name, factory, lambda: original(self, name, factory))
             buf = buffers[name] = factory()
         return buf
 

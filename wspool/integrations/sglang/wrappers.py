@@ -345,12 +345,18 @@ _left_alone: weakref.WeakSet[Any] = weakref.WeakSet()
 def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``FlashInferMLAIndicesUpdaterDecode.call_begin_forward``: bind the wrapper once, plan inside supplying."""
 
+    supplied = wrapper_buffers.SUPPLIED  # set around exactly the plan call, inline: it runs every step
+
     @functools.wraps(original)
     def call_begin_forward(self: Any, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
         binding = binding_of(wrapper)
         if binding is None and (wrapper in _left_alone or (binding := _bind_mla(wrapper)) is None):
             return original(self, wrapper, *args, **kwargs)
-        return wrapper_buffers.call_supplying(binding, original, self, wrapper, *args, **kwargs)
+        token = supplied.set(binding)
+        try:
+            return original(self, wrapper, *args, **kwargs)
+        finally:
+            supplied.reset(token)
 
     return call_begin_forward
 

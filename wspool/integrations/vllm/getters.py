@@ -12,15 +12,17 @@ Device semantics: the device vLLM names; the MLA workspace (vLLM's ``"cuda"``)
 takes the current CUDA device when its handle binds (vLLM runs one device per
 worker process). ``WSPOOL_VLLM_DEVICE`` overrides every device (tests: ``cpu``).
 Lanes: vLLM's workspace lane and micro-batch select wspool lane ``main`` (or
-the one :func:`wspool.lane` set) for ``(0, 0)``, else ``vllm-u<ubatch>-l<lane>``.
+the one :func:`wspool.lane` set) for ``(0, 0)``, else ``vllm-u<ubatch>-l<lane>``;
+:func:`wrap_use_workspace_lane` keeps wspool's lane following vLLM's.
 Thread semantics: thread-safe. Capture semantics: growth while vLLM's workspace
 is locked or during capture raises :class:`~wspool.errors.WorkspaceFrozenError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -65,6 +67,7 @@ __all__ = [
     "mla_reads_call_facts",
     "wrap_folded_decode",
     "wrap_forward_mqa",
+    "wrap_use_workspace_lane",
 ]
 
 POOL_MLA = "flashinfer_mla"
@@ -118,10 +121,12 @@ _NO_LANES = VllmLanes({}, _NO_LANE.get, _NO_LANE.get)
 _MAIN_LANE = wspool.current_lane()
 _wspool_lane_of = wspool.current_lane
 
-# Read by the getters' fast path as module globals: vLLM's micro-batch contexts, its lane reader,
-# and the two MLA handles of lane main (None until bound).
+# Read by the getters' fast path as module globals: vLLM's micro-batch contexts (while wspool's lane
+# follows vLLM's workspace lane, see wrap_use_workspace_lane; otherwise a non-empty dict, so every call
+# takes the full path) and the two MLA handles of lane main (None until bound).
 _contexts: dict[Any, Any] = _NO_LANES.contexts
-_vllm_lane_of: Callable[[], int] = _NO_LANES.lane_of
+_ALWAYS_FULL_PATH: dict[Any, Any] = {"vLLM's workspace lanes are not followed": True}
+_lanes_followed = [False]
 _main_mla: list[WorkspaceHandle | None] = [None, None]
 
 
@@ -173,10 +178,10 @@ def configure(
         batch_invariant: Returns ``vllm.envs.VLLM_BATCH_INVARIANT``; default: the variable itself.
         device: Overrides every device (``"cpu"`` in tests); default :data:`DEVICE_ENV_VAR`'s value.
     """
-    global _contexts, _vllm_lane_of
     _hooks.config_facts = ConfigFacts(get_config)
     _hooks.lanes = lanes or _NO_LANES
-    _contexts, _vllm_lane_of = _hooks.lanes.contexts, _hooks.lanes.lane_of
+    _lanes_followed[0] = False
+    _point_fast_path()
     _hooks.batch_invariant = batch_invariant or _env_batch_invariant
     _hooks.device = device if device is not None else (os.environ.get(DEVICE_ENV_VAR, "").strip() or None)
     for table in _TABLES:
@@ -187,6 +192,64 @@ def configure(
     _PAGED_COUNTERS_MAIN.clear()
     for main in (_SPARSE_MAIN, _DSV4_MAIN, _DASH_MAIN):
         main[0] = None
+
+
+def _point_fast_path() -> None:
+    """Let the getters' fast path read vLLM's micro-batch contexts alone where wspool's lane follows vLLM's."""
+    global _contexts
+    lanes = _hooks.lanes
+    _contexts = lanes.contexts if lanes is _NO_LANES or _lanes_followed[0] else _ALWAYS_FULL_PATH
+
+
+# Outside a micro-batch, wspool's lane inside vLLM's workspace lane ``n > 0``.
+_VLLM_LANE_NAMES: dict[int, str] = {}
+# Inside vLLM's workspace lanes: wspool's lane outside them all (``None`` outside them).
+_OUTSIDE_VLLM_LANES: ContextVar[str | None] = ContextVar("wspool_lane_outside_vllm_lanes", default=None)
+
+
+def wrap_use_workspace_lane(original: Callable[[int], Any]) -> Callable[[int], Any]:
+    """Wrap vLLM's ``use_workspace_lane(lane)`` so wspool's lane follows vLLM's workspace lane.
+
+    Inside lane ``n > 0`` wspool's lane is ``vllm-u0-l<n>`` (never ``main``), inside
+    lane 0 the lane outside every vLLM lane, so the getters' fast path reads one
+    lane, wspool's, and every other call takes the full path, which names the lane
+    from vLLM's own lane and micro-batch. Applying it tells the getters so.
+
+    Args:
+        original: vLLM's ``use_workspace_lane``, a context manager factory.
+
+    Returns:
+        A context manager factory with vLLM's semantics (thread and task local, as vLLM's).
+    """
+
+    @contextlib.contextmanager
+    def use_workspace_lane(lane: int) -> Iterator[None]:
+        outside = _OUTSIDE_VLLM_LANES.get()
+        if lane:
+            name = _VLLM_LANE_NAMES.get(lane) or _VLLM_LANE_NAMES.setdefault(lane, f"vllm-u0-l{lane}")
+            token = _OUTSIDE_VLLM_LANES.set(outside if outside is not None else _wspool_lane_of())
+            try:
+                with original(lane), wspool.lane(name):
+                    yield
+            finally:
+                _OUTSIDE_VLLM_LANES.reset(token)
+        elif outside is not None:  # lane 0 inside another lane: the lane outside them all
+            token = _OUTSIDE_VLLM_LANES.set(None)
+            try:
+                with original(lane), wspool.lane(outside):
+                    yield
+            finally:
+                _OUTSIDE_VLLM_LANES.reset(token)
+        else:
+            with original(lane):
+                yield
+
+    use_workspace_lane.__wrapped__ = original  # type: ignore[attr-defined]
+    use_workspace_lane.__doc__ = original.__doc__
+    use_workspace_lane.__wspool__ = True  # type: ignore[attr-defined]
+    _lanes_followed[0] = True
+    _point_fast_path()
+    return use_workspace_lane
 
 
 _LANE_NAMES: dict[tuple[int, int], str] = {}
@@ -303,7 +366,7 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
         WorkspaceFrozenError: It would have to grow while vLLM's workspace is locked, or during capture.
     """
     # The steady state (no micro-batch, vLLM's lane 0, wspool's lane main): the handle's, written out.
-    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
+    in_main = not _contexts and _wspool_lane_of() is _MAIN_LANE
     handle = _main_mla[return_lse] if in_main else None
     if handle is not None:
         epoch, buffer, raw_stream, index = handle.steady
@@ -335,7 +398,7 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
     Raises:
         WorkspaceFrozenError: It would have to grow while locked or capturing.
     """
-    if not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE:
+    if not _contexts and _wspool_lane_of() is _MAIN_LANE:
         found = _COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
@@ -353,7 +416,7 @@ def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device)
     Replaces ``vllm.v1.attention.backends.flashinfer._get_multi_ctas_kv_counter_buffer``,
     with the semantics of :func:`get_multi_ctas_kv_counter_buffer`.
     """
-    if not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE:
+    if not _contexts and _wspool_lane_of() is _MAIN_LANE:
         found = _PAGED_COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
@@ -399,7 +462,7 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
         A zero-filled ``torch.int8`` view, the same tensor while the buffer suffices.
     """
     found = _SPARSE_MAIN[0]
-    in_main = not _contexts and not _vllm_lane_of() and _wspool_lane_of() is _MAIN_LANE
+    in_main = not _contexts and _wspool_lane_of() is _MAIN_LANE
     if in_main and found is not None and found[1] == device:
         handle = found[0]
         epoch, buffer, raw_stream, index = handle.steady
@@ -473,7 +536,7 @@ def _device_getter(
 
     def get_workspace(device: torch.device) -> torch.Tensor:
         found = main[0]
-        if found is not None and found[1] == device and not _contexts and not _vllm_lane_of():
+        if found is not None and found[1] == device and not _contexts:
             handle = found[0]
             epoch, buffer, raw_stream, index = handle.steady
             if epoch == EPOCH[0] and _wspool_lane_of() is _MAIN_LANE and (raw_stream is None or not raw_stream(index)):

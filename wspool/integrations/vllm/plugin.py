@@ -43,6 +43,8 @@ _DSV4 = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
 _DSV41 = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
 _DSV41_SPARSE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.sparse_mla"
 _DASH = "vllm.v1.attention.ops.dash_attention"
+_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_FOLLOWS_LANE = "also sets wspool's lane"
 
 
 def _paged_method(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -247,6 +249,22 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _replace_with(ws.get_dash_workspace),
                 "pool flashinfer_dash",
                 optional=True,
+            ),
+        ),
+    ),
+    TargetGroup(
+        "vLLM's workspace lanes",
+        (
+            Target(_WORKSPACE, "use_workspace_lane", ("lane",), ws.wrap_use_workspace_lane, _FOLLOWS_LANE),
+            # Imports it by name: a copy bound at its import, patched where that import came first.
+            Target(
+                _MODEL_RUNNER,
+                "use_workspace_lane",
+                ("lane",),
+                ws.wrap_use_workspace_lane,
+                _FOLLOWS_LANE,
+                optional=True,
+                imported_only=True,
             ),
         ),
     ),
