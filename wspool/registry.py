@@ -386,7 +386,7 @@ class PoolRegistry:
         lane: str | None = None,
         **facts: object,
     ) -> torch.Tensor:
-        """Grow a pool ahead of time to exactly one of ``nbytes`` or what ``rule`` resolves to."""
+        """Grow a pool ahead of time to ``nbytes`` or to what ``rule`` resolves to (exactly one of them)."""
         if (nbytes is None) == (rule is None):
             raise ValueError("reserve() takes exactly one of nbytes= or rule=")
         target = self.pool(pool, device, lane=lane)
