@@ -1,14 +1,10 @@
 """Agree workspace sizes across the ranks of a ``torch.distributed`` process group.
 
-:func:`agree` makes every rank hold, for every (pool, lane), the largest
-capacity any rank holds or reserves, and when one rank cannot, every rank
-raises the same :class:`AgreementError`: no rank is left waiting in a
-collective. Device: one device per rank; the collectives use CPU tensors where
-the backend takes them (gloo), else the rank's CUDA device (NCCL ranks must
-have called ``torch.cuda.set_device``). Thread: a collective, called by every
-rank in the same order as its other collectives on the group. Capture: call it
-before freezing and CUDA-graph capture; a rank that is capturing refuses.
-Importing this module creates no CUDA context. Details: docs/multi-gpu.md.
+:func:`agree` is a collective, called by every rank in the same order as its
+other collectives on the group. One device per rank; collectives use CPU
+tensors on gloo, else the rank's CUDA device (after ``torch.cuda.set_device``).
+Call it before freezing and capture; a capturing rank refuses. Importing it
+creates no CUDA context. Details: docs/multi-gpu.md.
 """
 
 from __future__ import annotations
@@ -52,15 +48,7 @@ _CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class AgreedChange:
-    """One pool that :func:`agree` grew on this rank.
-
-    Attributes:
-        pool: The pool's name.
-        lane: The lane.
-        device: The device, as a string (``"cuda:0"``, ``"cpu"``).
-        old_bytes: The capacity before (0 where the pool had no buffer or did not exist).
-        new_bytes: The capacity after.
-    """
+    """One pool that :func:`agree` grew on this rank (``old_bytes`` 0 where it had no buffer)."""
 
     pool: str
     lane: str
@@ -73,16 +61,8 @@ class AgreedChange:
 class Refusal:
     """Why one rank could not take one pool to the agreed size.
 
-    Attributes:
-        rank: The rank in the group.
-        pool: The pool's name.
-        lane: The lane.
-        device: The rank's device, as a string.
-        kind: ``"frozen"``, ``"limit"`` (``max_bytes`` or out of memory), ``"config"``
-            (the pool is not configured on that rank) or ``"error"``.
-        needed_bytes: The agreed size (the maximum over the ranks).
-        available_bytes: The rank's capacity.
-        detail: What the rank said, and which setting changes it.
+    ``kind`` is ``"frozen"``, ``"limit"`` (``max_bytes`` or out of memory),
+    ``"config"`` (the pool is not configured on that rank) or ``"error"``.
     """
 
     rank: int
@@ -104,11 +84,7 @@ class Refusal:
 
 
 class AgreementError(WspoolError):
-    """Ranks could not agree; raised on every rank of the group with the same message.
-
-    Attributes:
-        refusals: Every rank's refusals, sorted by rank, pool and lane.
-    """
+    """Ranks could not agree; raised on every rank of the group with the same message and ``refusals``."""
 
     def __init__(self, message: str, refusals: tuple[Refusal, ...] = ()) -> None:
         super().__init__(message)
@@ -134,41 +110,20 @@ def agree(
     device: DeviceLike = None,
     reserve: Mapping[_Key, int | str] | None = None,
 ) -> list[AgreedChange]:
-    """Grow every (pool, lane) on every rank to the maximum capacity over the ranks.
+    """Grow every (pool, lane) on ``device`` on every rank to the largest capacity any rank holds or reserves.
 
-    A collective over ``group``: every rank must call it. Ranks may hold
-    different pools; a pool that only some ranks hold is created on the others.
-    What can fail on one rank alone (its device, its ``reserve``, a capture in
-    progress) is checked before the first collective and shared in it, so every
-    rank raises. Before anything is allocated, the ranks then check together that
-    each can grow (not frozen, within ``max_bytes``, pool configured); if one
-    cannot, every rank raises the same error and no rank allocates. If an
-    allocation then fails (out of memory), every rank raises too; ranks that had
-    already grown keep their larger buffers.
-
-    Args:
-        registry: This rank's registry.
-        group: The process group; ``None`` is the default (world) group.
-        device: This rank's device for its pools; ``None`` is the current
-            device (CUDA when available, else the CPU), ``"cuda"`` the current
-            CUDA device, resolved once per call. Pools on other devices are untouched.
-        reserve: Sizes this rank wants in addition to what its pools hold, keyed by
-            ``(pool, lane)``: bytes or size strings (``"64MiB"``), at most 1 PiB; they
-            count in the maximum like capacities.
-
-    Returns:
-        This rank's changes, sorted by pool and lane (empty when all agreed already).
+    A pool only some ranks hold is created on the others. The ranks check
+    together that each can grow before any allocates; when one cannot, or an
+    allocation fails, every rank raises the same error (ranks that grew keep
+    their buffers). ``reserve`` adds sizes per ``(pool, lane)``, at most 1 PiB.
+    Returns this rank's changes, sorted by pool and lane.
 
     Raises:
-        AgreementFrozenError: A frozen rank would have to grow, or a rank is capturing a
-            CUDA graph (also a ``WorkspaceFrozenError``).
-        AgreementLimitError: A rank is over ``max_bytes`` or out of memory (also a ``MemoryError``).
-        AgreementConfigError: A pool is not configured on some rank, or a rank's ``device``
-            or ``reserve`` is invalid (also a ``ValueError``).
-        AgreementError: Capacities still differ after several rounds (``growth`` differs between ranks).
-        WorkspaceFrozenError: This rank is capturing and its group has no CPU backend to
-            tell the others (raised before any collective; they wait for the group's timeout).
-        RuntimeError: ``torch.distributed`` is unavailable or not initialised.
+        AgreementFrozenError: A frozen rank would have to grow, or a rank is capturing.
+        AgreementLimitError: A rank is over ``max_bytes`` or out of memory.
+        AgreementConfigError: A pool is not configured on some rank, or a bad ``device`` or ``reserve``.
+        AgreementError: Capacities still differ after :data:`MAX_ROUNDS` rounds (``growth`` differs).
+        WorkspaceFrozenError: This rank is capturing and the group has no CPU backend to tell the others.
     """
     dist = _distributed()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -234,11 +189,7 @@ def _local_request(
 
 
 def _reserve_bytes(size: object) -> int:
-    """A reserve's size in bytes: an integer (numpy's too) or a size string, at most 1 PiB.
-
-    Raises:
-        SizeError: Anything else, naming it readably however large it is.
-    """
+    """A reserve's size in bytes: an integer (numpy's too) or a size string, at most 1 PiB; else ``SizeError``."""
     if not isinstance(size, (str, bool)):
         with contextlib.suppress(TypeError):
             size = operator.index(size)  # type: ignore[arg-type]
@@ -248,11 +199,7 @@ def _reserve_bytes(size: object) -> int:
 def _gather_keys(
     dist: Any, group: ProcessGroup | None, world: int, mine: list[_Key], problems: list[_Problem]
 ) -> list[_Key]:
-    """The first collective: every rank's (pool, lane) keys and problems; a problem on any rank raises on all.
-
-    Returns:
-        Every key any rank holds or reserves, sorted.
-    """
+    """The first collective: every key any rank holds or reserves, sorted; a problem on any rank raises on all."""
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (mine, problems), group=group)
     found = [(r, kind, text) for r, (_, rank_problems) in enumerate(gathered) for kind, text in rank_problems]
@@ -278,15 +225,7 @@ def _grow_to_max(
     keys: list[_Key],
     wanted: Mapping[_Key, int],
 ) -> dict[_Key, int]:
-    """Rounds of reduce, check and grow until every rank holds the maximum of every key.
-
-    Returns:
-        The capacity each key had before this rank grew it.
-
-    Raises:
-        AgreementError: On every rank, when a rank refuses or capacities still differ after
-            :data:`MAX_ROUNDS` rounds.
-    """
+    """Reduce, check and grow until every rank holds the maximum of every key; return the capacities before."""
     collective_device = _collective_device(dist, group, local)
     reason = f"agree: max over {world} ranks"
     before: dict[_Key, int] = {}
@@ -323,10 +262,7 @@ def _grow_to_max(
 def _reduce_max(
     dist: Any, group: ProcessGroup | None, device: torch.device, need: list[int], have: list[int]
 ) -> tuple[list[int], list[int]]:
-    """Return the largest need and the smallest capacity of each key over the ranks, in one MAX all-reduce.
-
-    Every value is at most 1 PiB (capacities and reserves are bounded), so the int64 tensor cannot overflow.
-    """
+    """Return the largest need and smallest capacity of each key over the ranks, in one int64 MAX all-reduce."""
     reduced = torch.tensor(need + [-h for h in have], dtype=torch.int64, device=device)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     values = [int(v) for v in reduced.tolist()]

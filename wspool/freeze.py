@@ -1,13 +1,7 @@
 """When a pool may grow: the registry's freeze, a context's growth allowance, and CUDA-graph capture.
 
-A registry's pools share one :class:`FreezeState`: growth is refused while it
-is frozen (held, or inside counted ``frozen()`` blocks), except in a context
-(thread or task) inside :meth:`FreezeState.allowing_growth`. Its ``epoch``
-counts freezes, so a pool can tell whether its buffer was current during one
-(and so may be in a graph). :func:`cuda_capture_probe` tells whether the
-calling thread's stream is capturing a CUDA graph, cheaply enough to ask per call.
-
-Thread semantics: thread-safe; the allowance is a context variable.
+:func:`cuda_capture_probe` tells, cheaply enough to ask per call, whether the
+calling thread's stream is capturing. Thread-safe; the allowance is a context variable.
 """
 
 from __future__ import annotations
@@ -24,13 +18,10 @@ __all__ = ["FreezeState", "cuda_capture_probe"]
 
 
 class FreezeState:
-    """Shared by a registry's pools: growth is refused while ``frozen``.
+    """Shared by a registry's pools: growth is refused while ``frozen`` (held, or inside counted blocks).
 
-    Frozen while held or while any counted ``frozen()`` block is open; ``epoch``
-    counts the times it became frozen, so a pool can tell whether its buffer was
-    current during a freeze (and so may be in a graph). A context (thread or
-    task) inside :meth:`allowing_growth` may grow pools while frozen; every
-    other context is still refused.
+    ``epoch`` counts freezes, so a pool can tell whether its buffer may be in a
+    graph. A context inside :meth:`allowing_growth` may grow pools while frozen.
     """
 
     __slots__ = ("_allowed", "_blocks", "_held", "_lock", "_resets", "epoch")
@@ -49,10 +40,7 @@ class FreezeState:
 
     @contextlib.contextmanager
     def allowing_growth(self) -> Iterator[None]:
-        """Let the calling context (its thread or task) grow pools inside the block, even while frozen.
-
-        Capture still refuses growth; other threads and tasks stay refused.
-        """
+        """Let the calling thread or task grow pools inside the block, even while frozen (never while capturing)."""
         token = self._allowed.set(True)
         try:
             yield
@@ -94,11 +82,7 @@ class FreezeState:
 
 
 def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
-    """Return a cheap "is the current stream capturing a CUDA graph?" for ``device``'s pools.
-
-    The legacy default stream (raw handle 0) cannot be captured, so there the
-    probe reads only the current stream; any other stream asks CUDA.
-    """
+    """Return a cheap "is the current stream capturing a CUDA graph?" (never on the legacy default stream)."""
     index = device.index if device.index is not None else 0
     # torch.cuda.is_current_stream_capturing is a Python function around this C one (torch 2.4 to 2.14);
     # the probe runs per call, so it calls the C function where torch has it.

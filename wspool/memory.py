@@ -1,13 +1,9 @@
 """Memory accounting: what a registry's buffers hold, per backend, beside PyTorch's figures.
 
-``memory_stats`` returns plain (JSON-able) data and ``memory_summary`` a table,
-one row per buffer (pool, device, lane), with the bytes FlashInfer's wrappers
-hold for themselves (tracked weakly per pool) and, on CUDA, PyTorch's
-allocated and reserved bytes. ``dry_run`` resolves rules on the ``meta``
-device, allocating nothing. Reading has no side effects and creates no CUDA
-context; thread-safe. Tables and figures: docs/kernels.md.
-The regions wspool gives wrappers in place of their own int workspaces are
-:mod:`wspool.regions`' (counted here, per pool).
+One row per buffer (pool, device, lane), with the bytes FlashInfer's wrappers
+hold themselves (tracked weakly per pool, :mod:`wspool.regions`' included) and,
+on CUDA, PyTorch's allocated and reserved bytes. Reading has no side effects and
+creates no CUDA context; thread-safe. Tables and figures: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -48,17 +44,8 @@ FLASHINFER_INT_DEFAULT_BYTES = 8 * 1024 * 1024
 class KernelBufferStats:
     """What the live FlashInfer wrappers built on one pool's buffer hold themselves.
 
-    Attributes:
-        pool: The pool whose buffer the wrappers use as their float workspace.
-        device: The device, as a string.
-        lane: The lane.
-        wrappers: Live wrappers.
-        device_bytes: Their own device tensors (FlashInfer's int workspaces and the like),
-            regions from :class:`WrapperRegions` not included.
-        pinned_host_bytes: Their pinned host tensors (staging copies), wspool's pinned
-            regions included.
-        region_bytes: The wspool regions they use as int workspaces, each counted once.
-        bound_wrappers: How many of them use a wspool region.
+    ``device_bytes`` leaves out wspool's regions, counted once each in
+    ``region_bytes``; ``pinned_host_bytes`` includes wspool's pinned copies.
     """
 
     pool: str
@@ -80,14 +67,7 @@ class _Tracked:
 def track_kernel_buffers(
     registry: PoolSource, pool: WorkspacePool, wrapper: Any, supplied: Iterable[torch.Tensor] = ()
 ) -> None:
-    """Count ``wrapper``'s own buffers against ``pool`` for as long as the wrapper lives.
-
-    Args:
-        registry: The registry whose statistics report it.
-        pool: The pool whose buffer the wrapper was built on.
-        wrapper: The FlashInfer wrapper (held weakly).
-        supplied: Tensors the caller gave the wrapper (index buffers), not counted.
-    """
+    """Count ``wrapper``'s own buffers, less ``supplied`` ones, against ``pool`` for as long as it lives."""
     tracked = registry.state(_Tracked)
     key = id(wrapper)
     found = tracked.entries.get(key)
@@ -159,16 +139,10 @@ def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
 
 
 def mem_pool_allocator(mem_pool: Any, base: Allocator | None = None) -> Allocator:
-    """Return an allocator that makes CUDA buffers inside ``mem_pool``.
+    """Return an allocator that makes CUDA buffers inside ``mem_pool`` (a :class:`torch.cuda.MemPool`).
 
-    Args:
-        mem_pool: A :class:`torch.cuda.MemPool`. Buffers on CUDA devices are
-            allocated under :func:`torch.cuda.use_mem_pool` for that device;
-            other devices allocate as usual.
-        base: The allocator to run inside the pool; default ``torch.zeros``.
-
-    Thread semantics: ``use_mem_pool`` routes the calling thread's allocations
-    only, and a pool allocates in the thread that asked for the growth.
+    ``use_mem_pool`` routes the calling thread's allocations only, and a pool
+    allocates in the thread that asked for the growth; other devices allocate as usual.
     """
     allocate = base or zeros_allocator
 
@@ -205,16 +179,7 @@ def _torch_figures(device: str) -> dict[str, int] | None:
 
 
 def memory_stats(registry: PoolSource) -> dict[str, Any]:
-    """Return what the registry's buffers hold, as plain data.
-
-    Returns:
-        ``{"buffers": [...], "held_bytes": N, "devices": {...}}``: one entry per
-        buffer (pool, device, lane) with its capacity, peak request, requests,
-        grows, refusals, retired bytes, last grow reason and ``backends`` (pool ->
-        rule -> requests); ``held_bytes`` counts capacities and retired buffers;
-        ``devices`` has each device's held bytes and, on CUDA, PyTorch's
-        ``allocated_bytes.all.current`` and ``reserved_bytes.all.current``.
-    """
+    """Return what the registry's buffers hold as plain data: ``buffers``, ``held_bytes`` and per-device figures."""
     buffers = []
     devices: dict[str, dict[str, int]] = {}
     instances = sorted(((p.stats(), p.spec.rule_pools) for p in registry.pools()), key=lambda x: _order(x[0]))
@@ -324,10 +289,7 @@ def memory_summary(registry: PoolSource) -> str:
 def dry_run(registry: PoolSource, facts: Mapping[str, int], device: str = "meta") -> dict[str, Any]:
     """Request every configured rule once with ``facts`` on ``device`` (``meta``: nothing is allocated).
 
-    Returns:
-        :func:`memory_stats` of the result, plus ``separate_bytes`` (what the
-        pools would hold with a buffer each, ``shared_with`` ignored) and
-        ``skipped`` (``pool.rule`` -> why, for rules whose facts were not given).
+    Returns :func:`memory_stats` plus ``separate_bytes`` (a buffer per pool) and ``skipped`` rules.
     """
     skipped: dict[str, str] = {}
     largest: dict[str, int] = {}

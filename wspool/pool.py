@@ -1,20 +1,13 @@
 """One workspace pool on one device and lane: a lazily grown, zero-filled ``uint8`` buffer.
 
-Device semantics: nothing is allocated before the first request; the buffer
-is made on the pool's device with ``torch.zeros`` (kernels keep semaphores in
-it). A request that resolves larger than the capacity replaces the buffer
-(rounded by the growth policy, capped by ``max_bytes``); a pool never shrinks
-and never calls ``torch.cuda.empty_cache()``.
-
-Capture semantics: a pool never grows while its registry is frozen or the
-current stream is capturing a CUDA graph; it raises
-:class:`~wspool.errors.WorkspaceFrozenError` and leaves the buffer as it was.
-A replaced buffer that a graph may still use is retired (kept alive) until
-:meth:`WorkspacePool.release_retired`.
-
-Thread semantics: thread-safe; concurrent first requests allocate once, and
-no lock is held while the pool logs or calls its allocator or capture probe.
-One buffer used from two streams at once is a race: give each a lane.
+Nothing is allocated before the first request; the buffer is zero-filled
+(kernels keep semaphores in it), replaced when a request resolves larger
+(rounded by the growth policy, capped by ``max_bytes``), never shrunk. While
+frozen or capturing a CUDA graph a pool never grows: it raises
+:class:`~wspool.errors.WorkspaceFrozenError`. A replaced buffer a graph may
+still use is retired until :meth:`WorkspacePool.release_retired`. Thread-safe
+(no lock held while allocating or logging); two streams on one buffer race:
+give each a lane.
 """
 
 from __future__ import annotations
@@ -73,17 +66,11 @@ def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """A snapshot of one pool's state (pool, device and lane as strings); reading it has no side effects.
+    """A snapshot of one pool's state (pool, device and lane as strings).
 
-    Attributes:
-        capacity_bytes: Size of the current buffer (0 before the first request).
-        peak_request_bytes: Largest size any request resolved to.
-        request_count: Requests served.
-        grow_count: Times the buffer was (re)allocated, the first allocation included.
-        last_grow_reason: Why the buffer last grew, e.g. ``"rule lse: 256MiB"``.
-        refused_count: Requests refused (frozen, capturing, over the limit, out of memory).
-        retired_bytes: Bytes of old buffers kept alive for captured graphs.
-        requests_by_rule: Requests served per rule (or per reason for sized requests).
+    ``grow_count`` includes the first allocation; ``refused_count`` counts requests
+    refused (frozen, capturing, over the limit, out of memory); ``retired_bytes``
+    are old buffers kept for captured graphs.
     """
 
     pool: str
@@ -102,14 +89,8 @@ class PoolStats:
 class PoolSpec:
     """A pool's configuration, shared by its instances on every device and lane.
 
-    Args:
-        name: The pool's name.
-        rules: Rule name -> rule source (size or expression).
-        growth: ``"exact"``, ``"power_of_two"`` or a granularity size string.
-        max_bytes: Largest capacity allowed, or ``None``.
-        rule_pools: For rules a ``shared_with`` pool brought to this buffer, that pool's name.
-        facts: The pool's configured default facts (``pools.<name>.facts``).
-        rule_facts: For rules a ``shared_with`` pool brought, that pool's default facts.
+    ``rule_pools`` and ``rule_facts`` name, for rules a ``shared_with`` pool brought
+    to this buffer, that pool and its default facts.
     """
 
     def __init__(
@@ -178,10 +159,7 @@ def _growth_refusal(
     frozen: bool,
     capturing: bool,
 ) -> _GrowthRefusal | None:
-    """Return the error and log line for a growth to ``nbytes`` that must be refused, or ``None`` to grow.
-
-    Refused: above ``max_bytes`` or wspool's size limit, or while ``frozen`` or ``capturing``.
-    """
+    """Return the error and log line refusing a growth to ``nbytes`` (over a limit, frozen, capturing), or ``None``."""
     limit = spec.max_bytes
     if (limit is not None and nbytes > limit) or nbytes > MAX_SIZE_BYTES:
         shown = limit if limit is not None and nbytes > limit else MAX_SIZE_BYTES
@@ -236,10 +214,7 @@ def _allocation_failure(
 
 
 class _RuleSlot:
-    """Per rule (or request reason): its compiled rule, default facts, label, setting and request counter.
-
-    The per-call path reads these as plain attributes, with no method call.
-    """
+    """Per rule (or request reason): its compiled rule, default facts, label, setting and request counter."""
 
     __slots__ = ("_reads", "counter", "default_nbytes", "defaults", "label", "nbytes", "rule", "setting")
 
@@ -273,11 +248,7 @@ class _RuleSlot:
 
 
 def _rule_slots(spec: PoolSpec, device_facts: Mapping[str, int] | None) -> dict[str, _RuleSlot]:
-    """Build a slot for each of ``spec``'s rules, its default facts over ``device_facts``.
-
-    The rules of one pool share one merged mapping (merged once per pool and
-    device); plain dicts, so merging one into a call's partial facts is a C-level copy.
-    """
+    """Build a slot for each of ``spec``'s rules, its default facts over ``device_facts`` (plain dicts, merged once)."""
     merged: dict[int, dict[str, int]] = {}
     for own in spec.rule_facts.values():
         if id(own) not in merged:
@@ -292,18 +263,10 @@ logger = logging.getLogger(__name__)
 
 
 class WorkspacePool:
-    """A workspace buffer for one (pool, device, lane); create through a registry.
+    """A workspace buffer for one (pool, device with an index, lane); create through a registry.
 
-    Args:
-        spec: The pool's configuration.
-        device: Where the buffer lives (an explicit device, never ``"cuda"`` without an index).
-        lane: The lane name; distinct lanes never share memory.
-        freeze: The registry's freeze flag.
-        allocator: Makes zero-filled buffers; the default is ``torch.zeros``.
-        capture_probe: Whether the calling thread's stream is capturing a CUDA graph; default
-            :func:`cuda_capture_probe` on CUDA devices, never elsewhere.
-        debug_streams: On CUDA devices, watch for unordered streams (:mod:`wspool.streams`).
-        device_facts: The device's facts, read after the pool's default facts.
+    ``capture_probe`` defaults to :func:`cuda_capture_probe` on CUDA devices;
+    ``debug_streams`` watches for unordered streams there (:mod:`wspool.streams`).
     """
 
     def __init__(
@@ -387,38 +350,23 @@ class WorkspacePool:
         return self._serve_growing(slot, nbytes)
 
     def ensure(self, rule: str, facts: Mapping[str, object]) -> torch.Tensor:
-        """Grow to what ``rule`` resolves to, without counting a request (for planning ahead).
-
-        Raises:
-            The same errors as :meth:`workspace`.
-        """
+        """Grow to what ``rule`` resolves to, without counting a request; raises as :meth:`workspace`."""
         slot, compiled = self._rule_slot(rule)
         return self.grow_to(compiled.resolve(facts, slot.defaults), slot.label, slot.setting)
 
     def resolve(self, rule: str, facts: Mapping[str, object]) -> int:
-        """Return the bytes ``rule`` resolves to for ``facts`` (missing ones from the defaults); allocates nothing.
-
-        Raises:
-            RuleError: The rule is unknown or cannot be resolved.
-        """
+        """Return the bytes ``rule`` resolves to for ``facts`` (missing ones from the defaults); allocates nothing."""
         slot, compiled = self._rule_slot(rule)
         return compiled.resolve(facts, slot.defaults)
 
     def default_facts(self, rule: str) -> Mapping[str, int]:
-        """Return the facts ``rule`` reads where a call gives none: the pool's defaults over the device's.
-
-        Raises:
-            RuleError: The rule is unknown.
-        """
+        """Return the facts ``rule`` reads where a call gives none: the pool's defaults over the device's."""
         return MappingProxyType(self._rule_slot(rule)[0].defaults)
 
     def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
-        """Return the buffer for an explicit size in bytes, grown first if needed.
+        """Return the buffer for an explicit size in bytes, grown first if needed; raises as :meth:`workspace`.
 
-        Raises:
-            SizeError: ``nbytes`` is not a positive integer (nothing is counted).
-            WorkspaceFrozenError: Growth was needed while frozen or capturing.
-            WorkspaceLimitError: Growth was needed beyond a limit or the device's memory.
+        A ``nbytes`` that is not a positive integer raises :class:`SizeError` and counts nothing.
         """
         if type(nbytes) is not int or nbytes <= 0:
             self._check_request_size(nbytes)
@@ -463,19 +411,11 @@ class WorkspacePool:
     # -- growth ------------------------------------------------------------
 
     def grow_to(self, nbytes: int, reason: str, setting: str | None = None) -> torch.Tensor:
-        """Grow to hold at least ``nbytes`` for ``reason``; ``setting`` is the key errors name (overflow recovery).
-
-        Raises:
-            WorkspaceFrozenError: While frozen or capturing.
-            WorkspaceLimitError: Beyond ``max_bytes`` or the device's memory.
-        """
+        """Grow to hold at least ``nbytes`` for ``reason``; ``setting`` is the key errors name (overflow recovery)."""
         return self._grow(nbytes, reason, setting)
 
     def _grow(self, nbytes: int, reason: str, setting: str | None) -> torch.Tensor:
-        """Grow to ``nbytes`` unless it fits; one thread allocates, the others wait for it.
-
-        The lock guards the state only: the allocator and every log line run without it.
-        """
+        """Grow to ``nbytes`` unless it fits; one thread allocates (outside the lock), the others wait for it."""
         setting = setting or self.spec.setting("rules", "<rule>")
         # Asked before taking the lock: an engine's probe is its own code.
         capturing = self._capture_probe is not None and bool(self._capture_probe())
@@ -639,11 +579,7 @@ class WorkspacePool:
             )
 
     def release_retired(self) -> int:
-        """Drop retired buffers; call once no captured graph can replay them.
-
-        Returns:
-            The number of bytes released to PyTorch's allocator.
-        """
+        """Drop retired buffers once no captured graph can replay them; return the bytes released."""
         with self._lock:
             released = sum(t.numel() for t in self._retired)
             self._retired.clear()

@@ -1,12 +1,9 @@
 """Profile views: one profile's pool specs, shared buffers and staged declarations.
 
-A registry holds one :class:`ProfileView` per device profile in use. A backend's
-:meth:`~wspool.PoolRegistry.declare_pool` is staged on every view and applied
-only once every view validated it, so a declaration that fails anywhere
-changes nothing; configured values override declared ones rule by rule.
-
-Thread semantics: the registry changes a view under its own lock and swaps
-whole dicts, so lock-free readers always see a consistent view.
+A registry holds one :class:`ProfileView` per profile in use; a declaration is
+staged on every view and applied only once all validated it. The registry
+changes a view under its own lock and swaps whole dicts, so lock-free readers
+see a consistent view.
 """
 
 from __future__ import annotations
@@ -25,12 +22,7 @@ __all__ = ["Declaration", "ProfileView", "check_rule_facts"]
 def check_rule_facts(
     pool: str, spec: PoolSpec, rules: Iterable[str] | None, *, available: set[str], profile: str
 ) -> None:
-    """Check that ``rules`` of ``pool`` (``None``: all) read only ``available`` facts.
-
-    Raises:
-        ConfigError: A rule is unknown, or reads a fact that is not available; the
-            message names ``pools.<pool>.facts.<name>`` / ``WSPOOL_POOLS__<POOL>__FACTS__<NAME>``.
-    """
+    """Check that ``rules`` of ``pool`` (``None``: all) read only ``available`` facts, else name the setting."""
     for rule in sorted(spec.rules) if rules is None else rules:
         compiled = spec.rules.get(rule)
         if compiled is None:
@@ -69,11 +61,7 @@ def _build_declaration(
 ) -> Declaration:
     """Build one profile view's spec for a declaration, validated as YAML is; change nothing.
 
-    ``settings`` are the view's (configured values override declared ones rule by rule);
-    ``replay`` replays an earlier declaration on a new view (in-use pools are no obstacle).
-
-    Raises:
-        ConfigError: A declared rule is invalid, or the pool is in use with other rules.
+    ``replay`` replays an earlier declaration on a new view, where pools in use are no obstacle.
     """
     values: dict[str, Any] = {**declared, "rules": dict(declared["rules"])}
     configured = settings.pools.get(name)
@@ -102,11 +90,7 @@ def _build_declaration(
 def _linked_spec(
     host: str, specs: Mapping[str, PoolSpec], hosts: Mapping[str, str], spec_of: Callable[[str], PoolSpec]
 ) -> PoolSpec:
-    """Return the spec of ``host``'s buffer: its own rules and those of the pools that share it.
-
-    Raises:
-        ConfigError: Two pools sharing the buffer have a rule of the same name.
-    """
+    """Return the spec of ``host``'s buffer: its own rules and those of the pools that share it (names unique)."""
     own = specs[host] if host in specs else spec_of(host)
     rules: dict[str, str | int] = {rule: compiled.source for rule, compiled in own.rules.items()}
     owners: dict[str, str] = {}
@@ -143,12 +127,7 @@ def _check_guest_literals(buffer: PoolSpec) -> None:
 
 
 class ProfileView:
-    """One profile's configuration of a registry's pools: its settings, specs and shared buffers.
-
-    A registry holds one per profile in use; they share nothing mutable but
-    what the registry passes in. Thread semantics: the registry changes a view
-    under its lock and swaps whole dicts, so lock-free readers stay consistent.
-    """
+    """One profile's configuration of a registry's pools: its settings, specs and shared buffers."""
 
     def __init__(self, settings: WspoolSettings) -> None:
         self.settings = settings
@@ -166,11 +145,7 @@ class ProfileView:
             _check_guest_literals(self.buffer_specs[host])
 
     def spec(self, pool: str) -> PoolSpec:
-        """Return ``pool``'s own configuration under this profile.
-
-        Raises:
-            ConfigError: No pool of that name is configured or declared.
-        """
+        """Return ``pool``'s own configuration under this profile."""
         spec = self.specs.get(pool)
         if spec is None:
             raise unknown_pool(pool, self.specs)

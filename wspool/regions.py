@@ -1,19 +1,12 @@
 """Kernel wrappers' own buffers, right-sized: int workspace regions and pinned host copies.
 
-A kernel wrapper such as FlashInfer's keeps its plan in an int workspace of its
-own (and a pinned host copy the planner writes first). :class:`WrapperRegions`
-hands wrappers right-sized regions instead, one registry's worth, keyed weakly
-by wrapper; a region lives as long as a wrapper bound to it. Wrappers bound with
-one sharing group on one device and lane share a region, and its
-:class:`PlanOwner` record says whose plan it holds. FlashInfer's side (which
-rule sizes a region, how a wrapper takes it) is
-:mod:`wspool.flashinfer.wrapper_buffers`.
-
-Device: a region lives on the wrapper's device, its pinned copy in page-locked
-host memory (plain host memory off CUDA). Capture: a region never moves; none is
-allocated while the current stream captures a CUDA graph. Threads: binding is
-thread-safe; allocation runs outside the lock. Sharing rules:
-docs/wrapper-buffers.md.
+:class:`WrapperRegions` hands kernel wrappers right-sized int workspaces, keyed
+weakly by wrapper; wrappers bound with one group on one device and lane share a
+region, whose :class:`PlanOwner` says whose plan it holds. A region lives on the
+wrapper's device, its pinned copy in page-locked host memory (plain memory off
+CUDA). A region never moves, and none is allocated while the current stream
+captures. Binding is thread-safe; allocation runs outside the lock. FlashInfer's
+side: :mod:`wspool.flashinfer.wrapper_buffers`; sharing: docs/wrapper-buffers.md.
 """
 
 from __future__ import annotations
@@ -51,13 +44,9 @@ PINNED_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class PlanOwner:
-    """Which plan last wrote an int workspace: the token of the plan whose metadata it holds.
+    """Which plan's metadata an int workspace holds (``owner``: ``None`` before the first plan and mid-plan).
 
-    wspool's record, kept beside the kernel wrapper, never on it. A region shared
-    by several wrappers has one record, so a plan of any of them sees another take it.
-
-    Attributes:
-        owner: That plan's token; ``None`` before the first plan and while one is planning.
+    One record per region, beside the wrappers, so a plan sees another wrapper's plan take it.
     """
 
     __slots__ = ("owner",)
@@ -67,15 +56,7 @@ class PlanOwner:
 
 
 class IntRegion:
-    """One int workspace on the device, as wspool hands it to kernel wrappers.
-
-    Attributes:
-        tensor: The region: a zero-filled 1-D ``uint8`` tensor of its own allocation.
-        record: Whose plan the region holds (every wrapper bound to it shares this record).
-        group: The sharing group, or ``None`` for a region of one wrapper.
-        device: The device, as a string.
-        lane: The lane.
-    """
+    """One int workspace (a zero-filled ``uint8`` tensor of its own allocation) as kernel wrappers get it."""
 
     __slots__ = ("__weakref__", "device", "group", "lane", "record", "tensor")
 
@@ -95,12 +76,7 @@ class IntRegion:
 class WrapperBinding:
     """What wspool gave one wrapper: its int region, and its own pinned host copy where wspool makes one.
 
-    Attributes:
-        region: The int workspace.
-        pinned: The wrapper's pinned host copy (as large as the region), or ``None``
-            where the wrapper makes its own from the region's size.
-        kind: What the wrapper is, e.g. ``"mla"`` or ``"decode"`` (for statistics).
-        setting: The key of the rule that sized the region (``"key / ENV_VAR"``), for errors; or ``None``.
+    ``setting`` is the key of the rule that sized the region, for errors.
     """
 
     __slots__ = ("kind", "pinned", "region", "setting")
@@ -137,18 +113,9 @@ def _remember(wrapper: Any, binding: WrapperBinding) -> None:
 class WrapperRegions:
     """A registry's regions for kernel wrappers' own buffers, keyed weakly by wrapper.
 
-    Args:
-        pool: The name of the pool whose configuration caps them (``max_bytes`` per device and lane).
-        max_bytes: Reads that cap for a device: ``None`` for none.
-        allocator: Makes zero-filled device regions; default ``torch.zeros``.
-
-    Devices are counted as their regions' tensors report them: ``cuda`` is the
-    current CUDA device's index, ``cpu:0`` is ``cpu``, so a cap and a group hold
-    however the caller spells the device.
-
-    Thread semantics: thread-safe; a region is allocated outside the lock, so two
-    threads binding the first wrappers of one group may each allocate, and the one
-    that installs its region first wins (the other's region is dropped).
+    ``max_bytes`` reads pool ``pool``'s cap per device and lane; a device counts as
+    its tensors report it, however spelled. Thread-safe: two threads binding a
+    group's first wrappers may each allocate; the first to install wins.
     """
 
     def __init__(self, pool: str, max_bytes: Callable[[str], int | None], allocator: Allocator | None = None) -> None:
@@ -178,27 +145,14 @@ class WrapperRegions:
         setting: str | None = None,
         install: Callable[[WrapperBinding], None] | None = None,
     ) -> WrapperBinding:
-        """Give ``wrapper`` an int region of at least ``nbytes``; return its binding.
-
-        The binding is recorded only once ``install`` (if given) returned: a
-        wrapper that did not take its new region keeps its previous binding, and
-        the region it leaves keeps its record, as they were.
+        """Give ``wrapper`` (held weakly) an int region of at least ``nbytes``; return its binding.
 
         Args:
-            wrapper: The kernel wrapper (held weakly; its binding lives as long as it).
-            device: The wrapper's device.
-            nbytes: What its plans need at most.
-            kind: What it is, for statistics.
-            lane: The lane of the work it serves.
-            group: Wrappers bound with the same group, device and lane share one
-                region; the caller states that their plans are never live at once
-                (the region's record lets each plan see that another took it).
-                ``None``: a region of its own.
+            group: Wrappers bound with one group, device and lane share one region;
+                the caller states their plans are never live at once. ``None``: its own.
             pinned: Also make it a pinned host copy as large as the region.
-            setting: The key of the rule ``nbytes`` came from, which errors name.
-            install: Hands the new binding to the wrapper (e.g. FlashInfer's
-                ``reset_workspace_buffer``); called outside the lock, before anything
-                is recorded. What it raises propagates, and nothing is recorded.
+            install: Hands the new binding to the wrapper, outside the lock; the
+                binding is recorded only once it returns (what it raises propagates).
 
         Raises:
             WorkspaceFrozenError: A region would be allocated while the current stream captures.
@@ -233,11 +187,7 @@ class WrapperRegions:
     def _new_region(
         self, device: torch.device, size: int, group: Hashable | None, lane: str, wrapper: Any
     ) -> IntRegion:
-        """Allocate a region for ``wrapper`` (outside the lock), refused while capturing or past the cap.
-
-        The cap counts the regions held once ``wrapper`` moved here: its present
-        region only where another wrapper holds it too.
-        """
+        """Allocate a region for ``wrapper`` (outside the lock), refused while capturing or past the cap."""
         where = str(device)
         if device.type == "cuda":
             probe = self._probes.get(where)
@@ -266,10 +216,7 @@ class WrapperRegions:
         return IntRegion(tensor, group, lane)
 
     def _pinned_copy(self, size: int, device: torch.device) -> torch.Tensor:
-        """A pinned host copy of ``size`` bytes of its own, cut from a page-locked chunk (plain memory off CUDA).
-
-        Slices never overlap; a chunk is freed once no copy cut from it is alive.
-        """
+        """A pinned host copy of ``size`` bytes, cut from a page-locked chunk freed once no copy of it is alive."""
         if device.type != "cuda":
             with torch.inference_mode(False):
                 return torch.empty(size, dtype=torch.uint8)
@@ -295,10 +242,7 @@ class WrapperRegions:
         return list(found.values())
 
     def stats(self) -> list[dict[str, Any]]:
-        """Return the live regions per device and lane: wrappers, regions, region and pinned bytes, kinds.
-
-        ``pinned_bytes`` counts the copies; ``pinned_chunk_bytes`` the page-locked chunks they are cut from.
-        """
+        """Return the live regions per device and lane; ``pinned_chunk_bytes`` counts the chunks copies are cut from."""
         with self._lock:
             bindings = list(self._bindings.values())
         totals: dict[tuple[str, str], dict[str, Any]] = {}
@@ -335,8 +279,7 @@ class WrapperRegions:
 
 
 def _as_tensors_report(device: torch.device) -> torch.device:
-    """Return ``device`` as a tensor allocated on it reports its device (``cuda`` -> ``cuda:<current>``,
-    ``cpu:0`` -> ``cpu``), so that one device is one key however it is spelt."""
+    """Return ``device`` as a tensor on it reports it (``cuda`` -> ``cuda:<current>``, ``cpu:0`` -> ``cpu``)."""
     if device.type == "cuda":
         return resolve_device(device) if device.index is None else device
     if device.type in ("cpu", "meta") and device.index is not None:

@@ -1,14 +1,10 @@
 """The registry: pool name + device + lane -> one shared workspace pool.
 
-Pools of one name on one device and lane are the same memory, as are pools
-configured to share a buffer (``shared_with``). Each device's pools follow the
-profile the ``profile`` setting gives that device; a rule reads a fact its
-call lacks from the pool's default facts, then from the device's.
-
-Thread semantics: every method is thread-safe. Device semantics: ``"cuda"`` and
-``None`` are resolved to the current device on every call, never cached.
-Capture semantics: reserve and warm up before capture; :meth:`PoolRegistry.freeze`
-refuses all growth (docs/profiles.md, README's CUDA-graph rules).
+Pools of one name, device and lane (or sharing a buffer, ``shared_with``) are
+the same memory; each device's pools follow its profile (docs/profiles.md).
+Thread-safe. ``"cuda"`` and ``None`` resolve to the current device on every
+call. Reserve and warm up before capture; :meth:`PoolRegistry.freeze` refuses
+all growth (README's CUDA-graph rules).
 """
 
 from __future__ import annotations
@@ -46,21 +42,13 @@ class PoolRegistry:
     """Named, per-device workspace pools sized by configured rules.
 
     Args:
-        settings: Validated settings; ``None`` loads them from ``WSPOOL_CONFIG``,
-            the environment and the built-in defaults.
-        allocator: Makes zero-filled ``uint8`` buffers (for tests and custom
-            memory pools); default ``torch.zeros``.
-        mem_pool: A :class:`torch.cuda.MemPool` that CUDA buffers are allocated
-            in (under :func:`torch.cuda.use_mem_pool`), for engines that manage
-            a pool's memory as a whole (sleep and offload modes).
-        describe_device: Describes a device for its facts and profile; default
-            :func:`wspool.devices.describe_device` (read once per device).
-            Tests pass their own to stand a CPU in for an SM90 or SM100 GPU.
+        settings: ``None`` loads ``WSPOOL_CONFIG``, the environment and the defaults.
+        allocator: Makes zero-filled ``uint8`` buffers; default ``torch.zeros``.
+        mem_pool: A :class:`torch.cuda.MemPool` for CUDA buffers (engine sleep and offload modes).
+        describe_device: Describes a device for its facts and profile, once per device.
 
-    Attributes:
-        settings: The settings with the profile of devices without a description
-            (the CPU) layered in; each GPU's pools use its own profile's.
-        freeze_state: Whether growth is refused, shared by every pool of the registry.
+    ``settings`` holds the profile of devices without a description (the CPU);
+    each GPU's pools use their own profile's.
     """
 
     def __init__(
@@ -107,11 +95,7 @@ class PoolRegistry:
         self.settings = self._base.settings
 
     def _view(self, profile: str) -> ProfileView:
-        """Return the view of ``profile`` (made on first use, with every earlier declaration replayed).
-
-        Raises:
-            ConfigError: The profile's settings do not validate with the configuration's.
-        """
+        """Return the view of ``profile``, made on first use with every earlier declaration replayed."""
         found = self._views.get(profile)
         if found is not None:
             return found
@@ -145,33 +129,18 @@ class PoolRegistry:
         return self._device_entry(resolve_device(device))[2]
 
     def default_facts(self, pool: str, device: DeviceLike = None) -> dict[str, int]:
-        """Return the facts a call to ``pool`` on ``device`` gets where it gives none: configured over device facts.
-
-        Raises:
-            ConfigError: No pool of that name is configured or declared.
-        """
+        """Return the facts a call to ``pool`` on ``device`` gets where it gives none: configured over device facts."""
         view, _, facts = self._device_entry(resolve_device(device))
         return {**facts, **view.spec(pool).facts}
 
     def check_facts(
         self, pool: str, rules: Iterable[str] | None = None, *, device: DeviceLike = None, supplied: Iterable[str] = ()
     ) -> None:
-        """Check, before any call, that ``rules`` of ``pool`` can be resolved on ``device`` from ``supplied`` facts.
-
-        A call site that passes fixed facts (an engine's drop-in function passes
-        none) calls this once at load time, so a missing default fact fails
-        there, naming its key, instead of at the first decode step.
-
-        Args:
-            pool: The pool.
-            rules: Its rules to check; ``None``: all of them.
-            device: The device whose profile and facts apply; ``None``: the current device.
-            supplied: The facts the call site passes itself.
+        """Check at load time that ``rules`` of ``pool`` (``None``: all) resolve on ``device`` from ``supplied`` facts.
 
         Raises:
             ConfigError: A rule reads a fact that neither the call, the pool's
-                default facts nor the device supply; the message names
-                ``pools.<pool>.facts.<name>`` / ``WSPOOL_POOLS__<POOL>__FACTS__<NAME>``.
+                default facts nor the device supply; the message names the setting.
         """
         view, choice, _ = self._device_entry(resolve_device(device))
         spec = view.spec(pool)
@@ -180,14 +149,9 @@ class PoolRegistry:
 
     @classmethod
     def from_config(cls, config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> PoolRegistry:
-        """Build a registry from a YAML file (a missing file is an error), the environment and code overrides.
+        """Build a registry from a YAML file (``None``: ``WSPOOL_CONFIG``), the environment and ``overrides``.
 
-        Args:
-            config_file: The YAML file; ``None`` uses ``WSPOOL_CONFIG`` if set.
-            **overrides: Settings given in code (highest precedence).
-
-        Raises:
-            ConfigError: The configuration is invalid; nothing is allocated.
+        A missing file or invalid configuration raises :class:`ConfigError`; nothing is allocated.
         """
         return cls(load_settings(config_file, **overrides))
 
@@ -202,19 +166,10 @@ class PoolRegistry:
         lane: str | None = None,
         **facts: object,
     ) -> torch.Tensor:
-        """Return the pool's ``uint8`` buffer on ``device``, large enough for ``rule``.
+        """Return the pool's whole ``uint8`` buffer on ``device`` and ``lane``, large enough for ``rule`` at ``facts``.
 
-        Args:
-            pool: The pool's name, e.g. ``"flashinfer_mla"``.
-            device: Where the buffer is needed; ``None`` is the current device
-                (CUDA when available, else CPU), ``"cuda"`` the current CUDA device.
-            rule: The pool's rule that sizes this call.
-            lane: The lane; ``None`` uses :func:`wspool.lane`'s current one.
-            **facts: The call's shape (``batch_size=...``) for expression rules.
-
-        Returns:
-            The whole buffer (``numel() >= `` the resolved size). It stays valid
-            until the pool grows; do not keep it across calls that may grow it.
+        ``None`` is the current device (CUDA when available), ``"cuda"`` the
+        current CUDA device. The buffer stays valid until the pool grows.
 
         Raises:
             ConfigError: Unknown pool or rule, or the rule cannot be resolved.
@@ -237,11 +192,7 @@ class PoolRegistry:
         return found[1].get()
 
     def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> tuple[WorkspacePool, WorkspaceHandle]:
-        """Return the pool instance that serves ``pool``'s ``rule`` and its handle (a call's first miss).
-
-        A pool serves the rules it has: for pools that share one buffer, the host's
-        instance serves each pool's own rules only, as :meth:`resolve` says.
-        """
+        """Return the pool instance that serves ``pool``'s own ``rule`` and its handle (a call's first miss)."""
         found = self.pool(pool, device, lane=lane)
         self._own_rule(pool, rule, device)
         served = (found, WorkspaceHandle(lambda: self.serving_pool(pool, rule, device, lane), rule))
@@ -250,12 +201,7 @@ class PoolRegistry:
         return served
 
     def serving_pool(self, pool: str, rule: str, device: DeviceLike = None, lane: str | None = None) -> WorkspacePool:
-        """Return the pool instance that serves ``pool``'s ``rule`` on ``device`` and ``lane`` (what handles bind).
-
-        Raises:
-            ConfigError: Unknown pool, or ``rule`` is not the pool's own (for
-                pools sharing a buffer, the host serves each pool's own rules).
-        """
+        """Return the pool instance that serves ``pool``'s own ``rule`` on ``device`` and ``lane`` (handles bind it)."""
         found = self.pool(pool, device, lane=lane)
         self._own_rule(pool, rule, device)
         return found
@@ -270,24 +216,12 @@ class PoolRegistry:
         call_facts: Iterable[str] = (),
         dtype: torch.dtype | None = None,
     ) -> WorkspaceHandle:
-        """Bind ``pool``'s ``rule`` on one device and lane, for a call site that asks many times.
+        """Bind ``pool``'s ``rule`` on one device and lane (both resolved now), for a call site that asks many times.
 
-        The handle returns the buffer with no lookup while nothing changed
-        (:mod:`wspool.handles`); it binds again after growth, :meth:`reset`, a
-        declaration or :func:`set_registry`, through the full path, so every
-        check of :meth:`workspace` still holds.
-
-        Args:
-            pool: The pool's name.
-            rule: The pool's rule that sizes every call.
-            device: The device, resolved now (``None``/``"cuda"``: the current one).
-            lane: The lane; ``None``: the current lane, now.
-            call_facts: The facts the call site may pass to :meth:`WorkspaceHandle.sized`;
-                a rule that reads none of them is resolved once per binding.
-            dtype: The dtype of the view returned; default ``uint8``.
-
-        Raises:
-            ConfigError: Unknown pool or rule.
+        The handle skips the lookup while nothing changed and binds again through
+        :meth:`workspace`'s checks after growth, :meth:`reset`, a declaration or
+        :func:`set_registry` (:mod:`wspool.handles`). A rule that reads none of
+        ``call_facts`` is resolved once per binding.
         """
         resolved = resolve_device(device)
         bound_lane = current_lane() if lane is None else lane
@@ -304,11 +238,7 @@ class PoolRegistry:
             raise unknown_rule(pool, rule, spec.rules)
 
     def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int:
-        """Return the bytes a call on ``device`` would get from ``rule``; allocates nothing.
-
-        ``device`` (``None``: the current device) picks the profile and the
-        device facts; facts the call lacks come from the pool's default facts.
-        """
+        """Return the bytes a call on ``device`` would get from ``rule``, default facts filled in; allocates nothing."""
         view, _, device_facts = self._device_entry(resolve_device(device))
         spec = view.spec(pool)
         compiled = spec.rules.get(rule)
@@ -319,21 +249,13 @@ class PoolRegistry:
     # -- pools -------------------------------------------------------------
 
     def spec(self, pool: str, device: DeviceLike = None) -> PoolSpec:
-        """Return a pool's configuration, under ``device``'s profile (``None``: that of :attr:`settings`).
-
-        Raises:
-            ConfigError: No pool of that name is configured or declared.
-        """
+        """Return a pool's configuration under ``device``'s profile (``None``: that of :attr:`settings`)."""
         if device is not None:
             return self._device_entry(resolve_device(device))[0].spec(pool)
         return self._base.spec(pool)
 
     def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool:
-        """Return (creating, without allocating) the pool for ``name`` on ``device`` and ``lane``.
-
-        For a pool configured with ``shared_with``, this is its host's pool: the
-        one buffer that serves the rules of both.
-        """
+        """Return (creating, without allocating) the pool for ``name`` on ``device``, ``lane``; its host's if shared."""
         if lane is None:
             lane = current_lane()
         resolved = resolve_device(device)
@@ -365,16 +287,9 @@ class PoolRegistry:
         growth: str = "exact",
         max_bytes: int | str | None = None,
     ) -> PoolSpec:
-        """Declare a backend's pool with its default rules, below the configuration.
+        """Declare a backend's pool with default rules, under every profile; configured values override it rule by rule.
 
-        Configured values (YAML, environment, code) override the declared ones
-        rule by rule, so a backend ships sensible sizes and users can still
-        change each of them.
-
-        The declaration applies under every device's profile.
-
-        Raises:
-            ConfigError: A declared rule is invalid.
+        An invalid declaration raises :class:`ConfigError` and changes no profile.
         """
         if not isinstance(rules, Mapping) or not rules:
             raise ConfigError(
@@ -421,16 +336,10 @@ class PoolRegistry:
             pool.drop_handles()
 
     def state(self, kind: type[_State], make: Callable[[], _State] | None = None) -> _State:
-        """Return this registry's one object of type ``kind``, made on first use.
+        """Return this registry's one object of type ``kind`` (a plan cache, an engine's views), made on first use.
 
-        What is built on a registry (an op's plan cache, an engine's declared
-        pools and views) keeps its state here, typed, living as long as the
-        registry; :meth:`reset` drops it. Thread-safe: concurrent first calls
-        keep one object (``make`` may run in more than one of them).
-
-        Args:
-            kind: The state's type.
-            make: Builds it; default ``kind()``. It runs without the registry's lock.
+        :meth:`reset` drops it. ``make`` (default ``kind()``) runs without the lock;
+        concurrent first calls keep one object.
         """
         found = self._states.get(kind)
         if found is None:
@@ -454,10 +363,7 @@ class PoolRegistry:
         return sorted((p.stats() for p in self.pools()), key=lambda s: (s.pool, s.device, s.lane))
 
     def memory_stats(self) -> dict[str, Any]:
-        """Return what every buffer holds, per backend, with PyTorch's figures on CUDA (JSON-able).
-
-        See :func:`wspool.memory.memory_stats`; reading it has no side effects.
-        """
+        """Return what every buffer holds, per backend (:func:`wspool.memory.memory_stats`)."""
         from wspool.memory import memory_stats
 
         return memory_stats(self._source())
@@ -480,11 +386,7 @@ class PoolRegistry:
         lane: str | None = None,
         **facts: object,
     ) -> torch.Tensor:
-        """Grow a pool ahead of time to ``nbytes`` or to what ``rule`` resolves to.
-
-        Raises:
-            ValueError: Neither or both of ``nbytes`` and ``rule`` are given.
-        """
+        """Grow a pool ahead of time to ``nbytes`` or to what ``rule`` resolves to (exactly one of them)."""
         if (nbytes is None) == (rule is None):
             raise ValueError("reserve() takes exactly one of nbytes= or rule=")
         target = self.pool(pool, device, lane=lane)
@@ -505,18 +407,11 @@ class PoolRegistry:
         lane: str | None = None,
         agree_group: Any = None,
     ) -> int:
-        """Resolve ``rule`` over every shape an engine will capture; grow once, to the largest.
+        """Resolve ``rule`` over every shape an engine will capture, grow once to the largest; return the capacity.
 
-        Args:
-            agree_group: A ``torch.distributed`` process group, e.g.
-                ``torch.distributed.group.WORLD``. Given, the largest size is
-                agreed with :func:`wspool.distributed.agree` (a collective: every
-                rank of the group calls ``warmup`` for the same pools in the same
-                order), so every rank grows once, to the maximum over the ranks,
-                and a rank that cannot grow raises on every rank. ``None``: local only.
-
-        Returns:
-            The pool's capacity afterwards, in bytes.
+        With ``agree_group`` (a ``torch.distributed`` group) the size is agreed by
+        :func:`wspool.distributed.agree`, a collective: every rank calls ``warmup``
+        for the same pools in the same order and grows to the maximum.
         """
         target = self.pool(pool, device, lane=lane)
         self._own_rule(pool, rule, device)
@@ -542,10 +437,8 @@ class PoolRegistry:
     def allowing_growth(self) -> contextlib.AbstractContextManager[None]:
         """Let the calling thread or task grow this registry's pools inside the block, even while frozen.
 
-        For an engine that builds a backend after a capture froze the registry:
-        the graphs captured before keep their buffers (a replaced buffer is
-        retired, not freed); every other context is still refused, and so is
-        growth while the current stream captures.
+        Captured graphs keep their buffers (a replaced one is retired); growth
+        while the current stream captures is still refused.
         """
         return self.freeze_state.allowing_growth()
 
@@ -556,12 +449,7 @@ class PoolRegistry:
 
     @contextmanager
     def frozen(self) -> Iterator[PoolRegistry]:
-        """Refuse growth inside the block.
-
-        Blocks are counted: with blocks open in several threads at once, the
-        registry stays frozen until the last one closes, and then is frozen
-        exactly when :meth:`freeze` was called without :meth:`unfreeze`.
-        """
+        """Refuse growth inside the block; blocks are counted across threads (frozen until the last one closes)."""
         token = self.freeze_state.enter()
         try:
             yield self
@@ -569,11 +457,7 @@ class PoolRegistry:
             self.freeze_state.leave(token)
 
     def release_retired(self) -> int:
-        """Free buffers kept for captured graphs; call once those graphs are gone.
-
-        Returns:
-            Bytes released across all pools.
-        """
+        """Free buffers kept for captured graphs, once those graphs are gone; return the bytes released."""
         return sum(p.release_retired() for p in self.pools())
 
     def _source(self) -> PoolSource:

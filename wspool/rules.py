@@ -185,13 +185,7 @@ _Eval = Callable[[_Facts], int]
 
 
 class SizeRule:
-    """A compiled sizing rule; see :func:`compile_rule`.
-
-    Attributes:
-        source: The rule as written.
-        setting: The key path of the rule (``pools.<pool>.rules.<name>``).
-        names: The facts the rule reads, sorted.
-    """
+    """A compiled sizing rule (:func:`compile_rule`); ``names`` are the facts it reads, sorted."""
 
     __slots__ = ("names", "setting", "source")
 
@@ -200,16 +194,9 @@ class SizeRule:
     names: tuple[str, ...]
 
     def resolve(self, facts: _Facts, defaults: _Facts | None = None) -> int:
-        """Return the rule's size in bytes for a call's facts.
+        """Return the rule's size in bytes for a call's ``facts``, over ``defaults``.
 
-        Args:
-            facts: The call's facts.
-            defaults: Facts read where ``facts`` lacks a name the rule reads
-                (a pool's default and device facts); ``facts`` wins.
-
-        Raises:
-            RuleError: A fact the rule reads is missing or not an integer, or
-                the result is not a positive size.
+        ``RuleError``: a fact is missing or not an integer, or the result is not a positive size.
         """
         raise NotImplementedError
 
@@ -308,11 +295,7 @@ class ExpressionRule(SizeRule):
         )
 
     def _checked(self, facts: _Facts) -> _Facts:
-        """Return the facts the rule reads as plain ints, or raise naming the first one that is not an integer.
-
-        Integers of other types (numpy integers, one-element integer tensors) are converted with
-        ``operator.index``; bool, float, Decimal, complex and anything unhashable are refused.
-        """
+        """Return the facts the rule reads as plain ints (``operator.index``; bool refused), or raise naming one."""
         plain: dict[str, object] = dict(facts)
         for name in self.names:
             value = facts[name]
@@ -426,20 +409,9 @@ def _show_facts(facts: _Facts, names: Sequence[str]) -> str:
 
 
 def compile_rule(source: object, setting: Sequence[str] = ()) -> SizeRule:
-    """Compile a rule from its configured value.
+    """Compile a configured size or expression; expressions without names fold to a :class:`LiteralRule`.
 
-    Args:
-        source: A size (``268435456``, ``"256MiB"``) or an expression string.
-        setting: The key path of the rule, named in errors.
-
-    Returns:
-        A :class:`LiteralRule` when the value is a plain size, else an
-        :class:`ExpressionRule`. Expressions without names are folded to
-        literals.
-
-    Raises:
-        RuleError: The value is not a size and not a valid expression, or a
-            literal size is not positive.
+    ``RuleError`` names ``setting`` for an invalid expression or a size that is not positive.
     """
     path = tuple(setting)
     if isinstance(source, bool) or not isinstance(source, (int, str)):

@@ -1,17 +1,11 @@
 """Replacing attributes of other libraries: targets, all-or-nothing groups, undo.
 
 wspool changes another library (an engine, FlashInfer) only through this module:
-a :class:`Target` names an attribute (a module function, a class attribute, or
-a by-name copy of either) and the parameters wspool knows it by; a
-:class:`TargetGroup` is patched whole or not at all; a :class:`PatchSet`
-applies groups, undoes them, and is idempotent. Nothing here imports torch or
-the libraries it patches until a target is located.
-
-Thread semantics: a :class:`PatchSet` applies and undoes under its own lock,
-which guards only its bookkeeping and the attribute writes; locating (which
-imports the target's module and so runs its code) happens before the lock is
-taken. Patch before serving: a patch is not meant to race with calls of the
-attribute it replaces.
+a :class:`Target` names an attribute and the parameters wspool knows it by; a
+:class:`TargetGroup` is patched whole or not at all; a :class:`PatchSet` applies
+and undoes groups, idempotently, under its own lock (locating, which imports the
+target's module, runs before it). Nothing is imported until a target is located.
+Patch before serving: a patch does not race with calls of what it replaces.
 """
 
 from __future__ import annotations
@@ -39,20 +33,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Target:
-    """One attribute of another library that wspool replaces.
+    """One attribute (``"f"`` or ``"Class.attr"`` of ``module``) of another library that wspool replaces.
 
-    Attributes:
-        module: The module that holds it.
-        path: The attribute in that module: ``"f"`` or ``"Class.attr"``.
-        parameters: The parameter names wspool knows it by; another signature is
-            not patched. ``None``: the attribute is not called (a module global).
-        make: Builds the replacement from the current value.
-        what: What it becomes, for the log lines and ``wspool doctor``.
-        optional: It may be absent from the version in use (a function of one
-            version, a by-name copy in a module some builds lack); absent, it is skipped.
-        requires: Module attributes the replacement reads, which must exist.
-        imported_only: Located only where its module is already imported (a by-name
-            copy: a later import binds the patched original); otherwise absent.
+    Another signature than ``parameters`` is not patched (``None``: not called, a
+    module global). An ``optional`` target absent from the version in use is skipped.
+    An ``imported_only`` target (a by-name copy) is located only where its module is
+    already imported: a later import binds the patched original.
     """
 
     module: str
@@ -72,12 +58,7 @@ class Target:
 
 @dataclass(frozen=True)
 class TargetGroup:
-    """Targets patched all or none: each needs the others to be safe.
-
-    Attributes:
-        name: What the group serves, for the log lines.
-        targets: Its targets, in the order they are patched.
-    """
+    """Targets patched all or none, in order: each needs the others to be safe."""
 
     name: str
     targets: tuple[Target, ...]
@@ -117,13 +98,11 @@ def _import(module: str) -> Any:
 def locate(target: Target) -> Located:
     """Return where ``target`` is and its current value, checked against what wspool knows.
 
-    Imports the target's module (running its code when not yet imported), except
-    for an ``imported_only`` target.
+    Imports its module; an ``imported_only`` target's only where it is already imported.
 
     Raises:
         TargetAbsent: Its module, class or attribute does not exist.
-        TargetChanged: It exists with other parameters or without a signature, a
-            required module attribute is missing, or its module fails to import.
+        TargetChanged: Its signature or a required attribute differs, or its module fails to import.
     """
     if target.imported_only and target.module not in sys.modules:
         raise TargetAbsent(f"module {target.module} is not imported yet (an import binds the patched original)")
@@ -158,13 +137,7 @@ def locate(target: Target) -> Located:
 
 @dataclass
 class PatchPlan:
-    """What :meth:`PatchSet.plan` found: the targets to patch, and what it leaves alone and why.
-
-    Attributes:
-        located: ``(target, where)`` of every target to patch, in order.
-        not_patched: ``"group (why)"`` for each group left as the library has it.
-        absent: The names of optional targets this version lacks.
-    """
+    """What :meth:`PatchSet.plan` found: the targets to patch, and what it leaves alone and why."""
 
     located: list[tuple[Target, Located]] = field(default_factory=list)
     not_patched: list[str] = field(default_factory=list)
@@ -190,10 +163,7 @@ class Patch:
 class PatchSet:
     """The patches one integration applied in this process; applies groups all or none, and undoes them.
 
-    Args:
-        all_or_nothing: A group that cannot be patched leaves every group
-            unpatched (the library keeps its own behaviour everywhere); otherwise
-            only that group is left, and the others are patched.
+    With ``all_or_nothing``, one group that cannot be patched leaves every group unpatched.
     """
 
     def __init__(self, *, all_or_nothing: bool = False) -> None:
@@ -229,15 +199,10 @@ class PatchSet:
         return plan
 
     def apply(self, plan: PatchPlan) -> list[Patch]:
-        """Apply every located target of ``plan``, all or none; return the patches applied.
+        """Apply every located target of ``plan``, all or none; return the patches (``[]`` if already applied).
 
-        Does nothing (and returns ``[]``) when this set already holds patches.
-
-        Raises:
-            PartialUndoError: A replacement failed and undoing the others failed
-                too; those stay patched and :meth:`names` lists them.
-            Exception: Whatever building or setting a replacement raised, after
-                every patch of this call was undone.
+        A failing replacement undoes this call's patches and re-raises;
+        :class:`PartialUndoError` if undoing fails too (:meth:`names` lists those left).
         """
         with self._lock:
             if self._patches:
@@ -265,10 +230,7 @@ class PatchSet:
             self._undo_hooks.append(hook)
 
     def undo(self) -> list[str]:
-        """Put every original back, newest first; return the names restored.
-
-        An attribute that something else replaced after wspool is left alone.
-        """
+        """Put every original back, newest first, except where something replaced wspool's; return the names."""
         with self._lock:
             patches = list(self._patches.values())
             self._patches = {}

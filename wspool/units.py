@@ -56,11 +56,7 @@ _BINARY_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
 
 
 def ceil_div(value: int, divisor: int) -> int:
-    """Return ``value / divisor`` rounded up, for a positive ``divisor``.
-
-    Raises:
-        ZeroDivisionError: ``divisor`` is not positive.
-    """
+    """Return ``value / divisor`` rounded up; ``ZeroDivisionError`` unless ``divisor`` is positive."""
     if divisor <= 0:
         raise ZeroDivisionError("ceil_div's divisor must be positive")
     return -(-value // divisor)
@@ -74,11 +70,7 @@ def positive_int(value: object) -> int | None:
 
 
 def round_up(value: int, multiple: int) -> int:
-    """Return the smallest multiple of ``multiple`` that is at least ``value``, for a positive ``multiple``.
-
-    Raises:
-        ZeroDivisionError: ``multiple`` is not positive.
-    """
+    """Return the smallest multiple of ``multiple`` at least ``value``; ``ZeroDivisionError`` unless it is positive."""
     if multiple <= 0:
         raise ZeroDivisionError("round_up's multiple must be positive")
     return ceil_div(value, multiple) * multiple
@@ -95,19 +87,9 @@ def _fail(message: str, setting: Sequence[str] | None) -> SizeError:
 
 
 def parse_size(value: object, *, setting: Sequence[str] | None = None) -> int:
-    """Parse a size into bytes.
+    """Parse an ``int`` or a string such as ``"1.5GiB"`` into bytes, ``0 <= size <= MAX_SIZE_BYTES``.
 
-    Args:
-        value: An ``int`` or a string such as ``"256MiB"``, ``"1.5GiB"``,
-            ``"128MB"`` or ``"4096"``.
-        setting: The key path this value came from, named in errors.
-
-    Returns:
-        The size in bytes, ``0 <= size <= MAX_SIZE_BYTES``.
-
-    Raises:
-        SizeError: For booleans, floats, negatives, NaN, empty strings, unknown
-            units and sizes above :data:`MAX_SIZE_BYTES`.
+    ``SizeError``, naming ``setting``: booleans, floats, negatives, NaN, empty strings, unknown units, too large.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise _fail(
@@ -146,12 +128,9 @@ def parse_size(value: object, *, setting: Sequence[str] | None = None) -> int:
 
 
 def format_size(nbytes: int) -> str:
-    """Format a byte count for people: ``268435456`` -> ``"256MiB"``; any integer, however large.
+    """Format a byte count for people: ``268435456`` -> ``"256MiB"``, ``17301504`` -> ``"16.5MiB"``, ``"123B"``.
 
-    Exact multiples print without decimals; other sizes of 1 KiB or more print
-    with up to two decimals of the largest binary unit that fits
-    (``17301504`` -> ``"16.5MiB"``); smaller sizes print as ``"123B"``. A count of
-    more than 40 digits prints in scientific notation (``"1e+400B"``).
+    Up to two decimals of the largest binary unit that fits; over 40 digits, scientific notation.
     """
     sign, magnitude = ("-" if nbytes < 0 else ""), abs(nbytes)
     if magnitude >= 10**MAX_EXACT_DIGITS:

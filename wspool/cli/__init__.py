@@ -1,11 +1,7 @@
 """The ``wspool`` command: doctor, demo, show, resolve, stats, bench, calibrate.
 
-Bad input exits with status 2 and one line on stderr naming the option and
-what it expects, never a traceback; a bare ``wspool`` prints the usage. The
-parser imports neither torch nor FlashInfer, so ``--help`` and ``--version``
-start at once: each command imports what it needs when it runs. The commands
-live in :mod:`wspool.cli.commands`, :mod:`wspool.cli.doctor` and
-:mod:`wspool.tools`.
+Bad input exits with status 2 and one line on stderr, never a traceback. The
+parser imports neither torch nor FlashInfer; each command imports what it needs.
 """
 
 from __future__ import annotations

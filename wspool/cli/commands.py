@@ -1,12 +1,8 @@
 """The ``wspool`` commands that inspect or exercise the configuration: show, resolve, stats and demo.
 
-``show``, ``resolve`` and ``stats`` read the settings and resolve rules;
-``stats`` requests every rule on the meta device, so none of them allocates
-device memory. Every value they print names its real origin (a file and its
-key, a ``WSPOOL_*`` variable, an engine's own variable, a shipped
-configuration, a profile, a built-in default). Each prints to stdout, wrapped
-to 100 columns, and returns the exit status; bad input raises for
-:func:`wspool.cli.main` to report in one line.
+``show``, ``resolve`` and ``stats`` allocate no device memory (``stats`` uses the
+meta device); every value they print names its origin. Each returns the exit
+status; bad input raises for :func:`wspool.cli.main` to report.
 """
 
 from __future__ import annotations
@@ -144,12 +140,7 @@ def _origin(row: dict[str, Any]) -> str:
 
 
 def _int_workspaces(registry: PoolRegistry, device: str, provenance: Provenance) -> dict[str, Any]:
-    """Whether MLA wrappers take wspool's int workspaces here, and the rules that size them, with their origins.
-
-    FlashInfer is imported to tell; where its import fails (missing, or a missing CUDA
-    library: an ``OSError``, a ``RuntimeError``), the status says so and why, and the
-    rules, which need no FlashInfer, are still listed.
-    """
+    """Whether MLA wrappers take wspool's int workspaces here (or why FlashInfer fails to import), and their rules."""
     from wspool.flashinfer import wrapper_buffers
 
     wrapper_buffers.declare_int_pool(registry)
@@ -177,11 +168,7 @@ def _rule_origin(provenance: Provenance, pool_rule: tuple[str, str]) -> str:
 
 
 def _fact_warnings(profiles: Iterable[tuple[WspoolSettings, Provenance]]) -> list[str]:
-    """One line per rule of a pool wspool does not own that reads a fact nothing known supplies.
-
-    Loading refuses such a rule in wspool's own pools; another pool's facts may come
-    from the backend that declares it in code, so its rule is flagged, not refused.
-    """
+    """One line per rule of a pool wspool does not own reading a fact nothing known supplies (flagged, not refused)."""
     lines: dict[tuple[str, ...], str] = {}
     for settings, provenance in profiles:
         for path, source, names in unknown_rule_facts(settings):

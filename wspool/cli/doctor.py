@@ -1,17 +1,10 @@
 """``wspool doctor``: one command that says what a bug report about wspool needs, and what is wrong.
 
-It reports wspool's, Python's, torch's and FlashInfer's versions, the CUDA
-devices and the profile each gets, every engine wspool integrates (installed,
-supported, its entry point registered, switched off or on, what it would
-patch), the active configuration with every value that differs from the
-built-in defaults and its source, and the problems found, one line each with
-the setting or command that fixes it. Exit status 0: no problem; 1: problems.
-
-It reads package metadata and files, never imports an engine, and creates no
-CUDA context: on a machine without an NVIDIA driver, or with a CPU build of
-torch, it does not import torch either, so it answers at once. Where an
-engine is installed it imports wspool's integration package for it (and so
-torch) to list the targets. Not thread-safe: a command.
+It reports versions, devices and their profiles, every engine integration, the
+configuration's non-default values with their sources, and each problem with
+its fix; exit status 1 when there are problems. It never imports an engine and
+creates no CUDA context; without an NVIDIA driver or with a CPU torch it does
+not import torch either. Not thread-safe: a command.
 """
 
 from __future__ import annotations
@@ -61,13 +54,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def diagnose(config: str | None = None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Return the doctor's report as JSON-able data; ``report["problems"]`` lists what is wrong.
-
-    Args:
-        config: The configuration named on the command line (``None``: ``WSPOOL_CONFIG``, else none).
-        environ: The environment the engines' switches and plugin variables are read from;
-            default ``os.environ``.
-    """
+    """Return the doctor's report as JSON-able data; ``report["problems"]`` lists what is wrong."""
     env = os.environ if environ is None else environ
     problems: list[str] = []
     configuration, settings, provenance = _configuration(config, problems)

@@ -1,11 +1,9 @@
 """MLA decode's kernel paths: which path a device runs, its Blackwell arguments, and the float workspace it needs.
 
-``select_path`` resolves ``backend="auto"`` in wspool (``fa3`` on SM90,
-``fa2`` on other GPUs, ``trtllm-gen`` or ``cute-dsl`` on Blackwell,
-``reference`` on the CPU), so the buffer's size never picks the kernel; each
-path's need is then known before FlashInfer is called. The MLA geometry and
-the Blackwell compute capabilities live here once. Pure functions apart from
-FlashInfer's own size function (CPU-only); thread-safe. docs/flashinfer-versions.md.
+wspool resolves ``backend="auto"`` itself, so the buffer's size never picks the
+kernel and each path's need is known before FlashInfer is called (paths:
+docs/kernels.md; versions: docs/flashinfer-versions.md). Pure functions apart
+from FlashInfer's own size function, which runs on the CPU; thread-safe.
 """
 
 from __future__ import annotations
@@ -53,14 +51,7 @@ _TRTLLM_PAGE_SIZES = (32, 64)
 
 @dataclass(frozen=True)
 class DCPArgs:
-    """Decode-context-parallel arguments of one MLA decode plan (all defaults: no DCP).
-
-    Attributes:
-        enable_dcp: Whether this rank holds every ``cp_world``-th token of each request.
-        cp_world: The DCP group's size.
-        cp_rank: This rank's index in it.
-        causal_seqlens_kv_global: ``[batch]`` int32 global lengths (the causal bound), with DCP.
-    """
+    """Decode-context-parallel arguments of one MLA decode plan (all defaults: no DCP)."""
 
     enable_dcp: bool = False
     cp_world: int = 1
@@ -88,18 +79,9 @@ def check_dcp(
     batch_size: int,
     device: torch.device,
 ) -> DCPArgs:
-    """Validate the DCP arguments of a plan; return them.
+    """Validate a plan's DCP arguments and return them; ``ValueError`` names a bad one.
 
-    Args:
-        enable_dcp, cp_world, cp_rank, causal_seqlens_kv_global: As the plan was given them.
-        backend: The backend asked for (``"auto"`` or a concrete one).
-        return_lse: Whether the plan returns the LSE (DCP merges rank-local results by it).
-        batch_size: Requests in the plan.
-        device: The plan's device.
-
-    Raises:
-        ValueError: Naming the argument: a wrong type or range, ``cp_rank >= cp_world``,
-            DCP arguments without ``enable_dcp=True``, or DCP with a backend or option that lacks it.
+    DCP needs ``return_lse`` (ranks merge by it) and a backend that has it.
     """
     if not isinstance(enable_dcp, bool):
         raise ValueError(f"enable_dcp must be True or False, got {enable_dcp!r}")
@@ -140,11 +122,7 @@ def check_dcp(
 
 
 def blackwell_backend(backend: str, *, num_heads: int, page_size: int, enable_dcp: bool) -> str:
-    """Resolve ``backend`` on a Blackwell GPU to ``"trtllm-gen"`` or ``"cute-dsl"``.
-
-    ``"auto"`` takes trtllm-gen, as vLLM does, unless the call needs cute-dsl:
-    DCP, or a head count or page size trtllm-gen cannot tile.
-    """
+    """Resolve ``backend`` on Blackwell: ``"auto"`` is trtllm-gen unless DCP or the shape needs cute-dsl."""
     if backend != "auto":
         return backend
     if enable_dcp or 64 < num_heads < 128 or page_size not in _TRTLLM_PAGE_SIZES:
@@ -162,15 +140,7 @@ def cute_dsl_workspace_bytes(
     max_seq_len: int,
     enable_dcp: bool,
 ) -> int:
-    """Return the workspace bytes FlashInfer's cute-dsl MLA decode needs for these facts.
-
-    Asks FlashInfer itself: the size function of the cute-dsl implementation
-    its dispatcher picks for the call (monolithic with DCP), called the way
-    its own autotuner calls it. It runs on the CPU.
-
-    Raises:
-        ImportError: The installed FlashInfer has no such function (the message names its version).
-    """
+    """Return the workspace bytes FlashInfer's cute-dsl MLA decode needs, asking its own size function on the CPU."""
     resolve, call = cute_dsl_sizer_functions()
     try:
         sizer, impl = resolve("auto", None, enable_dcp)
@@ -189,12 +159,7 @@ PRIVATE_NAMES_READ = "flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 and 0.7.4"
 
 
 def cute_dsl_sizer_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Return FlashInfer's private ``flashinfer.mla._core._resolve_cute_dsl_workspace_sizer`` and
-    ``_call_cute_dsl_workspace_sizer``: there is no public size function (read from :data:`PRIVATE_NAMES_READ`).
-
-    Raises:
-        ImportError: The installed FlashInfer has neither (the message names its version and the ones read).
-    """
+    """Return FlashInfer's private cute-dsl size functions (:data:`PRIVATE_NAMES_READ`); ``ImportError`` if absent."""
     try:
         core = importlib.import_module("flashinfer.mla._core")
         return core._resolve_cute_dsl_workspace_sizer, core._call_cute_dsl_workspace_sizer
@@ -214,11 +179,7 @@ _checked: set[int] = set()
 
 
 def check_kernel_keywords(kernel: Callable[..., Any], keywords: Iterable[str]) -> None:
-    """Check once per kernel that it takes every keyword wspool passes.
-
-    Raises:
-        TypeError: It lacks one; the message names the installed FlashInfer version.
-    """
+    """Check once per kernel that it takes every keyword wspool passes; ``TypeError`` names the FlashInfer version."""
     if id(kernel) in _checked:
         return
     try:
@@ -273,16 +234,9 @@ def sm_count(device: torch.device) -> int:
 def select_path(
     device: torch.device, backend: str = "auto", *, num_heads: int = 128, page_size: int = 64, enable_dcp: bool = False
 ) -> str:
-    """Return the concrete kernel path for ``device``, never ``"auto"``.
+    """Return the concrete kernel path for ``device``, never ``"auto"`` (the table in docs/kernels.md).
 
-    ``"auto"`` is ``"reference"`` on the CPU, trtllm-gen or cute-dsl on
-    Blackwell (see :func:`~wspool.flashinfer.backends.blackwell_backend`:
-    ``num_heads``, ``page_size`` and ``enable_dcp`` decide), ``"fa3"`` on
-    Hopper (SM90) and ``"fa2"`` on every other CUDA device.
-
-    Raises:
-        ValueError: ``backend`` is unknown, names a GPU kernel for a CPU device,
-            or a Blackwell kernel for another GPU.
+    ``ValueError``: ``backend`` is unknown or not for this device.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown MLA decode backend {backend!r} (choose one of {', '.join(BACKENDS)})")
@@ -318,11 +272,7 @@ def call_facts(
     kv_lora_rank: int = KV_LORA_RANK,
     qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
 ) -> dict[str, int]:
-    """Return the facts an MLA decode call passes to its pool's rules (``cp_world`` left out when ``None``).
-
-    The one place the fact names of an MLA call are spelled: the plan, the
-    calibration sweep and the benchmark all build them here.
-    """
+    """Return the facts an MLA decode call passes to its pool's rules (``cp_world`` left out when ``None``)."""
     facts = {
         "batch_size": batch_size,
         "q_len": q_len,
@@ -355,18 +305,7 @@ def path_need_bytes(
     return_lse: bool,
     enable_dcp: bool = False,
 ) -> int:
-    """Return the float workspace bytes ``path`` is known to need for one plan's facts.
-
-    Args:
-        path: A concrete path: ``"fa3"``, ``"fa2"``, ``"trtllm-gen"``, ``"cute-dsl"`` or ``"reference"``.
-        sm_count: The device's streaming multiprocessors.
-        batch_size, q_len, num_heads, kv_lora_rank, max_seq_len: The plan's shape.
-        return_lse: Whether the LSE is returned.
-        enable_dcp: Whether the call runs decode-context parallel (cute-dsl).
-
-    Raises:
-        ValueError: ``path`` is not a concrete path.
-    """
+    """Return the float workspace bytes concrete ``path`` is known to need for one plan's facts."""
     if path in ("fa3", "fa2"):
         return fa_mla_float_workspace_bytes(
             sm_count=sm_count, num_heads=num_heads, q_len=q_len, kv_lora_rank=kv_lora_rank

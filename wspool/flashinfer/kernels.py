@@ -1,12 +1,9 @@
 """Every FlashInfer call wspool makes, built in one place, the MLA wrappers built on a pool's buffer, and their owners.
 
-Each ``*_kwargs`` function returns the exact keyword arguments wspool passes,
-so the CPU tests bind them to the installed FlashInfer's signatures.
-FlashInfer is imported lazily, with an install hint when it is missing.
-Wrappers are built with normal (never inference) tensors and cached in the
-pool's ``buffer_cache``, so none outlives the buffer it was built on; which
-plan last planned a wrapper's int workspace is recorded beside it
-(:func:`ownership`), never on FlashInfer's object.
+Each ``*_kwargs`` function returns the exact keyword arguments wspool passes, so
+the CPU tests bind them to the installed FlashInfer's signatures. FlashInfer is
+imported lazily. Wrappers are built with normal (never inference) tensors and
+cached in the pool's ``buffer_cache``, so none outlives its buffer.
 """
 
 from __future__ import annotations
@@ -52,11 +49,7 @@ _flashinfer_mla: ModuleType | None = None
 
 
 def load_flashinfer_mla() -> ModuleType:
-    """Import ``flashinfer.mla`` (once; planning calls this every step).
-
-    Raises:
-        ImportError: FlashInfer is not installed, with an install hint.
-    """
+    """Import ``flashinfer.mla`` once; ``ImportError`` with an install hint when FlashInfer is missing."""
     global _flashinfer_mla
     if _flashinfer_mla is None:
         try:
@@ -87,13 +80,8 @@ def trtllm_decode_kwargs(
 ) -> dict[str, Any]:
     """Arguments of ``flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla`` (Blackwell), as vLLM passes them.
 
-    Args:
-        backend: ``"trtllm-gen"`` or ``"cute-dsl"`` (never ``"auto"``: wspool chose the kernel).
-        dcp: The decode-context-parallel arguments (cute-dsl only).
-        counters: trtllm-gen's multi-CTA counters, from their own pool, so they are
-            allocated once, zeroed once, and never reallocated behind a captured
-            graph; ``None`` for cute-dsl, which takes none.
-        workspace: The pool's ``uint8`` buffer; cute-dsl gets its ``int8`` view.
+    ``counters`` (trtllm-gen only) come from their own pool, so they are zeroed
+    once and never reallocated behind a captured graph.
     """
     return {
         "query": query,
@@ -132,14 +120,7 @@ def wrapper_init_kwargs(
     backend: str,
     graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Arguments of ``BatchMLAPagedAttentionWrapper(...)`` (Hopper and Ampere).
-
-    Args:
-        workspace: The float workspace from the pool.
-        backend: ``"fa3"`` or ``"fa2"`` (wspool resolves ``"auto"`` itself).
-        graph_buffers: ``(qo_indptr, kv_indptr, kv_indices, kv_len_arr)`` fixed
-            buffers for CUDA-graph mode, or ``None`` for eager mode.
-    """
+    """Arguments of ``BatchMLAPagedAttentionWrapper(...)``; ``graph_buffers`` ``None`` for eager mode."""
     kwargs: dict[str, Any] = {"float_workspace_buffer": workspace, "backend": backend}
     if graph_buffers is not None:
         qo_indptr, kv_indptr, kv_indices, kv_len_arr = graph_buffers
@@ -204,11 +185,7 @@ def wrapper_run_kwargs(
 
 
 def load_flashinfer_attention() -> ModuleType:
-    """Import ``flashinfer`` (its paged decode and prefill wrappers).
-
-    Raises:
-        ImportError: FlashInfer is not installed, with an install hint.
-    """
+    """Import ``flashinfer`` (its paged wrappers); ``ImportError`` with an install hint when it is missing."""
     try:
         return importlib.import_module("flashinfer")
     except ImportError as exc:
@@ -256,11 +233,7 @@ def paged_decode_plan_kwargs(
 def paged_decode_run_kwargs(
     *, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool
 ) -> dict[str, Any]:
-    """Arguments of ``BatchDecodeWithPagedKVCacheWrapper.run``.
-
-    Its LSE is base 2 (FlashInfer's convention; the decode wrapper has no
-    ``lse_base``): the op converts it to the natural log.
-    """
+    """Arguments of ``BatchDecodeWithPagedKVCacheWrapper.run``, whose LSE is base 2 (the op converts it)."""
     return {"q": query, "paged_kv_cache": kv_cache, "out": out, "lse": lse, "return_lse": return_lse}
 
 
@@ -318,10 +291,7 @@ def paged_prefill_run_kwargs(
 def graph_buffers(
     batch_size: int, max_pages: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A CUDA-graph wrapper's fixed index buffers: ``(qo_indptr, kv_indptr, kv_indices, kv_len)``.
-
-    Normal tensors (never inference tensors): FlashInfer copies into them at every plan, in any mode.
-    """
+    """A CUDA-graph wrapper's fixed index buffers, normal tensors since FlashInfer copies into them every plan."""
     with torch.inference_mode(False):
         return (
             torch.empty(batch_size + 1, dtype=torch.int32, device=device),
@@ -345,12 +315,7 @@ def make_wrapper(
 
 
 def shared_wrapper(pool: WorkspacePool, workspace: torch.Tensor, backend: str, lse: bool) -> Any:
-    """One eager wrapper per (pool instance, buffer, backend, LSE mode), shared by the plans of successive steps.
-
-    Each wrapper holds 16 MiB of FlashInfer's own buffers. It lives in the pool's
-    ``buffer_cache``, which the pool empties when it replaces the buffer, so no
-    cached wrapper outlives the buffer it was built on.
-    """
+    """One eager wrapper per (pool instance, buffer, backend, LSE mode), shared by successive steps' plans."""
     key = ("mla", backend, lse)
     wrapper = pool.buffer_cache.get(key)
     if wrapper is None:
@@ -365,14 +330,7 @@ _ownership: weakref.WeakKeyDictionary[Any, PlanOwner] = weakref.WeakKeyDictionar
 
 
 def ownership(wrapper: Any) -> PlanOwner:
-    """Return the record of the int workspace ``wrapper`` plans into, made on first use.
-
-    A wrapper bound to a wspool region (:mod:`wspool.flashinfer.wrapper_buffers`)
-    answers with the region's record, shared by every wrapper on that region;
-    any other wrapper with a record of its own. Every plan of the wrapper gets
-    the same one. A plan looks the record up when it plans and keeps it, so the
-    per-layer call compares one attribute and never touches this table.
-    """
+    """Return the record of the int workspace ``wrapper`` plans into (its region's, if bound), made on first use."""
     binding = binding_of(wrapper)
     if binding is not None:
         return binding.region.record
@@ -383,22 +341,12 @@ def ownership(wrapper: Any) -> PlanOwner:
 
 
 def wrapper_backend(wrapper: Any) -> str | None:
-    """Return the backend a FlashInfer wrapper resolved (its private ``_backend``), ``None`` where it has none.
-
-    FlashInfer has no public name for it; read from :data:`~wspool.flashinfer.backends.PRIVATE_NAMES_READ`
-    (``BatchMLAPagedAttentionWrapper`` and the paged and ragged prefill wrappers set it).
-    """
+    """Return the backend a FlashInfer wrapper resolved (its private ``_backend``), ``None`` where it has none."""
     return getattr(wrapper, "_backend", None)
 
 
 def wrapper_float_workspace(wrapper: Any) -> torch.Tensor:
-    """Return the float workspace a FlashInfer wrapper was built on (its private ``_float_workspace_buffer``).
-
-    FlashInfer has no public getter; read from :data:`~wspool.flashinfer.backends.PRIVATE_NAMES_READ`.
-
-    Raises:
-        AttributeError: The wrapper has no such attribute (a FlashInfer release not read), named.
-    """
+    """Return the float workspace a FlashInfer wrapper was built on (its private ``_float_workspace_buffer``)."""
     try:
         return wrapper._float_workspace_buffer  # type: ignore[no-any-return]
     except AttributeError:

@@ -1,11 +1,9 @@
 """How FlashInfer's MLA kernels carve their workspace, and page tables: their checks and FlashInfer's CSR form.
 
-The fa2/fa3 planned wrapper (Hopper, Ampere) and the trtllm-gen launcher
-(Blackwell) carve the float workspace as read from FlashInfer's sources; the
-sizes here are what the default profiles' rules compute (docs/kernels.md).
-The page-table checks are the ones every plan makes before anything grows; the
-CSR conversion runs on the tensors' device without a host sync. Pure
-functions; thread-safe.
+The carves follow FlashInfer's fa2/fa3 wrapper and trtllm-gen launcher; the
+default profiles' rules compute these sizes (docs/kernels.md). Every plan makes
+the page-table checks before anything grows; the CSR conversion runs on the
+tensors' device. Pure functions; thread-safe.
 """
 
 from __future__ import annotations
@@ -41,14 +39,7 @@ FA_MLA_WORKSPACE_RULE = "64 * sm_count * (4 * kv_lora_rank + 8)"
 
 
 def fa_mla_float_workspace_bytes(*, sm_count: int, num_heads: int, q_len: int, kv_lora_rank: int = 512) -> int:
-    """Return the bytes FlashInfer's fa2/fa3 MLA ``plan()`` carves from a 16-byte aligned workspace.
-
-    Args:
-        sm_count: The device's streaming multiprocessors.
-        num_heads: Query heads.
-        q_len: Query tokens per request (all requests alike).
-        kv_lora_rank: The latent width, FlashInfer's ``head_dim_ckv`` (the output's head dim).
-    """
+    """Return the bytes FlashInfer's fa2/fa3 MLA ``plan()`` carves from a 16-byte aligned workspace."""
     cluster_size = 2 if q_len * num_heads > 64 else 1
     rows = (sm_count // cluster_size) * 64 * cluster_size
     partial_o = 2 * rows * 2 * kv_lora_rank
@@ -69,22 +60,14 @@ def softmax_slab_bytes(num_heads: int, batch_size: int, q_len: int) -> int:
 
 
 class AlignedCarver:
-    """Carves aligned regions from a workspace front to back, like FlashInfer's ``AlignedAllocator``.
-
-    Args:
-        capacity_bytes: The workspace's size.
-    """
+    """Carves aligned regions from a workspace front to back, like FlashInfer's ``AlignedAllocator``."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.offset = 0
 
     def carve(self, name: str, size_bytes: int, alignment: int = 16) -> int:
-        """Return the offset of a new region.
-
-        Raises:
-            RuntimeError: With FlashInfer's exact message when it does not fit.
-        """
+        """Return the offset of a new region; raise ``RuntimeError`` with FlashInfer's message if it does not fit."""
         start = round_up(self.offset, alignment)
         available = self.capacity_bytes - self.offset
         if start + size_bytes > self.capacity_bytes:
@@ -109,17 +92,8 @@ def carve_trtllm_mla_workspace(
 ) -> dict[str, int]:
     """Carve a workspace as the trtllm-gen launcher does; return each region's offset.
 
-    Args:
-        capacity_bytes: The workspace's size.
-        num_heads: Query heads.
-        batch_size: Requests.
-        q_len: Query tokens per request.
-        return_lse: Whether the softmax slab is carved.
-        scratch_bytes: What the kernel's scratch needs behind the slab.
-        counter_prefix_bytes: 8 MiB to model FlashInfer 0.6.12-0.6.14, else 0.
-
-    Raises:
-        RuntimeError: FlashInfer's overflow message, when a region does not fit.
+    ``counter_prefix_bytes`` is 8 MiB to model FlashInfer 0.6.12-0.6.14. A region
+    that does not fit raises ``RuntimeError`` with FlashInfer's overflow message.
     """
     carver = AlignedCarver(capacity_bytes)
     offsets = {}
@@ -134,11 +108,7 @@ def carve_trtllm_mla_workspace(
 
 
 def check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.device) -> None:
-    """Check that ``tensor`` is a ``dim``-D integer tensor on ``device`` (the page table's device).
-
-    Raises:
-        ValueError: It is not, naming ``name``.
-    """
+    """Check that ``tensor`` is a ``dim``-D integer tensor on ``device``, else raise ``ValueError`` naming ``name``."""
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in (torch.int32, torch.int64):
         shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ValueError(f"{name} must be a {dim}-D int32 tensor, got {shown}")
@@ -147,15 +117,10 @@ def check_int_tensor(name: str, tensor: torch.Tensor, dim: int, device: torch.de
 
 
 def check_page_table(block_tables: torch.Tensor, seq_lens: torch.Tensor, **sizes: object) -> tuple[torch.device, int]:
-    """Check a plan's page table, its lengths and its sizes; return the plan's device and batch size.
+    """Check a plan's page table, its lengths and positive ``sizes``; return the plan's device and batch size.
 
-    Args:
-        block_tables: ``[batch, max_pages]`` integer page ids; their device is the plan's.
-        seq_lens: ``[batch]`` integer lengths on the same device.
-        **sizes: Each must be a positive integer (``num_heads=...``, ``page_size=...``), checked in order.
-
-    Raises:
-        ValueError: A bad argument, named.
+    ``block_tables`` is ``[batch, max_pages]``, ``seq_lens`` ``[batch]``, both integer, on
+    the plan's device. A bad argument raises ``ValueError``, naming it.
     """
     # A non-tensor page table fails its check before the device is ever compared.
     device = block_tables.device if isinstance(block_tables, torch.Tensor) else torch.device("cpu")
@@ -171,14 +136,7 @@ def check_page_table(block_tables: torch.Tensor, seq_lens: torch.Tensor, **sizes
 
 
 class CSRPageTable(NamedTuple):
-    """A page table in CSR form; every tensor int32 on the page table's device.
-
-    Attributes:
-        indptr: ``[batch + 1]`` offsets of each request's pages in ``indices``.
-        indices: ``[live pages]`` page ids.
-        lengths: ``[batch]`` token counts.
-        pages: ``[batch]`` live pages per request.
-    """
+    """A page table in CSR form (``indptr`` ``[batch + 1]``, ``indices`` of live pages); int32 on its device."""
 
     indptr: torch.Tensor
     indices: torch.Tensor
@@ -192,15 +150,7 @@ def page_table_to_csr(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_s
 
 
 class CSRConstants(NamedTuple):
-    """What the conversion needs that depends only on the page table's shape and device.
-
-    Made once per plan: a caller converting every step passes it to
-    :func:`csr_parts` and saves the kernel launches and host work of remaking it.
-
-    Attributes:
-        zero: ``[1]`` int32 zero (the leading ``indptr`` entry).
-        page_positions: ``[1, max_pages]`` page positions ``0 .. max_pages - 1``.
-    """
+    """What the conversion needs that depends only on the page table's shape and device, made once per plan."""
 
     zero: torch.Tensor
     page_positions: torch.Tensor
@@ -219,12 +169,9 @@ class CSRConstants(NamedTuple):
 def csr_parts(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, constants: CSRConstants
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conversion, as a plain ``(indptr, indices, lengths, pages)`` tuple (the per-step form).
+    """The conversion as a plain ``(indptr, indices, lengths, pages)`` tuple, in the fewest tensor operations.
 
-    Every operation here costs host time once per step, so it uses the fewest
-    tensor operations: one add and one divide for the page counts, a cumulative
-    sum and a concatenation for the offsets, a comparison and a masked select
-    (the host sync) for the live pages.
+    The masked select of the live pages is the step's one host sync.
     """
     lengths = seq_lens.to(torch.int32)
     pages = torch.floor_divide(lengths + (page_size - 1), page_size)
@@ -238,10 +185,7 @@ StepConstants = tuple[CSRConstants, torch.Tensor]
 
 
 def step_constants(block_tables: torch.Tensor, batch_size: int, q_len: int, device: torch.device) -> StepConstants:
-    """Make what the conversion needs that the plan's shapes fix: made once, never written.
-
-    FlashInfer may keep a reference to the query offsets until the step's last run.
-    """
+    """Make what the conversion needs that the plan's shapes fix, never written (FlashInfer may keep references)."""
     with torch.inference_mode(False):
         offsets = torch.arange(0, (batch_size + 1) * q_len, q_len, dtype=torch.int32, device=device)
     return CSRConstants.for_table(block_tables), offsets
@@ -256,11 +200,8 @@ def wrapper_metadata(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convert the page table to FlashInfer's ``(qo_indptr, kv_indptr, kv_indices, lengths)``, on the device.
 
-    Args:
-        graph_capacity: The page capacity of a CUDA-graph plan's fixed buffers; ``None`` for eager plans.
-
-    Raises:
-        ValueError: The live pages exceed ``graph_capacity``.
+    ``graph_capacity`` is the page capacity of a graph plan's fixed buffers; more
+    live pages raise ``ValueError``.
     """
     kv_indptr, kv_indices, lengths, _ = csr_parts(block_tables, seq_lens, page_size, constants[0])
     if graph_capacity is not None and kv_indices.numel() > graph_capacity:

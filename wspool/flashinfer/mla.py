@@ -1,12 +1,9 @@
 """MLA decode (DeepSeek / Kimi geometry) planned once per step, run once per layer, on a pool's buffer.
 
-:func:`mla_decode_plan` checks the step's metadata, sizes the workspace for its kernel path and
-prepares the kernel; :meth:`MLADecodePlan.run` calls it per layer. Device: a plan lives on its
-tensors' device. Capture: with ``use_cuda_graph=True`` the plan's buffers never move and
-:meth:`MLADecodePlan.replan` updates them in place; a plan never replans during capture. FlashInfer's
-own int workspace and pinned copy come right-sized from pool ``flashinfer_int``
-(:mod:`~wspool.flashinfer.wrapper_buffers`). Threads: one thread uses a plan at a time.
-Paths and sizes: docs/kernels.md.
+A plan lives on its tensors' device and is used by one thread at a time. With
+``use_cuda_graph=True`` its buffers never move, :meth:`MLADecodePlan.replan`
+updates them in place, and it never replans during capture. Paths and sizes:
+docs/kernels.md; FlashInfer's int workspace: docs/wrapper-buffers.md.
 """
 
 from __future__ import annotations
@@ -57,17 +54,7 @@ class _RulesBelowNeed(set[tuple[str, str, str]]):
 
 @dataclass(frozen=True)
 class MLAGeometry:
-    """The MLA shape a plan's kernel is built for.
-
-    Attributes:
-        num_heads: Query heads.
-        page_size: Tokens per KV-cache page.
-        q_dtype: The query's dtype.
-        kv_dtype: The KV cache's dtype.
-        kv_lora_rank: The latent (compressed KV) width, also the output's features per head.
-        qk_rope_head_dim: The rope width per head.
-        qk_nope_head_dim: The non-rope query-key width per head (the Blackwell kernels take it).
-    """
+    """The MLA shape a plan's kernel is built for; ``kv_lora_rank`` is also the output's features per head."""
 
     num_heads: int
     page_size: int
@@ -85,18 +72,7 @@ class MLAGeometry:
 
 @dataclass(frozen=True, eq=False)
 class MLAStep:
-    """One engine step as a plan serves it: the checked metadata (the caller's tensors, held by reference).
-
-    Attributes:
-        block_tables: ``[batch, max_pages]`` int32 page ids.
-        seq_lens: ``[batch]`` int32 cached lengths (the new query tokens included).
-        max_seq_len: An upper bound of ``seq_lens``.
-        q_len: Query tokens per request.
-        sm_scale: Softmax scale.
-        return_lse: Whether the natural-log LSE is returned.
-        batch_size: Requests, as planned.
-        device: The device of the metadata, and of the plan.
-    """
+    """One engine step as a plan serves it: the checked metadata (the caller's tensors, held by reference)."""
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
@@ -139,32 +115,15 @@ def mla_decode_plan(
 
     Args:
         block_tables: ``[batch, max_pages]`` int32 page ids, on the decode device.
-        seq_lens: ``[batch]`` int32 cached lengths (the new query tokens included).
-        max_seq_len: An upper bound of ``seq_lens``.
-        num_heads: Query heads.
-        sm_scale: Softmax scale.
-        page_size: Tokens per KV-cache page.
-        q_len: Query tokens per request (1 for plain decode).
-        q_dtype: Query dtype; ``kv_dtype`` defaults to it.
+        seq_lens: ``[batch]`` int32 cached lengths, the new query tokens included.
         return_lse: Also return the natural-log LSE; sizes the workspace with rule ``lse``.
-        registry: The registry; default :func:`wspool.get_registry`.
-        pool: The pool to draw from.
         backend: ``"auto"``, ``"reference"``, ``"trtllm-gen"``, ``"cute-dsl"``, ``"fa3"`` or ``"fa2"``.
-        lane: The pool lane (for concurrent streams).
         use_cuda_graph: Build the wrapper with fixed index buffers so ``run`` can be captured.
-        kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim: The MLA geometry (DeepSeek's by default).
-        facts: Extra facts for the rules (e.g. ``{"cp_world": 4}``); facts the rules read that
-            neither the plan nor these give come from the pool's default facts
-            (``pools.<pool>.facts``, e.g. ``cp_world: 1``), then from the device.
-        enable_dcp: Decode-context parallel (Blackwell's cute-dsl kernel, as vLLM calls it);
-            needs ``return_lse=True`` and ``causal_seqlens_kv_global``.
-        cp_world, cp_rank: The DCP group's size and this rank (``cp_rank < cp_world``); with
-            ``enable_dcp``, ``cp_world`` is also the rules' fact of that name.
-        causal_seqlens_kv_global: ``[batch]`` int32 global KV lengths, with ``enable_dcp``.
-        int_group: With ``use_cuda_graph``, graph plans given one name on one pool, device and
-            lane share one int workspace region: only for plans never live at once, each
-            replanned right before its replay (:meth:`MLADecodePlan.replay` checks it).
-            ``None``: a region of the plan's own.
+        facts: Extra facts for the rules; missing ones come from the pool's default facts, then the device.
+        enable_dcp: Decode-context parallel (cute-dsl); needs ``return_lse`` and ``causal_seqlens_kv_global``
+            (``[batch]`` int32 global KV lengths); ``cp_world`` is then also a rule fact (docs/multi-gpu.md).
+        int_group: Graph plans of one name on one pool, device and lane share one int workspace
+            region; only for plans never live at once, each replanned before :meth:`MLADecodePlan.replay`.
 
     Raises:
         ValueError: A bad argument, named, before any pool grows or kernel runs.
@@ -199,23 +158,8 @@ class MLADecodePlan:
     """MLA decode planned for one step's page table and lengths; :meth:`run` is the per-layer call.
 
     A pool that grew, or a shared wrapper another plan took, makes it replan;
-    metadata edited in place needs :meth:`replan` (docs/kernels.md).
-
-    Attributes:
-        step: The metadata and the per-call options it was planned for.
-        geometry: The MLA shape its kernel is built for.
-        dcp: Its decode-context-parallel arguments (all defaults without DCP).
-        path: The concrete kernel path (``"reference"``, ``"trtllm-gen"``, ``"cute-dsl"``,
-            ``"fa3"`` or ``"fa2"``), resolved before the workspace is sized; FlashInfer is
-            called with it explicitly.
-        need_bytes: What that path is known to need for this plan (see
-            :mod:`~wspool.flashinfer.backends`); the pool holds at least this and the rule.
-        rule: The pool rule that sizes the workspace (``"lse"`` or ``"default"``).
-        facts: The facts the rule is resolved with.
-        plan_calls: How many times this plan called FlashInfer's ``plan()``.
-        call_signature: ``(query shape, query dtype, KV dtype, max_seq_len, sm_scale)`` of the
-            4-D calls it serves (``mla_decode`` compares it in one step); ``packed_signature``
-            the same for packed ``[batch * q_len, heads, dim]`` queries.
+    metadata edited in place needs :meth:`replan` (docs/kernels.md). ``path`` is
+    the concrete kernel path; the pool holds at least its ``need_bytes`` and the rule.
     """
 
     def __init__(
@@ -293,11 +237,7 @@ class MLADecodePlan:
         self._setting = describe_setting(("pools", pool, "rules", self.rule))
 
     def _size_workspace(self, pool: str) -> None:
-        """Size the workspace: the rule, or the path's need where the rule is below it; grow the pool to it now.
-
-        A replan checks the pool against this size, not the rule. The pool grows
-        here, outside the per-layer path (and outside any later capture).
-        """
+        """Size the workspace (the rule, or the path's need above it) and grow the pool now, outside any capture."""
         step, geometry = self.step, self.geometry
         self.need_bytes = path_need_bytes(
             self.path,
@@ -352,11 +292,7 @@ class MLADecodePlan:
     # -- the metadata it is planned for ------------------------------------------
 
     def is_current_for(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
-        """Whether these are the very tensors this plan was made for, unmodified since.
-
-        Always ``False`` for inference tensors (made under ``torch.inference_mode``):
-        torch counts no writes to them, so an edit cannot be ruled out.
-        """
+        """Whether these are the very tensors this plan was made for, unmodified since (never for inference tensors)."""
         return (
             block_tables is self.step.block_tables
             and seq_lens is self.step.seq_lens
@@ -374,11 +310,7 @@ class MLADecodePlan:
         return self._versions
 
     def replan(self) -> None:
-        """Plan again for the current contents of ``block_tables`` and ``seq_lens``.
-
-        Raises:
-            ValueError: They were resized in place since planning; make a new plan.
-        """
+        """Plan again for the current contents of ``block_tables`` and ``seq_lens`` (``ValueError`` if resized)."""
         step = self.step
         if self.metadata_resized():
             raise ValueError(
@@ -394,10 +326,7 @@ class MLADecodePlan:
         self.plan_metadata()
 
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        """Replay ``graph`` (captured from this plan's :meth:`run`), replanning first if another plan took its region.
-
-        The check is for plans sharing an int workspace (``int_group``); edited metadata still needs :meth:`replan`.
-        """
+        """Replay ``graph`` (captured from :meth:`run`), replanning if another ``int_group`` plan took its region."""
         if self._ownership.owner is not self._token:
             self.plan_metadata()
         graph.replay()
@@ -417,19 +346,11 @@ class MLADecodePlan:
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run MLA decode for one layer.
+        """Run MLA decode for one layer; return ``out``, or ``(out, lse)`` with ``return_lse``, in the query's form.
 
-        Args:
-            query: ``[batch, q_len, heads, kv_lora_rank + rope]`` as planned, or the
-                packed ``[batch * q_len, heads, kv_lora_rank + rope]`` form that
-                FlashInfer's wrapper takes natively (no reshapes on the call).
-            kv_cache: ``[pages, page_size, kv_lora_rank + rope]``.
-            out: Optional output buffer, in the query's form with ``kv_lora_rank`` features.
-            lse: Optional fp32 buffer ``[batch, q_len, heads]`` (or ``[tokens, heads]``), with LSE plans.
-
-        Returns:
-            ``out``, or ``(out, lse)`` for a plan made with ``return_lse=True``, in
-            the query's form.
+        ``query`` is ``[batch, q_len, heads, kv_lora_rank + rope]`` or the packed
+        ``[batch * q_len, ...]`` form FlashInfer's wrapper takes without reshapes;
+        ``kv_cache`` is ``[pages, page_size, kv_lora_rank + rope]``.
 
         Raises:
             ValueError: The query or KV cache does not match the plan.
@@ -526,11 +447,7 @@ class MLADecodePlan:
         lse: torch.Tensor | None,
         workspace: torch.Tensor,
     ) -> Any:
-        """Run the Blackwell kernel on a 4-D query with the pool's buffer; return what the kernel returns.
-
-        Raises:
-            WorkspaceOverflowError: FlashInfer still overflowed after recovery.
-        """
+        """Run the Blackwell kernel on a 4-D query with the pool's buffer; return what the kernel returns."""
         kernel = kernels.load_flashinfer_mla().trtllm_batch_decode_with_kv_cache_mla
         # trtllm-gen's counters come from their own pool; cute-dsl takes none.
         counters = self._counters.workspace("default", self.facts) if self.path == "trtllm-gen" else None

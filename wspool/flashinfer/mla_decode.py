@@ -1,10 +1,9 @@
 """``mla_decode``: MLA decode for one layer, reusing the previous call's plan while the metadata is unchanged.
 
-Plans live in an :class:`MLAPlanCache` (:meth:`~wspool.PoolRegistry.state`, so
-:meth:`~wspool.PoolRegistry.reset` forgets them with the buffers), the last one
-per pool, lane, backend and LSE mode. Device: the metadata's. Threads: the cache
-is thread-safe; a plan serves one lane at a time. Capture: these plans are eager;
-capture a plan made with ``mla_decode_plan(..., use_cuda_graph=True)``.
+The last plan per pool, lane, backend and LSE mode lives in the registry's
+:class:`MLAPlanCache` (thread-safe; :meth:`~wspool.PoolRegistry.reset` forgets
+it), on the metadata's device. These plans are eager; for capture use
+``mla_decode_plan(..., use_cuda_graph=True)``.
 """
 
 from __future__ import annotations
@@ -46,11 +45,7 @@ class MLAPlanCache(dict[tuple[Any, ...], MLADecodePlan]):
     ) -> tuple[MLADecodePlan, bool] | None:
         """Return the plan under ``key`` and whether the query is 4-D, if that plan serves this call.
 
-        It serves the call for the very ``block_tables`` and ``seq_lens`` it was
-        made for, the caller's facts, and a call signature it was made for (4-D or
-        packed). Metadata edited in place since (torch bumps a tensor's version on
-        every in-place write: the next step) is planned again here; metadata
-        resized in place needs a new plan (``None``).
+        Metadata edited in place is planned again here; resized metadata needs a new plan (``None``).
         """
         plan = self.get(key)
         if plan is None:
@@ -95,37 +90,15 @@ def mla_decode(
     lane: str | None = None,
     facts: Mapping[str, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run MLA decode for one layer, with the workspace from ``pool``.
+    """Run MLA decode for one layer on ``pool``; return ``out``, or ``(out, lse)`` with ``return_lse``.
 
-    The plan of the previous call is reused while ``block_tables`` and
-    ``seq_lens`` are the same tensors with unchanged version counters (torch
-    bumps them on every in-place write), and the shapes and options match. A
-    kernel that writes them without torch knowing must be followed by a new
-    plan: use :func:`mla_decode_plan` for explicit control. Inference tensors
-    (made under ``torch.inference_mode``) keep no version counters: with them,
-    every call plans again (correct, but slow; a warning says so once).
-
-    Args:
-        query: ``[batch, q_len, heads, 576]`` (latent 512 + rope 64), or the packed
-            ``[batch * q_len, heads, 576]`` form FlashInfer's wrapper takes (no
-            reshapes on the call; results then come back packed too).
-        kv_cache: ``[pages, page_size, 576]``.
-        block_tables: ``[batch, max_pages]`` int32.
-        seq_lens: ``[batch]`` int32.
-        max_seq_len: An upper bound of ``seq_lens``.
-        sm_scale: Softmax scale.
-        return_lse: Also return the natural-log LSE ``[batch, q_len, heads]`` fp32
-            (``[batch * q_len, heads]`` for a packed query).
-        out: Optional output buffer ``[batch, q_len, heads, 512]`` (or packed).
-        lse: Optional LSE buffer, in the query's form.
-        registry: The registry; default :func:`wspool.get_registry`.
-        pool: The pool to draw from (rule ``lse`` with LSE, else ``default``).
-        backend: See :func:`mla_decode_plan`.
-        lane: The pool lane; default the lane in effect.
-        facts: Extra facts for the rules.
-
-    Returns:
-        ``out``, or ``(out, lse)`` with ``return_lse``, in the query's form.
+    The previous call's plan is reused while ``block_tables`` and ``seq_lens`` are
+    the same tensors with unchanged version counters and the shapes and options
+    match; a kernel writing them behind torch's back needs :func:`mla_decode_plan`.
+    Inference tensors keep no counters, so every call plans again (warned once).
+    ``query`` is ``[batch, q_len, heads, 576]`` or the packed ``[batch * q_len,
+    heads, 576]``, and results come back in its form; the rest is as for
+    :func:`mla_decode_plan`.
     """
     registry = registry if registry is not None else get_registry()
     plans = MLAPlanCache.of(registry)

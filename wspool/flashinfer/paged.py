@@ -1,12 +1,11 @@
 """FlashInfer paged attention (GQA decode and prefill) with its float workspace from a wspool pool.
 
-:func:`paged_decode_plan` and :func:`paged_prefill_plan` plan once per step (FlashInfer's ``plan()``
-copies the page table to the host); :meth:`PagedAttentionPlan.run` is the per-layer call. Device:
-the page table's. Threads and streams: a plan and its lane's buffer serve one stream at a time.
-Capture: these wrappers are eager and planning never runs during capture (an engine that captures
-builds graph-mode wrappers on ``reg.workspace("flashinfer", rule=...)``). Each wrapper's int
-workspace is a right-sized region of pool ``flashinfer_int`` where a rule bounds its planner
-(:mod:`~wspool.flashinfer.wrapper_buffers`). Pools, paths and the shared buffer: docs/kernels.md.
+Plans are made once per step (``plan()`` copies the page table to the host) on
+the page table's device; :meth:`PagedAttentionPlan.run` is the per-layer call.
+A plan and its lane's buffer serve one stream at a time. These wrappers are
+eager: planning never runs during capture (graph-mode engines build their own
+on ``reg.workspace("flashinfer", rule=...)``). Pools, paths and the shared
+buffer: docs/kernels.md; int workspaces: docs/wrapper-buffers.md.
 """
 
 from __future__ import annotations
@@ -103,21 +102,11 @@ def _query_rows(qo_indptr: torch.Tensor | None, seq_lens: torch.Tensor, causal: 
 
 
 class PagedAttentionPlan:
-    """Paged attention planned for one page table (and query layout): one step of an engine.
+    """Paged attention planned for one page table and query layout; ``kind`` is also the rule that sizes it.
 
-    Build with :func:`paged_decode_plan` or :func:`paged_prefill_plan`. Mutating
-    ``block_tables``, ``seq_lens`` or ``qo_indptr`` after planning must be
-    followed by :meth:`replan`. Wrappers live in the pool's ``buffer_cache`` (one
-    per kind, backend and tensor-core mode), which the pool empties when it
-    replaces its buffer; a plan holds none and plans again when its wrapper is
-    gone or another plan has planned it since.
-
-    Attributes:
-        kind: ``"decode"`` or ``"prefill"``; also the pool rule that sizes the workspace.
-        path: ``"reference"`` or the FlashInfer backend asked for.
-        facts: The facts the rule is resolved with.
-        use_tensor_cores: Whether decode runs FlashInfer's tensor-core kernel.
-        plan_calls: How many times this plan called FlashInfer's ``plan()``.
+    Metadata mutated after planning needs :meth:`replan`. Wrappers live in the
+    pool's ``buffer_cache``, emptied when the buffer is replaced; a plan holds
+    none and plans again when its wrapper is gone or another plan planned it.
     """
 
     def __init__(
@@ -218,17 +207,10 @@ class PagedAttentionPlan:
         lse: torch.Tensor | None = None,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run paged attention for one layer.
+        """Run paged attention for one layer; return ``out``, or ``(out, lse)`` with ``return_lse``.
 
-        Args:
-            query: ``[tokens, num_qo_heads, head_dim]`` (decode: one token per request).
-            kv_cache: ``[pages, 2, page_size, num_kv_heads, head_dim]`` (NHD).
-            out: Optional output buffer shaped like ``query``.
-            lse: Optional fp32 ``[tokens, num_qo_heads]`` buffer.
-            return_lse: Also return the natural-log LSE.
-
-        Returns:
-            ``out``, or ``(out, lse)`` with ``return_lse``.
+        ``query`` is ``[tokens, num_qo_heads, head_dim]``, ``kv_cache`` NHD
+        ``[pages, 2, page_size, num_kv_heads, head_dim]``.
 
         Raises:
             ValueError: The query or KV cache does not match the plan.
@@ -379,19 +361,9 @@ def paged_decode_plan(
     Args:
         block_tables: ``[batch, max_pages]`` int32 page ids, on the decode device.
         seq_lens: ``[batch]`` int32 cached lengths (the new token included), each at least 1.
-        num_qo_heads: Query heads; a multiple of ``num_kv_heads``.
-        num_kv_heads: KV heads.
-        head_dim: Features per head.
-        page_size: Tokens per KV-cache page.
-        sm_scale: Softmax scale; default ``1 / sqrt(head_dim)``.
-        q_dtype: Query dtype; ``kv_dtype`` defaults to it.
         use_tensor_cores: FlashInfer's tensor-core decode; default for GQA groups above 4.
-        registry: The registry; default :func:`wspool.get_registry`.
-        pool: The pool to draw from (rule ``decode``).
         backend: ``"auto"``, ``"reference"``, ``"fa2"`` or ``"fa3"``.
-        lane: The pool lane (for concurrent streams).
-        facts: Extra facts for the rules, beside the plan's own: ``batch_size``, ``num_tokens``,
-            ``num_qo_heads``, ``num_kv_heads``, ``head_dim``, ``page_size``, ``dtype_bytes`` and ``sm_count``.
+        facts: Extra facts for rule ``decode``, beside the plan's own.
     """
     return PagedAttentionPlan(
         "decode",
@@ -436,12 +408,8 @@ def paged_prefill_plan(
 ) -> PagedAttentionPlan:
     """Plan paged prefill (ragged query rows per request, appended to the cache) for one step.
 
-    Args:
-        qo_indptr: ``[batch + 1]`` int32 offsets of each request's query rows in ``query``.
-        block_tables: ``[batch, max_pages]`` int32 page ids.
-        seq_lens: ``[batch]`` int32 cached lengths, the new query tokens included.
-        causal: Each query row sees the cache up to its own position.
-        Others: As for :func:`paged_decode_plan` (rule ``prefill``).
+    ``qo_indptr`` (``[batch + 1]`` int32) offsets each request's query rows; the
+    others are as for :func:`paged_decode_plan`, with rule ``prefill``.
     """
     return PagedAttentionPlan(
         "prefill",

@@ -1,11 +1,9 @@
 """Every way a supported FlashInfer refuses a workspace that is too small, one parser over them, and recovery.
 
-:data:`REFUSAL_FORMS` lists the forms per version; :func:`parse_refusal`
-reads any of them. Recovery grows the pool past what the failed carve needed
-and retries, at most a few times, within ``max_bytes``; a refusal it does not
-recognise, or one naming more bytes than any device holds, is re-raised
-unchanged. Thread semantics: those of the pool. Capture: recovery grows, so
-it is refused while frozen or capturing.
+Recovery grows the pool past what the failed carve needed and retries, within
+``max_bytes``; anything else is re-raised unchanged. Threads: the pool's.
+Recovery grows, so it is refused while frozen or capturing. The forms and
+their provenance: docs/flashinfer-versions.md.
 """
 
 from __future__ import annotations
@@ -26,18 +24,7 @@ __all__ = ["MAX_RECOVERIES", "REFUSAL_FORMS", "RefusalForm", "WorkspaceRefusal",
 
 @dataclass(frozen=True)
 class RefusalForm:
-    """One way FlashInfer refuses a small workspace.
-
-    Attributes:
-        name: The form's key, e.g. ``"aligned-allocator"``.
-        versions: The FlashInfer versions that raise it.
-        wrappers: The calls that raise it, as wspool drives them.
-        exception: The Python exception type FlashInfer raises with it.
-        sized: ``"carve"`` (one failed carve), ``"total"`` (the whole need) or ``"none"``.
-        pattern: The regular expression; groups ``name``, ``size``, ``alignment``, ``available`` where present.
-        example: One text of the form: captured on the H200 test machine where a Hopper GPU raises it,
-            else built from FlashInfer's source (the Blackwell-only forms; no Blackwell GPU was available).
-    """
+    """One way FlashInfer refuses a small workspace; ``sized`` is ``"carve"``, ``"total"`` or ``"none"``."""
 
     name: str
     versions: tuple[str, ...]
@@ -117,15 +104,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
 
 @dataclass(frozen=True)
 class WorkspaceRefusal:
-    """One refusal of a FlashInfer workspace.
-
-    Attributes:
-        form: The :class:`RefusalForm` name it matched.
-        name: The failed carve (``"mla_partial_o"``), or the backend that refused (``"fa3"``).
-        size_bytes: Bytes the carve asked for, or the whole need (``0`` when the text names none).
-        alignment: The carve's alignment in bytes (``0`` for the other forms).
-        available_bytes: Bytes that were left (carves) or given (totals); ``None`` when not said.
-    """
+    """One refusal of a FlashInfer workspace: the failed carve, or the backend that refused, and its bytes."""
 
     form: str
     name: str
@@ -141,10 +120,7 @@ class WorkspaceRefusal:
     def needed_capacity(self, capacity_bytes: int, *, padding: bool = True) -> int:
         """Return the workspace size that would have served this refusal (``0``: the text names none).
 
-        Args:
-            capacity_bytes: The size of the workspace FlashInfer was given.
-            padding: Add the carve's alignment, the most padding it can take
-                (``False``: the lower bound a size search starts from).
+        ``padding=False`` leaves out the carve's alignment: the lower bound a size search starts from.
         """
         if self.form != "aligned-allocator":
             return self.size_bytes
@@ -153,17 +129,10 @@ class WorkspaceRefusal:
 
 
 def parse_refusal(error: BaseException | str, path: str | None = None) -> WorkspaceRefusal | None:
-    """Return the workspace refusal ``error`` describes, or ``None`` if it is another error.
+    """Return the workspace refusal ``error`` (or its text) describes, or ``None`` for another error.
 
-    A text that names a number above :data:`~wspool.units.MAX_SIZE_BYTES`
-    (more bytes than any device holds, whatever its length) is not read as a
-    refusal: its numbers are never converted, and recovery re-raises it unchanged.
-
-    Args:
-        error: What FlashInfer raised, or its text.
-        path: The backend wspool asked for (``"fa3"``). A text that lists several
-            backends' needs (0.7.4's ``backend="auto"``) is read for this one;
-            without it, or when it is not listed, for the largest need.
+    A number above :data:`~wspool.units.MAX_SIZE_BYTES` makes it another error. A
+    text listing several backends' needs is read for ``path``, else the largest.
     """
     text = str(error)
     for form in REFUSAL_FORMS:
@@ -226,31 +195,16 @@ def grow_after_overflow(
     path: str | None = None,
     int_setting: str | None = None,
 ) -> torch.Tensor:
-    """Grow ``pool`` past what the overflow in ``exc`` needed; re-raise anything else.
+    """Grow ``pool`` past what the overflow in ``exc`` needed and return the buffer; re-raise anything else.
 
     Args:
-        exc: What FlashInfer raised.
-        pool: The pool whose buffer the kernel was given.
-        capacity: The size of that buffer, in bytes.
-        attempt: How many growths this call already made (0 first).
-        op: Names the op in messages, e.g. ``"MLA decode"``.
-        rule: The rule that sized the call.
-        setting: The key to raise, ``"key / ENV_VAR"``.
-        float_carves: The carve names that live in the pool's buffer; an overflow
-            of any other carve (FlashInfer's own int workspace) is re-raised as
-            it is. ``None``: every carve.
-        path: The backend the op asked FlashInfer for, to read a refusal that lists several.
-        int_setting: Where the int workspace is a wspool region, the key of the rule that
-            sized it: an overflow of an int carve then raises
-            :class:`~wspool.errors.WorkspaceOverflowError` naming it (the pool does not grow).
-
-    Returns:
-        The grown buffer.
+        attempt: Growths this call already made (0 first).
+        float_carves: The carves in the pool's buffer (``None``: all); others are re-raised.
+        int_setting: The key of the rule that sized a wspool int region, named
+            when an int carve overflows it (the pool does not grow).
 
     Raises:
-        Exception: ``exc`` itself, when it is not a refusal of the pool's buffer, or names no size.
-        WorkspaceOverflowError: An int carve overflowed a region sized by ``int_setting``.
-        WorkspaceOverflowError: The call still overflowed after :data:`MAX_RECOVERIES` growths.
+        WorkspaceOverflowError: An int carve overflowed, or still after :data:`MAX_RECOVERIES` growths.
         WorkspaceFrozenError: Growth is refused (frozen or capturing).
         WorkspaceLimitError: Growth would pass ``max_bytes`` or the device's memory.
     """

@@ -1,17 +1,12 @@
 """FlashInfer wrappers' int workspaces and pinned copies, right-sized from wspool instead of 8 MiB each.
 
-A wrapper gets a region of :class:`~wspool.regions.WrapperRegions` sized by a
-rule of pool ``flashinfer_int`` (:data:`INT_RULES`: ``mla``, ``decode``,
-``prefill``). Paged wrappers take it through FlashInfer's public
-``reset_workspace_buffer`` (:func:`bind_paged_wrapper`). The MLA wrapper's
-backend allocates its pair inside ``plan()``, so on the FlashInfer versions
-read (:data:`READ_VERSIONS`) wspool wraps that backend's constructor, and
-inside :func:`supplying` a backend built without an int buffer takes the bound
-wrapper's; elsewhere, and on other versions, FlashInfer's buffers stay
-(:func:`mla_hook_status` says why). Wrappers bound with one group on one device
-and lane share a region (their plans are never live at once); pinned copies
-are never shared. Device, capture and thread semantics: :mod:`wspool.regions`.
-Sizes, the hook and sharing: docs/wrapper-buffers.md.
+A wrapper gets a region sized by a rule of pool ``flashinfer_int``
+(:data:`INT_RULES`). Paged wrappers take it through ``reset_workspace_buffer``;
+the MLA wrapper's backend takes it inside :func:`supplying`, through a
+constructor hook on :data:`READ_VERSIONS` only (:func:`mla_hook_status`).
+Wrappers bound with one group on one device and lane share a region; pinned
+copies are never shared. Device, capture and thread semantics:
+:mod:`wspool.regions`. Sizes, the hook and sharing: docs/wrapper-buffers.md.
 """
 
 from __future__ import annotations
@@ -93,11 +88,7 @@ class _IntPoolState:
 
 
 def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
-    """Let wrappers bound through ``registry`` keep FlashInfer's own buffers (``keep=False`` undoes it).
-
-    For comparing against FlashInfer's defaults. Wrappers already bound keep their
-    regions: binding them again returns their binding, and grows it where a plan needs more.
-    """
+    """Let wrappers bound through ``registry`` from now on keep FlashInfer's own buffers (``keep=False`` undoes it)."""
     registry.state(_IntPoolState).keep_flashinfer = keep
 
 
@@ -110,11 +101,7 @@ def declare_int_pool(registry: PoolRegistry) -> None:
 
 
 def int_bytes(registry: PoolRegistry, rule: str, device: torch.device, facts: Mapping[str, int]) -> int:
-    """Resolve int workspace ``rule`` for ``facts`` on ``device`` (its SM count is a device fact).
-
-    Raises:
-        RuleError: The rule is unknown or misses a fact, naming the setting.
-    """
+    """Resolve int workspace ``rule`` for ``facts`` on ``device`` (its SM count is a device fact)."""
     declare_int_pool(registry)
     return registry.resolve(INT_POOL, rule, device=device, **facts)
 
@@ -122,11 +109,8 @@ def int_bytes(registry: PoolRegistry, rule: str, device: torch.device, facts: Ma
 def planner_backend(backend: str, device: torch.device) -> str:
     """Return the backend whose planner a paged wrapper built with ``backend`` plans with on ``device``.
 
-    FlashInfer resolves a paged wrapper's ``"auto"`` at plan time with
-    ``determine_attention_backend``, which answers fa3 only on SM90: on any other
-    GPU the planner is fa2 (FlashInfer 0.7.4's paged prefill may take cuDNN on
-    Blackwell instead, which reads no int workspace). ``"auto"`` stays ``"auto"``
-    on SM90 and on a device wspool cannot describe; other backends are returned as they are.
+    FlashInfer's ``"auto"`` is fa3 only on SM90, so elsewhere it is fa2; it stays
+    ``"auto"`` on SM90 and on a device wspool cannot describe.
     """
     if backend != "auto":
         return backend
@@ -137,17 +121,7 @@ def planner_backend(backend: str, device: torch.device) -> str:
 
 
 def paged_int_rule(kind: str, *, use_tensor_cores: bool, backend: str, dtypes: tuple[torch.dtype, ...]) -> str | None:
-    """Return the int rule of a paged wrapper's planner, or ``None`` where no rule bounds it.
-
-    Args:
-        kind: ``"decode"`` or ``"prefill"``.
-        use_tensor_cores: A decode wrapper's tensor-core mode (the prefill planner).
-        backend: The backend the wrapper is built with.
-        dtypes: The query and KV dtypes it plans for.
-
-    FlashInfer's fa3 planner (Hopper prefill, and ``auto`` with fp8 inputs) has no
-    size query and no rule here, so its wrappers keep their own buffers.
-    """
+    """Return the int rule of a ``"decode"`` or ``"prefill"`` wrapper's planner; ``None`` for fa3, which none bounds."""
     if kind == "decode" and not use_tensor_cores:
         return "decode"
     fp8 = {torch.float8_e4m3fn, torch.float8_e5m2} & set(dtypes)
@@ -172,33 +146,16 @@ def bind_paged_wrapper(
 ) -> WrapperBinding | None:
     """Give a paged decode or prefill wrapper an int region sized by ``rule``, through ``reset_workspace_buffer``.
 
-    A wrapper already bound to a region that holds the size keeps it; otherwise it
-    gets a new one. Call it before a ``plan()``, never between a plan and its runs,
-    and never after a CUDA graph captured the wrapper (the graph holds the old address).
-    The new binding is recorded once FlashInfer took the region; if
-    ``reset_workspace_buffer`` raises (its pinned copy cannot be allocated), the
-    wrapper's attributes are put back, so it keeps its previous int workspace and
-    the pinned copy of that size, and its previous binding stands.
-
-    Args:
-        wrapper: A ``BatchDecodeWithPagedKVCacheWrapper`` or ``BatchPrefillWithPagedKVCacheWrapper``.
-        float_workspace: The float workspace the wrapper keeps (passed back to FlashInfer unchanged).
-        registry: Sizes the region (pool ``flashinfer_int``) and holds it.
-        rule: ``"decode"`` or ``"prefill"`` (:func:`paged_int_rule`).
-        facts: The facts the rule reads (``batch_size``, ``num_tokens``, ``num_qo_heads``, ``num_kv_heads``).
-        lane: The lane of the work the wrapper serves.
-        kind: Names the wrapper in statistics.
-        group: The sharing group (see the module's docstring); ``None``: a region of its own.
-
-    Returns:
-        The binding, or ``None`` where the wrapper has none and the registry keeps FlashInfer's buffers
-        (:func:`keep_flashinfer_buffers`).
+    A region that holds the size is kept. Call it before a ``plan()``, never
+    between a plan and its runs, nor after a CUDA graph captured the wrapper.
+    If FlashInfer raises, the wrapper and its binding stay as they were.
+    ``facts`` must bound every plan the wrapper makes. Returns the binding, or
+    ``None`` where the registry keeps FlashInfer's buffers.
 
     Raises:
         RuleError: The rule cannot be resolved, naming the setting.
         WorkspaceFrozenError: A region would be allocated during capture.
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
-        Exception: What ``reset_workspace_buffer`` raises, the wrapper as it was.
     """
     current = binding_of(wrapper)
     if current is None and registry.state(_IntPoolState).keep_flashinfer:
@@ -225,13 +182,10 @@ def bind_paged_wrapper(
 
 
 def _reset_workspace_buffer(wrapper: Any, float_workspace: torch.Tensor, int_workspace: torch.Tensor) -> None:
-    """Give ``wrapper`` ``int_workspace`` through FlashInfer's public ``reset_workspace_buffer``, all or nothing.
+    """Give ``wrapper`` ``int_workspace`` through ``reset_workspace_buffer``, all or nothing (docs/wrapper-buffers.md).
 
-    FlashInfer stores the new int workspace before it allocates the pinned copy of
-    its size; were that allocation to fail, the wrapper would keep the larger
-    workspace with its old, smaller copy, and its planner would write the copy
-    past its end. So on any failure the attributes the call changed are put back
-    (FlashInfer's own, to their own previous values: none is added).
+    A failed pinned-copy allocation would leave a larger workspace with a smaller
+    copy its planner overruns, so the attributes the call changed are put back.
     """
     state: dict[str, Any] | None = getattr(wrapper, "__dict__", None)
     before = dict(state) if state is not None else None
@@ -297,12 +251,7 @@ _hook_status: list[str | None] = []  # [why not] once decided; [None] when insta
 
 
 def install_mla_hook() -> str | None:
-    """Install the MLA backend constructor hook once; return ``None`` when it is in place, else why not.
-
-    It is installed only on :data:`READ_VERSIONS` and only where the constructor
-    is as read (:data:`MLA_HOOK`, through :mod:`wspool.targets`). FlashInfer is
-    imported before the patch set's lock is taken.
-    """
+    """Install the MLA backend constructor hook once, on :data:`READ_VERSIONS`; return ``None``, or why not."""
     if _hook_status:
         return _hook_status[0]
     version = _flashinfer_version()
@@ -349,18 +298,10 @@ def bind_mla_wrapper(
 ) -> WrapperBinding | None:
     """Give a ``BatchMLAPagedAttentionWrapper`` an int region (rule ``mla``) and a pinned copy of its own.
 
-    The wrapper takes them in its next ``plan()`` made inside :func:`supplying`
-    (a wrapper in CUDA-graph mode keeps them for every later plan). Bind before
-    the wrapper's first plan: a graph-mode wrapper planned once already keeps
-    FlashInfer's buffer.
-
-    Returns:
-        The binding, or ``None`` where the wrapper has none and the hook is not installed (see
-        :func:`mla_hook_status`) or the registry keeps FlashInfer's buffers (:func:`keep_flashinfer_buffers`).
-
-    Raises:
-        WorkspaceFrozenError: A region would be allocated during capture.
-        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    The wrapper takes them in its next ``plan()`` inside :func:`supplying`; bind
+    before its first plan (a graph-mode wrapper keeps what it planned with).
+    Returns ``None`` where the hook is not installed or the registry keeps
+    FlashInfer's buffers; raises as :func:`bind_paged_wrapper`.
     """
     current = binding_of(wrapper)
     if current is not None:
@@ -407,10 +348,7 @@ def int_setting_of(wrapper: Any) -> str | None:
 
 
 def call_supplying(binding: WrapperBinding | None, call: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
-    """Run ``call(*args, **kwargs)`` (a wrapper's plan) with ``binding`` supplied, as :func:`supplying` does.
-
-    For a call site that plans every step: no generator, and the binding it already looked up.
-    """
+    """Run ``call(*args, **kwargs)`` (a wrapper's plan) with ``binding`` supplied, as :func:`supplying` does."""
     token = SUPPLIED.set(binding)
     try:
         return call(*args, **kwargs)
@@ -420,11 +358,7 @@ def call_supplying(binding: WrapperBinding | None, call: Callable[..., _R], *arg
 
 @contextlib.contextmanager
 def supplying(wrapper: Any) -> Iterator[WrapperBinding | None]:
-    """Let the MLA backends ``wrapper`` builds in this block take its bound region and pinned copy.
-
-    Wrap exactly the wrapper's ``plan()`` call. A wrapper with no binding plans
-    as FlashInfer wrote it.
-    """
+    """Let the MLA backends ``wrapper`` builds in this block (wrap its ``plan()``) take its region and pinned copy."""
     binding = binding_of(wrapper)
     token = SUPPLIED.set(binding)
     try:

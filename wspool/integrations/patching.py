@@ -1,19 +1,13 @@
 """The one seam where an engine embeds wspool: declared engines, their switch, and load/unload.
 
-An engine integration is an :class:`EngineInfo` (what the engine is, which
-versions wspool supports, its plugin entry point and variables) and an
-:class:`Integration` subclass that declares its target groups as data
-(:mod:`wspool.targets`). :meth:`Integration.load` is the engine's plugin
-entry point: it never raises, and in this order it reads the engine switch
-(an unknown value patches nothing), loads and validates wspool's
-configuration, checks the installed engine's version, locates every target, and patches
-groups all or nothing. Whatever stops it leaves the engine untouched and says
-why in one line; success is one line too (details at debug level). Where the
-engine has an undo registry, each patch is reported to it.
-
-Thread semantics: load and unload run under the patch set's lock for the
-attribute writes only; the engine's modules import before it. Call them at
-start-up, before serving. Nothing here imports torch or an engine at import.
+An integration is an :class:`EngineInfo` and an :class:`Integration` subclass
+declaring its target groups as data (:mod:`wspool.targets`).
+:meth:`Integration.load`, the plugin entry point, never raises: it reads the
+switch, validates the configuration and the engine version, locates every
+target and patches groups all or nothing; whatever stops it leaves the engine
+untouched and says why in one line. Load and unload take the patch set's lock
+for the attribute writes only; call them at start-up, before serving. Nothing
+here imports torch or an engine at import.
 """
 
 from __future__ import annotations
@@ -35,12 +29,7 @@ _OFF = ("0", "false", "off", "no")
 
 
 def parse_switch(var: str, environ: Mapping[str, str] | None = None) -> bool:
-    """Return whether the switch variable ``var`` leaves wspool on (unset: on).
-
-    Raises:
-        ConfigError: The value is not one of 1/true/on/yes or 0/false/off/no;
-            the message names the variable.
-    """
+    """Return whether the switch variable ``var`` (1/true/on/yes, 0/false/off/no; unset: on) leaves wspool on."""
     raw = (os.environ if environ is None else environ).get(var, "")
     value = raw.strip().lower()
     if value in _ON:
@@ -61,17 +50,8 @@ def _names(raw: str) -> list[str]:
 class EngineInfo:
     """What wspool knows of one engine, readable without importing it.
 
-    Attributes:
-        key: wspool's name for it, the package under ``wspool.integrations``.
-        name: The engine's own name, for messages.
-        distribution: Its package's distribution name (``importlib.metadata``).
-        supported: The versions wspool supports, a PEP 440 specifier set.
-        entry_point_group: The engine's plugin entry-point group.
-        entry_point: wspool's entry point in that group.
-        switch_var: wspool's variable that turns the integration off (``0``).
-        allowlist_var: The engine's variable that, when set, must name ``wspool``.
-        denylist_var: The engine's variable that turns plugins off by name.
-        engine_variables: The engine's own workspace variables wspool honours.
+    ``key`` is the package under ``wspool.integrations``; ``supported`` a PEP 440
+    specifier set; ``allowlist_var``, when set, must name ``wspool``.
     """
 
     key: str
@@ -133,13 +113,8 @@ Reporter = Callable[[str, str, Callable[[], None]], None]
 class Integration:
     """One engine's integration: its targets as data over one patch set; load, unload, report.
 
-    Subclasses set :attr:`info` and :attr:`all_or_nothing` and implement
-    :meth:`groups`; they override :meth:`prepare`, :meth:`activate` and
-    :meth:`deactivate` where the engine needs them.
-
-    Args:
-        logger: Where the load line goes (a child of the engine's logger, so it
-            shows with the engine's own lines).
+    Subclasses set :attr:`info` and :attr:`all_or_nothing`, implement :meth:`groups`,
+    and override :meth:`prepare`, :meth:`activate` and :meth:`deactivate` as needed.
     """
 
     info: EngineInfo
@@ -157,14 +132,7 @@ class Integration:
         raise NotImplementedError
 
     def prepare(self) -> str:
-        """Load and check wspool's configuration for this engine before anything is patched.
-
-        Returns:
-            How the configuration and profile read, for the load line.
-
-        Raises:
-            ConfigError: The configuration is invalid for this engine.
-        """
+        """Load and check wspool's configuration for this engine; return how it read, for the load line."""
         return describe_config()
 
     def activate(self) -> list[str]:
@@ -177,10 +145,7 @@ class Integration:
     # -- the lifecycle ----------------------------------------------------------
 
     def load(self, reporter: Reporter | None = None) -> bool:
-        """Apply wspool to the engine (its plugin entry point); never raises.
-
-        Idempotent: a second load patches nothing more. Returns whether wspool is active.
-        """
+        """Apply wspool to the engine (its plugin entry point), idempotently; never raises. Return whether active."""
         name = self.info.name
         if self.patches:
             self.logger.debug("wspool: the %s integration is already loaded", name)

@@ -1,13 +1,9 @@
 """Device profiles and the shipped configuration files.
 
-A profile is a named set of pool settings for a kind of device (``hopper``,
-``blackwell``, ``fixed``), layered just above the built-in defaults;
-``profile: auto`` picks one per device from its compute capability. Profiles
-and shipped configurations (``vllm``, ``hopper``, ...) are package data, so a
-configuration's name works wherever a file does (``--config hopper``); a
-shipped configuration counts as a shipped default, which the engines' own
-workspace variables override. Pure functions; thread-safe. Tables:
-docs/profiles.md.
+A profile is a named set of pool settings for a kind of device, layered just
+above the built-in defaults; ``profile: auto`` picks one per device. Shipped
+configurations are package data, so a name works wherever a file does
+(``--config hopper``). Pure functions; thread-safe. Tables: docs/profiles.md.
 """
 
 from __future__ import annotations
@@ -62,11 +58,7 @@ def shipped_config_names() -> list[str]:
 
 
 def shipped_config(name: str) -> Path:
-    """Return a file-system path to the shipped configuration ``name`` (e.g. ``"hopper"``).
-
-    Raises:
-        ConfigError: There is no such shipped file.
-    """
+    """Return a file-system path to the shipped configuration ``name`` (e.g. ``"hopper"``)."""
     found = _paths.get(name)
     if found is None:
         known = shipped_config_names()
@@ -78,10 +70,7 @@ def shipped_config(name: str) -> Path:
 
 
 def shipped_name_of(path: Path) -> str | None:
-    """Return the name of the shipped configuration ``path`` is (its package data file), else ``None``.
-
-    A copy elsewhere, even an unchanged one, is the user's own file.
-    """
+    """Return the name of the shipped configuration ``path`` is (its package data file, not a copy), else ``None``."""
     name = path.name.removesuffix(".yaml")
     if not path.name.endswith(".yaml") or name not in shipped_config_names():
         return None
@@ -94,12 +83,7 @@ def shipped_name_of(path: Path) -> str | None:
 def find_config_file(config_file: str | os.PathLike[str] | None) -> tuple[Path | None, str]:
     """Return the YAML file to read and how it was named: given in code, else by ``WSPOOL_CONFIG``.
 
-    A path that exists is that file; otherwise a shipped configuration's name
-    (``"hopper"``, see :func:`shipped_config_names`) is that shipped file, so the
-    shipped files are reachable after ``pip install``.
-
-    Raises:
-        ConfigError: Neither a file nor a shipped configuration's name (listing those names).
+    A path that exists is that file, else a shipped configuration's name names its file.
     """
     path, how = config_file_from(config_file)
     if path is None:
@@ -130,15 +114,7 @@ FALLBACK_PROFILE = "fixed"
 
 @dataclass(frozen=True)
 class Profile:
-    """One shipped profile.
-
-    Attributes:
-        name: Its name (``"hopper"``).
-        description: What it is for, and whether its sizes were measured on hardware.
-        measured: Whether its sizes were measured on a device of its kind.
-        compute_capabilities: The ``(major, minor)`` pairs ``auto`` picks it for.
-        settings: Its settings, in the configuration's schema (``{"pools": {...}}``).
-    """
+    """One shipped profile; ``auto`` picks it for its ``compute_capabilities``."""
 
     name: str
     description: str
@@ -149,12 +125,7 @@ class Profile:
 
 @dataclass(frozen=True)
 class ProfileChoice:
-    """The profile a device got, and why.
-
-    Attributes:
-        profile: The profile's name.
-        reason: Why, e.g. ``"auto: compute capability 9.0 (NVIDIA H200) is hopper's"``.
-    """
+    """The profile a device got, and why."""
 
     profile: str
     reason: str
@@ -162,12 +133,7 @@ class ProfileChoice:
 
 @cache
 def load_profile(name: str) -> Profile:
-    """Return the shipped profile ``name``, parsed once.
-
-    Raises:
-        KeyError: No profile has that name (the ``profile`` setting is validated
-            before this is called; see :data:`PROFILE_NAMES`).
-    """
+    """Return the shipped profile ``name`` (one of :data:`PROFILE_NAMES`), parsed once."""
     if name not in PROFILE_NAMES:
         raise KeyError(f"no profile {name!r} (profiles: {', '.join(PROFILE_NAMES)})")
     data = parse_yaml(shipped_text("profiles", name), f"profile {name}")
@@ -184,13 +150,7 @@ def load_profile(name: str) -> Profile:
 
 
 def choose_profile(setting: str, description: DeviceDescription | None, *, source: str = "default") -> ProfileChoice:
-    """Return the profile for a device under the ``profile`` setting.
-
-    Args:
-        setting: ``"auto"`` or a profile's name (validated by the configuration).
-        description: The device, or ``None`` for a device without one (the CPU).
-        source: Where the setting came from, quoted in the reason.
-    """
+    """Return the profile for a device (``None``: the CPU) under the ``profile`` setting from ``source``."""
     if setting != AUTO:
         return ProfileChoice(setting, f"profile = {setting} (from {source})")
     if description is None:

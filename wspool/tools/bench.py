@@ -1,12 +1,8 @@
 """``wspool bench``: the per-call path against vLLM's bare function, and the GPU sections.
 
-vLLM's FlashInfer MLA backend keeps one module-level buffer and a size check,
-``_get_workspace_buffer(return_lse)``; wspool's registry lookup and rule
-resolution must stay within a small factor of it. :func:`run_benchmarks` runs
-every section in one process and returns plain data (``hot_path`` here, the
-GPU sections from :mod:`wspool.tools.bench_gpu`); a section that cannot run or
-raised says so and the others still run. Single-threaded; the GPU sections use
-the current CUDA device. Sections and figures: docs/performance.md.
+A section that cannot run or raised says so and the others still run.
+Single-threaded; the GPU sections use the current CUDA device. Sections and
+figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -100,12 +96,7 @@ class HotPathFigures:
 
 
 def measure_hot_path(device: str = "cpu", *, repeats: int = 101) -> HotPathFigures:
-    """Measure ``reg.workspace(...)`` against vLLM's function on ``device``.
-
-    All three are timed in the same run, each through a closure of the same
-    shape, so the loop's own overhead (reported as ``empty_loop_ns``) is in
-    every figure alike.
-    """
+    """Measure ``reg.workspace(...)`` against vLLM's function on ``device``, through closures of one shape."""
     registry = PoolRegistry.from_config(
         pools={"flashinfer_mla": {"rules": {"default": "128MiB", "lse": "256MiB", "lse_expr": _LSE_EXPRESSION}}}
     )
@@ -184,20 +175,10 @@ def run_benchmarks(
     shapes: Sequence[MLAShape] = DEFAULT_SHAPES,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the chosen sections in one process and return their figures as plain data.
+    """Run the chosen :data:`SECTIONS` in one process and return their figures as plain data.
 
-    Args:
-        sections: A subset of :data:`SECTIONS`.
-        hot_device: The device of the hot-path pools; ``None``: the CUDA device when there is one, else the CPU.
-        repeats: Timed batches per hot-path figure.
-        runs: Timed pairs (after warm-up) per GPU figure; ``None``: 1000 per ``mla_decode`` figure
-            (one call each, noisy on a busy host) and 100 per decode-step figure (61 calls each).
-        rules_file: The measured rules for the GPU sections; default :func:`default_rules_file`.
-        shapes: The memory sweep.
-        progress: Called with a line before each section.
-
-    Raises:
-        ConfigError: The rules file is missing or invalid.
+    ``runs`` is timed pairs per GPU figure (``None``: 1000 per ``mla_decode``
+    figure, 100 per decode-step figure); ``rules_file`` defaults to :func:`default_rules_file`.
     """
     say = progress or (lambda line: None)
     registry = None if rules_file is None else PoolRegistry.from_config(rules_file)  # a bad file fails first

@@ -1,12 +1,8 @@
 """GPU benchmarks of MLA decode through wspool against the same FlashInfer calls made directly.
 
-:func:`measure_mla_decode` times one step's ``mla_decode`` (plan and run) per
-query form, :func:`measure_decode_step` a step of 61 layer calls through one
-plan (and replayed from a CUDA graph), :func:`measure_memory` the true minimum
-workspace per shape against the measured rule and vLLM's fixed size. Each runs
-on the current CUDA device, single-threaded, with the two variants timed in
-alternating pairs; the planned wrapper only (Hopper, Ampere). Method and
-figures: docs/performance.md.
+Each runs on the current CUDA device, single-threaded, with the two variants
+timed in alternating pairs; the planned wrapper only (Hopper, Ampere). Method
+and figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -144,12 +140,10 @@ class MemoryRow:
 def _paired_times_ns(
     a: Callable[[], object], b: Callable[[], object], runs: int, warmup: int
 ) -> tuple[float, float, float]:
-    """Median wall times of ``a()`` and ``b()``, each synchronised, and the median of ``a - b`` per pair.
+    """Median wall times of ``a()`` and ``b()``, synchronised, and of ``a - b`` over pairs of alternating order.
 
-    The host's speed drifts by more than the differences measured here, so the
-    two run in pairs, and the pairs alternate their order (ab, ba, ...) so that
-    neither always follows the other. The garbage collector is paused while
-    timing, as ``timeit`` does, so a collection does not land on one side.
+    The host drifts by more than the differences measured, hence the pairs; the
+    garbage collector is paused while timing, as ``timeit`` does.
     """
     for _ in range(warmup):
         a()
@@ -225,13 +219,9 @@ def measure_mla_decode(
     warmup: int = 20,
     query_forms: Sequence[str] = ("4-D", "packed"),
 ) -> list[DecodeCallFigures]:
-    """Time one decode step's ``mla_decode`` (plan + run) through wspool and directly.
+    """Time one decode step's ``mla_decode`` (plan + run) through wspool and directly, per query form and LSE mode.
 
-    With and without LSE, for each query form in ``query_forms`` (``"4-D"``,
-    ``"packed"``), both sides given the same query; each row also carries the
-    A/A figure of the direct calls against a second, identical direct
-    wrapper (the noise of the measurement), and 4-D rows what the reshapes
-    cost the direct calls.
+    Each row carries the A/A noise of two identical direct wrappers.
     """
     rows = []
     path = select_path(device)  # the backend wspool's op asks FlashInfer for, so both run the same kernel
@@ -263,11 +253,7 @@ def measure_mla_decode(
 def _layer_calls(
     plan: MLADecodePlan, direct: DirectMLA, inputs: DecodeInputs, layers: int
 ) -> tuple[Callable[[], object], Callable[[], object]]:
-    """A step's ``layers`` calls through the plan, and the same ``run()`` calls on the direct wrapper.
-
-    Both take the packed ``[tokens, heads, 576]`` query, the form an engine holds
-    and the one :meth:`MLADecodePlan.run` passes to FlashInfer without reshapes.
-    """
+    """A step's ``layers`` calls through the plan and on the direct wrapper, both on the packed query."""
     n = inputs.distinct
 
     def through_wspool() -> object:

@@ -1,10 +1,4 @@
-"""Printing, saving and plotting ``wspool bench`` figures.
-
-Everything here reads the plain data :func:`wspool.tools.bench.run_benchmarks`
-returns (or ``--json`` wrote), so a run on a GPU machine without matplotlib
-can be plotted later elsewhere with ``wspool bench --plot-from FILE.json
---plot FILE.png``. GPU tables print as Markdown, ready for the README.
-"""
+"""Printing, saving and plotting ``wspool bench`` figures, from the plain data ``--json`` writes."""
 
 from __future__ import annotations
 
@@ -196,11 +190,7 @@ def format_report(figures: Mapping[str, Any]) -> str:
 
 
 def save_figures(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write the figures as JSON.
-
-    Raises:
-        BenchError: The file cannot be written.
-    """
+    """Write the figures as JSON (``BenchError`` if the file cannot be written)."""
     try:
         Path(path).write_text(json.dumps(figures, indent=2) + "\n")
     except OSError as exc:
@@ -208,12 +198,7 @@ def save_figures(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> No
 
 
 def load_figures(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read figures that ``--json`` wrote: a regular file of at most :data:`MAX_FIGURES_BYTES`.
-
-    Raises:
-        BenchError: The file is missing, not a regular file (a FIFO, ``/dev/zero``), too large,
-            or not such a JSON object.
-    """
+    """Read figures ``--json`` wrote: a regular file of at most :data:`MAX_FIGURES_BYTES`, else ``BenchError``."""
     text = read_text_file(Path(path), what="figures file", max_bytes=MAX_FIGURES_BYTES, error=BenchError)
     try:
         data = json.loads(text)
@@ -227,11 +212,7 @@ def load_figures(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def plot_memory(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Draw bytes reserved (fixed constant, measured rule) against the true minimum over the sweep.
-
-    Raises:
-        BenchError: No memory figures, or matplotlib is not installed.
-    """
+    """Draw bytes reserved (fixed constant, measured rule) against the true minimum (needs matplotlib)."""
     section = figures.get("memory")
     why = _skipped(section)
     if why is not None:

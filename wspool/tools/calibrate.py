@@ -1,11 +1,8 @@
 """``wspool calibrate``: measure the workspace MLA decode needs, derive the rules, write them.
 
-Per shape, :func:`wspool.tools.search.search_min_bytes` finds the smallest
-workspace the kernel accepts; per rule name the first candidate formula that
-covers every minimum within ``max_ratio`` is chosen (else the peak), each
-shape is run at its minimum and at the rule's size, and the rules are written
-as a YAML file :meth:`wspool.PoolRegistry.from_config` loads. Plain Python,
-tested on the CPU with a fake kernel; only the probe needs the GPU.
+Each shape's minimum is searched, checked at the rule's size, and the rules are
+written as a YAML file :meth:`wspool.PoolRegistry.from_config` loads. Only the
+probe needs the GPU.
 """
 
 from __future__ import annotations
@@ -124,12 +121,7 @@ def derive_rules(
     candidates: Sequence[str] = (FA_MLA_WORKSPACE_RULE,),
     max_ratio: float = 1.1,
 ) -> dict[str, DerivedRule]:
-    """Choose a rule per rule name from ``(shape, facts, minimum)`` triples.
-
-    A candidate formula is chosen when it covers every minimum of that rule
-    name and reserves at most ``max_ratio`` times each; it then also sizes
-    shapes that were not measured. Otherwise the peak minimum, as a literal.
-    """
+    """Choose per rule name the first formula covering every minimum within ``max_ratio``, else the peak."""
     groups: dict[str, list[tuple[Mapping[str, int], int]]] = {}
     for shape, facts, min_bytes in measured:
         groups.setdefault(shape.rule, []).append((facts, min_bytes))

@@ -1,11 +1,9 @@
 """``wspool demo``: the main job, MLA decode through the pool, checked, on any configuration.
 
-It runs a few MLA decode steps (DeepSeek / Kimi geometry, bf16) with and
-without the LSE on one device, checks each result against an independent
-fp32 computation, prints the device's profile, the kernel path and the
-pool's statistics, then replays the LSE call that overflows vLLM's fixed
-128 MiB on Blackwell's trtllm-gen carve, at the size the configuration gives
-a Blackwell device. Allocates on the chosen device only; not thread-safe.
+It runs a few MLA decode steps with and without the LSE, checks each against
+an fp32 computation, then replays the LSE call that overflows vLLM's fixed
+128 MiB on Blackwell's trtllm-gen carve at the configured size. Allocates on
+the chosen device only; not thread-safe.
 """
 
 from __future__ import annotations
@@ -74,17 +72,7 @@ def run_demo(
     layers: int = 4,
     echo: Callable[[str], None] = print,
 ) -> bool:
-    """Run the demo; return whether every check passed.
-
-    Args:
-        registry: The registry (default: the process default, from the environment).
-        device: Where to run (default: CUDA when available, else the CPU).
-        batch: Requests per decode step.
-        heads: Query heads.
-        max_len: Longest cached sequence.
-        layers: Layer calls per step (one plan, several runs).
-        echo: Where lines are printed.
-    """
+    """Run the demo (``layers`` runs per plan) through ``echo``; return whether every check passed."""
     registry = registry if registry is not None else get_registry()
     target = (
         torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,12 +137,7 @@ _LSE_RULE = ("pools", "flashinfer_mla", "rules", "lse")
 
 
 def _overflow_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> bool:
-    """Carve the LSE call that overflows vLLM's 128 MiB as trtllm-gen would, at 128 MiB and at the rule's size.
-
-    The rule is the one a Blackwell device gets under this configuration, resolved
-    with a B200's device facts. A rule the configuration sets for another device
-    (configs/hopper.yaml) is reported, and the blackwell profile's own rule checked.
-    """
+    """Carve the LSE call that overflows vLLM's 128 MiB as trtllm-gen would, at 128 MiB and at a B200's rule size."""
     heads, batch, scratch = 128, 512, 32 * MiB
     call = call_facts(
         batch_size=batch,

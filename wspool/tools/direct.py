@@ -1,12 +1,7 @@
 """FlashInfer's planned MLA wrapper called directly: the baseline wspool is measured against.
 
-:class:`DirectMLA` makes the calls a backend without wspool would make, with
-the exact arguments wspool's op passes (from :mod:`wspool.flashinfer.kernels`)
-and the same on-device page-table-to-CSR conversion, on a preallocated
-buffer, and for 4-D queries the reshapes such a backend must make around
-FlashInfer's packed form. :class:`DecodeInputs` holds one batch's random
-decode inputs.
-Both need a CUDA device; nothing here runs at import.
+The calls carry the exact arguments wspool's op passes, on a preallocated
+buffer. Both classes need a CUDA device; nothing here runs at import.
 """
 
 from __future__ import annotations
@@ -52,14 +47,7 @@ class DecodeInputs:
 
 
 class DirectMLA:
-    """FlashInfer's planned wrapper called directly, as a careful backend without wspool would.
-
-    It converts the page table with the op's own operations
-    (:func:`~wspool.flashinfer.layouts.csr_parts`, what a backend would
-    write inline) and, like the op, makes the index tensors that do not change
-    between steps once, so both do the same device work per step and a
-    comparison measures wspool's own cost.
-    """
+    """FlashInfer's planned wrapper called directly, doing the op's device work per step, so a comparison is fair."""
 
     def __init__(self, workspace: torch.Tensor, backend: str, heads: int, return_lse: bool):
         self.fi = kernels.load_flashinfer_mla()

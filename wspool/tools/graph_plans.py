@@ -1,16 +1,10 @@
 """Measure what an engine's CUDA-graph decode plans hold: the pool, FlashInfer's buffers, pinned memory.
 
-This captures 20 decode plans (batch sizes 1..256, one plan and one graph
-each, on one registry) and reports the device memory before and after: the
-pool, wspool's int regions, what FlashInfer's wrappers hold themselves
-(:mod:`wspool.memory`), the rest, and the pinned host memory. Kinds: ``mla``
-(wspool's MLA decode plans, 128 heads, the LSE returned) and ``paged``
-(FlashInfer's graph-mode ``BatchDecodeWithPagedKVCacheWrapper``, 64 query and 8
-KV heads, bound by :func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper`).
-
-Run it on a GPU: ``python -m wspool.tools.graph_plans [--kind paged]
-[--int-workspace flashinfer] [--profile fixed]``. Device semantics: the
-current CUDA device; it allocates about 1 GiB of inputs besides what it measures.
+It captures 20 decode plans (batch sizes 1..256) of kind ``mla`` (wspool's MLA
+plans, 128 heads, LSE) or ``paged`` (FlashInfer's graph-mode paged decode
+wrapper, 64/8 heads) and reports the memory before and after. Runs on the
+current CUDA device, with about 1 GiB of inputs besides what it measures.
+Usage and figures: docs/profiles.md, docs/performance.md.
 """
 
 from __future__ import annotations
@@ -66,26 +60,11 @@ def measure_graph_plans(
     heads: int = 128,
     seq_len: int = 1024,
 ) -> dict[str, Any]:
-    """Plan and capture one decode graph per batch size; return the memory figures (bytes).
+    """Plan and capture one decode graph per batch size; return the memory figures in bytes.
 
-    Args:
-        kind: ``"mla"`` or ``"paged"`` (see the module's docstring).
-        int_workspace: ``"pooled"`` (a region per wrapper), ``"shared"`` (MLA: one region
-            for every plan, ``int_group``) or ``"flashinfer"`` (FlashInfer's own buffers).
-        heads: MLA query heads.
-
-    Returns:
-        ``torch_allocated_delta`` (PyTorch's allocated bytes, the graphs' pools included),
-        ``caller_bytes`` (the page tables, lengths and outputs the measurement allocates per
-        plan) and ``beyond_caller_bytes`` (the rest of PyTorch's: pools, regions, FlashInfer's
-        buffers, index buffers), ``device_used_delta`` (``cudaMemGetInfo``: whole segments the
-        caching allocator reserved, blocks it already held not counted),
-        ``wspool_pinned_chunk_bytes`` (the page-locked chunks wspool cut pinned copies from),
-        ``pool_bytes`` (the float workspace pool), ``region_bytes`` (wspool's int
-        regions), ``kernel_device_bytes`` and ``kernel_pinned_host_bytes`` (what the
-        wrappers hold themselves, wspool's pinned copies included),
-        ``pinned_host_reserved_delta`` (PyTorch's pinned host allocator, where reported),
-        ``profile``, ``plans``, ``wrappers``.
+    ``int_workspace`` is ``"pooled"`` (a region per wrapper), ``"shared"`` (MLA: one
+    ``int_group`` region) or ``"flashinfer"``. ``beyond_caller_bytes`` is PyTorch's
+    allocated delta less the inputs the measurement allocates per plan.
     """
     if kind not in KINDS or int_workspace not in INT_WORKSPACES:
         raise ValueError(f"kind must be one of {KINDS} and int_workspace one of {INT_WORKSPACES}")
@@ -95,11 +74,7 @@ def measure_graph_plans(
     baseline: list[int | None] = []
 
     def ready() -> None:
-        """Mark the memory in use once the inputs exist: what follows is what the plans take.
-
-        The allocator's free cached blocks are released first, so the plans' memory shows in
-        ``cudaMemGetInfo`` rather than in blocks the inputs' temporaries left behind.
-        """
+        """Mark the memory in use once the inputs exist (cached blocks released first): what follows is the plans'."""
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         baseline.extend((_used(device), torch.cuda.memory_allocated(device), _pinned_host_reserved()))

@@ -1,11 +1,8 @@
 """Measuring, on the current GPU, the float workspace FlashInfer's planned MLA wrapper needs.
 
-The planned wrapper (fa3 on Hopper, fa2 on Ampere) carves its float workspace
-in ``plan()`` with a bounds-checked allocator, so a size is probed with
-``plan()`` alone on a slice of one large buffer, and FlashInfer's overflow
-message names the size the carve needed; a found size is confirmed by
-``run()`` with an untouched guard region. Blackwell's trtllm-gen scratch is
-not bounds-checked and is not measured (configs/blackwell.yaml). One CUDA
+A size is probed with ``plan()`` alone on a slice of one large buffer (its
+allocator is bounds-checked) and confirmed by ``run()`` with an untouched guard
+region; Blackwell's unchecked trtllm-gen scratch is not measured. One CUDA
 device, chosen at construction; not thread-safe.
 """
 
@@ -56,15 +53,8 @@ def device_description(device: torch.device, path: str) -> dict[str, str]:
 class MLAWorkspaceProbe:
     """Finds and checks the float workspace of MLA decode through FlashInfer's planned wrapper.
 
-    Args:
-        device: A CUDA device; ``None`` is the current one.
-        backend: ``"auto"``, ``"fa3"`` or ``"fa2"`` (as :func:`wspool.flashinfer.mla_decode_plan`);
-            ``"auto"`` is resolved to the concrete backend first, and FlashInfer is asked for that one.
-        kv_pages: Pages of the shared random KV cache that every shape's page table points into.
-        seed: Seeds the random page tables, queries and KV cache.
-
-    Raises:
-        CalibrationError: No CUDA device, or the device takes a Blackwell path.
+    ``backend`` is resolved to a concrete one first. ``CalibrationError``: no CUDA
+    device, or the device takes a Blackwell path.
     """
 
     def __init__(self, device: DeviceLike = None, *, backend: str = "auto", kv_pages: int = 4096, seed: int = 0):
@@ -112,12 +102,7 @@ class MLAWorkspaceProbe:
         return search_min_bytes(lambda n: self.fits(shape, n), granularity=granularity)
 
     def verify(self, shape: MLAShape, nbytes: int) -> str | None:
-        """Plan and run ``shape`` on an ``nbytes`` workspace; ``None`` when correct, else why not.
-
-        Correct means: plan and run succeed, the guard region after the
-        workspace is untouched, and the output (and LSE) match a run with a
-        roomy workspace.
-        """
+        """Plan and run ``shape`` on ``nbytes``; ``None`` if the guard is untouched and results match, else why not."""
         buffer = self._workspace(nbytes)
         guard = buffer[nbytes : nbytes + _GUARD_BYTES]
         guard.fill_(_GUARD_VALUE)

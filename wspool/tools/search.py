@@ -1,10 +1,7 @@
 """Finding the smallest workspace a kernel accepts, by probing sizes.
 
-:func:`search_min_bytes` is a bisection that also jumps to the sizes a
-failure names: FlashInfer's overflow message (``... with size S ... but only
-N bytes available``) gives, for a probe of ``n`` bytes, the lower bound
-``n - N + S`` on the need. With the messages it finds an exact minimum in a
-handful of probes; without them it still converges, in about 30.
+A failure's overflow message (``... with size S ... but only N bytes available``)
+bounds the need of a probe of ``n`` bytes below by ``n - N + S``.
 """
 
 from __future__ import annotations
@@ -42,21 +39,10 @@ class SearchResult:
 def search_min_bytes(
     probe: Probe, *, start_bytes: int = 64 * MiB, limit_bytes: int = TiB, granularity: int = 1
 ) -> SearchResult:
-    """Find the smallest size ``probe`` accepts, to within ``granularity`` bytes.
+    """Find the smallest size ``probe`` accepts (monotone in the size), to within ``granularity`` bytes.
 
-    A bisection that jumps to the size a failure names: FlashInfer's overflow
-    message gives the capacity its failed carve needed, so a probe there
-    either fits (then the size just below is checked) or fails on a later
-    carve with a new, larger bound. Acceptance must be monotone in the size.
-
-    Args:
-        probe: Tries a size; see :data:`Probe`.
-        start_bytes: The first upper probe; doubled until it is accepted.
-        limit_bytes: Give up above this size.
-        granularity: The resolution; 1 finds the exact minimum.
-
-    Raises:
-        CalibrationError: Nothing up to ``limit_bytes`` is accepted.
+    A bisection that jumps to the size a failure names; ``start_bytes`` doubles
+    until accepted. ``CalibrationError`` when nothing up to ``limit_bytes`` is.
     """
     if granularity < 1:
         raise ValueError(f"granularity must be a positive number of bytes, got {granularity}")

@@ -1,16 +1,9 @@
 """The MLA decode shapes that ``wspool calibrate`` and ``wspool bench`` sweep.
 
-A shape is one MLA decode call: requests, query heads, the longest cached
-length, query tokens per request, and whether the LSE is returned. Shapes
-come from :data:`DEFAULT_SHAPES`, a YAML file::
-
-    shapes:
-      - {batch_size: 1, num_heads: 128, max_seq_len: 4096, q_len: 1, return_lse: true}
-      - {batch_size: 512, num_heads: 16, max_seq_len: 32768}
-
-or ``--shape`` flags (``batch_size=1,num_heads=128,max_seq_len=4096,lse``).
-A shape's facts are exactly the facts :class:`wspool.flashinfer.MLADecodePlan`
-resolves its rule with, so a rule measured here sizes the same calls there.
+Shapes come from :data:`DEFAULT_SHAPES`, a YAML file of ``shapes:`` mappings, or
+``--shape`` flags. A shape's facts are exactly those
+:class:`wspool.flashinfer.MLADecodePlan` resolves its rule with, so a rule
+measured here sizes the same calls there.
 """
 
 from __future__ import annotations
@@ -35,16 +28,7 @@ class ShapeError(ConfigError):
 
 @dataclass(frozen=True)
 class MLAShape:
-    """One MLA decode call's shape; every request holds ``max_seq_len`` tokens.
-
-    Attributes:
-        batch_size: Requests.
-        num_heads: Query heads the kernel sees.
-        max_seq_len: Cached tokens per request.
-        q_len: Query tokens per request (1 for plain decode).
-        return_lse: Whether the LSE is returned (rule ``lse``, else ``default``).
-        page_size: Tokens per KV-cache page.
-    """
+    """One MLA decode call's shape; every request holds ``max_seq_len`` tokens."""
 
     batch_size: int
     num_heads: int
@@ -124,11 +108,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 def shape_from_mapping(data: Mapping[str, object], where: str = "shape") -> MLAShape:
-    """Build a shape from a mapping of its fields (aliases ``b h l q lse`` allowed).
-
-    Raises:
-        ShapeError: A key is unknown or missing, or a value is not a positive integer / boolean.
-    """
+    """Build a shape from a mapping of its fields (aliases ``b h l q lse`` allowed), else raise ``ShapeError``."""
     if not isinstance(data, Mapping):
         raise ShapeError(f"{where}: expected a mapping of shape fields, got {type(data).__name__}")
     values: dict[str, Any] = {}
@@ -171,13 +151,7 @@ def _boolean(value: object, where: str) -> bool:
 
 
 def parse_shape(text: str) -> MLAShape:
-    """Parse a ``--shape`` flag: ``batch_size=1,num_heads=128,max_seq_len=4096[,q_len=1][,lse]``.
-
-    A bare ``lse`` means ``return_lse=true``.
-
-    Raises:
-        ShapeError: The text is not a valid shape.
-    """
+    """Parse a ``--shape`` flag: ``batch_size=1,num_heads=128,max_seq_len=4096[,q_len=1][,lse]``."""
     data: dict[str, str] = {}
     for part in text.split(","):
         part = part.strip()
@@ -189,13 +163,7 @@ def parse_shape(text: str) -> MLAShape:
 
 
 def load_shapes(path: str | os.PathLike[str]) -> list[MLAShape]:
-    """Read shapes from a YAML file holding ``shapes: [{batch_size: ..., ...}, ...]``.
-
-    The file is read as a configuration file is (:func:`wspool.settings.sources.read_yaml_file`).
-
-    Raises:
-        ShapeError: The file is missing, is not YAML, or holds a malformed shape.
-    """
+    """Read shapes from a YAML file holding ``shapes: [{batch_size: ..., ...}, ...]``, else raise ``ShapeError``."""
     file = Path(path)
     data = read_yaml_file(file, what="shapes file", error=ShapeError)
     if not isinstance(data, Mapping) or not isinstance(data.get("shapes"), list) or not data["shapes"]:

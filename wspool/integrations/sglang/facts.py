@@ -1,19 +1,11 @@
 """The facts of an SGLang engine that wspool's sizing rules read, and what SGLang itself would allocate.
 
-SGLang asks for a workspace with ``get_buffer(name, factory)``. At each such
-call the rules see ``sglang_bytes``, what SGLang's own factory allocates there
-(:func:`probe_factory` runs it under PyTorch's fake-tensor mode: nothing is
-allocated), and the model runner's facts (:func:`facts_from_runner`: heads per
-rank, KV heads, head and MLA geometry, page size, largest batch, dtypes) with
-the runtime context's DCP width and draft tokens. The model facts exist only
-inside an attention backend's constructor, which the integration wraps in
-:func:`building`; a fact SGLang does not give is left out, and a rule that reads
-it raises a :class:`~wspool.errors.RuleError` naming it. docs/sglang.md
-("Facts: sizes that follow the engine") tables each fact and its source.
-
-Device semantics: fake tensors create no CUDA context. Thread semantics: the
-runner being built is a context variable, so it follows the constructing
-thread or task. Nothing here imports SGLang.
+At each ``get_buffer(name, factory)`` the rules see ``sglang_bytes`` (the
+factory run under fake tensors: nothing allocated, no CUDA context) and the
+model runner's facts, which exist only inside an attention backend's
+constructor (:func:`building`). The runner being built is a context variable,
+following the constructing thread or task. Nothing here imports SGLang. Each
+fact and its source: docs/sglang.md ("Facts: sizes that follow the engine").
 """
 
 from __future__ import annotations
@@ -58,14 +50,7 @@ FACT_NAMES = (
 
 @dataclass(frozen=True)
 class Request:
-    """What SGLang's factory allocates: a tensor of ``shape`` and ``dtype`` on ``device``.
-
-    Attributes:
-        shape: The tensor's shape.
-        dtype: Its element type.
-        device: Where SGLang allocates it (``"cuda"`` resolved to the current device).
-        nbytes: Its size in bytes.
-    """
+    """What SGLang's factory allocates: a tensor of ``shape`` and ``dtype`` on ``device`` (``"cuda"`` resolved)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -81,18 +66,7 @@ class Request:
 
 
 def probe_factory(factory: Callable[[], Any]) -> Request:
-    """Return what ``factory`` would allocate, without allocating it.
-
-    Args:
-        factory: SGLang's ``get_buffer`` factory, e.g. ``lambda: torch.empty(n, dtype=torch.uint8, device=d)``.
-
-    Returns:
-        The shape, dtype and device of the tensor it makes.
-
-    Raises:
-        TypeError: The factory returns something other than a tensor.
-        Exception: Whatever the factory raises under the fake-tensor mode.
-    """
+    """Return what SGLang's ``get_buffer`` ``factory`` would allocate, without allocating (``TypeError``: no tensor)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -129,15 +103,10 @@ def _q_len(spec: Any) -> int | None:
 
 
 def facts_from_runner(runner: Any, *, parallel: Any = None, spec: Any = None) -> dict[str, int]:
-    """Return the facts a model runner and SGLang's context give (see the module's table).
+    """Return the positive facts a ``ModelRunner`` and SGLang's context give; missing ones are left out.
 
-    Args:
-        runner: SGLang's ``ModelRunner`` (or any object with its attributes).
-        parallel: ``sglang.srt.runtime_context.get_parallel()``; ``None``: one attention-TP rank, no DCP.
-        spec: ``sglang.srt.runtime_context.get_spec()``; ``None``: no speculative decoding.
-
-    Returns:
-        ``{fact: value}`` with positive integers only; facts SGLang does not give are left out.
+    ``parallel`` and ``spec`` are the runtime context's ``get_parallel()`` and
+    ``get_spec()``; ``None``: one attention-TP rank without DCP, no speculation.
     """
     tp = positive_int(_read(lambda: parallel.attn_tp_size)) if parallel is not None else 1
     model = getattr(runner, "model_config", None)

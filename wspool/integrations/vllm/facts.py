@@ -1,18 +1,12 @@
 """The facts of a vLLM engine that wspool's sizing rules read.
 
-vLLM's workspace functions take no shape, so the rules see what vLLM's
-configuration says (:func:`facts_from_config`) and, where a wrapped call site
-knows more, the shape of the query the MLA decode kernel receives
-(:func:`decode_kernel_shape`, :func:`folded_kernel_shape`): one row per request
-(:data:`REQUESTS`) or per ``fold`` tokens (:data:`TOKENS`). ``batch_size`` is
-the layout's configured maximum (never the step's smaller batch), so a buffer
-sized before capture never grows under a graph; a call from no wrapped site
-gets :meth:`ConfigFacts.widest`. docs/vllm.md ("Facts: sizes that follow the
-engine") tables each fact and where it comes from.
-
-Thread semantics: the configuration's facts are cached per process and read
-again when vLLM's current configuration object changes; call-time facts are
-per thread. Nothing here touches CUDA or imports vLLM.
+The rules see vLLM's configuration and, at a wrapped call site, the shape of
+the query the MLA decode kernel receives. ``batch_size`` is the layout's
+configured maximum, so a buffer sized before capture never grows under a
+graph; docs/vllm.md ("Facts: sizes that follow the engine") tables each fact.
+The configuration's facts are cached per process until vLLM's configuration
+object changes; call-time facts are per thread. Nothing here touches CUDA or
+imports vLLM.
 """
 
 from __future__ import annotations
@@ -89,14 +83,7 @@ def _num_heads(config: Any) -> int | None:
 
 
 def facts_from_config(config: Any) -> dict[str, int]:
-    """Return the facts a vLLM configuration gives (see the module's table); missing ones are left out.
-
-    Args:
-        config: A ``vllm.config.VllmConfig``, or any object with the same attributes.
-
-    Returns:
-        ``{fact: value}`` with positive integers only.
-    """
+    """Return the positive facts a ``VllmConfig`` (or look-alike) gives; missing ones are left out."""
     scheduler = getattr(config, "scheduler_config", None)
     facts: dict[str, int | None] = {
         "num_heads": _num_heads(config),
@@ -118,13 +105,8 @@ def facts_from_config(config: Any) -> dict[str, int]:
 class KernelShape:
     """The query one MLA decode kernel call receives: ``[rows, q_len, heads, dim]``.
 
-    Attributes:
-        layout: :data:`REQUESTS` (a row per request) or :data:`TOKENS` (a row per ``fold`` tokens).
-        rows: The kernel's batch in this call.
-        q_len: Query tokens per row (1 in the :data:`TOKENS` layout).
-        heads: Query heads per row: after DCP's all-gather, and ``fold`` times a token's heads.
-        cp_world: The DCP world size (1 without DCP).
-        fold: Query tokens folded into one row's heads (1: none).
+    ``layout`` is :data:`REQUESTS` (a row per request) or :data:`TOKENS` (a row per
+    ``fold`` tokens, ``q_len`` 1); ``heads`` counts after DCP's all-gather and folding.
     """
 
     layout: Layout
@@ -136,24 +118,10 @@ class KernelShape:
 
 
 def decode_kernel_shape(tokens: int, heads: int, cp_world: int, metadata: Any) -> KernelShape | None:
-    """Return the shape vLLM's ``FlashInferMLAImpl.forward_mqa`` hands the kernel, from its query and metadata.
+    """Return the shape ``FlashInferMLAImpl.forward_mqa`` hands the kernel, following its branches (docs/vllm.md).
 
-    Follows vLLM's branches (0.33 and 0.34): a non-causal block, and a causal
-    DCP batch whose requests have uneven query lengths (0.34), run one row per
-    token; everything else one row per request (uniform ``[requests, q_len]``,
-    or the compact ragged query of causal speculative decode without DCP,
-    tiled per request by the kernel up to ``max_query_len``). vLLM 0.33 views
-    an uneven causal DCP batch as uniform rows; one row per token is never
-    smaller for it.
-
-    Args:
-        tokens: The query's decode tokens (``q.shape[0]``).
-        heads: The query's heads (``q.shape[-2]``: after DCP's all-gather).
-        cp_world: ``self.dcp_world_size``.
-        metadata: vLLM's ``FlashInferMLAMetadata`` of the call.
-
-    Returns:
-        The kernel's shape, or ``None`` where the metadata lacks what the branches read.
+    ``tokens`` and ``heads`` are ``q.shape[0]`` and ``q.shape[-2]``; ``metadata`` is
+    the call's ``FlashInferMLAMetadata``. ``None`` where it lacks what the branches read.
     """
     decode = getattr(metadata, "decode", None)
     num_decodes = positive_int(getattr(metadata, "num_decodes", None))
@@ -171,11 +139,7 @@ def decode_kernel_shape(tokens: int, heads: int, cp_world: int, metadata: Any) -
 
 
 def folded_kernel_shape(tokens: int, heads: int, cp_world: int, fold: int) -> KernelShape:
-    """Return the shape of a decode with ``fold`` query tokens of a request folded into each row's heads.
-
-    Kimi K3's draft decode (vLLM 0.34, ``drafter.attention.folded_decode``)
-    reshapes ``[tokens, heads, dim]`` to ``[tokens / fold, 1, fold * heads, dim]``.
-    """
+    """Return the shape of Kimi K3's draft decode: ``[tokens / fold, 1, fold * heads, dim]``."""
     fold = max(1, fold)
     return KernelShape(TOKENS, max(1, tokens // fold), 1, heads * fold, cp_world, fold)
 
@@ -215,29 +179,12 @@ def _with_kernel(configured: Mapping[str, int], key: tuple[int, int, int, int]) 
 
 
 def kernel_facts(configured: Mapping[str, int], shape: KernelShape) -> dict[str, int]:
-    """Return the facts of a kernel call at its layout's configured maximum, over the configuration's others.
-
-    Args:
-        configured: The configuration's facts (:func:`facts_from_config`).
-        shape: What the kernel receives in this call.
-
-    Returns:
-        The configuration's facts with ``q_heads``, ``num_heads`` (``q_heads //
-        cp_world``), ``cp_world``, ``q_len`` and ``batch_size`` replaced by the
-        kernel's: ``batch_size`` is the most rows the layout can have (the
-        call's own where they are more), ``q_len`` at least the configured one
-        for rows per request.
-    """
+    """Return the configured facts with the kernel call's shape facts, ``batch_size`` at the layout's maximum rows."""
     return _with_kernel(configured, _kernel_key(configured, shape))
 
 
 def widest_facts(configured: Mapping[str, int]) -> dict[str, int]:
-    """Return the configuration's facts for a call whose kernel shape is unknown: the most rows at the full q_len.
-
-    ``batch_size`` becomes ``max(max_num_seqs, min(max_num_seqs * q_len,
-    max_num_batched_tokens))``: at ``q_len`` per row, at least the rows of either
-    layout, so a rule that grows with rows and ``q_len`` is never sized short.
-    """
+    """Return the configuration's facts for a call of unknown kernel shape: either layout's most rows at full q_len."""
     seqs = configured.get("batch_size")
     tokens = _token_bound(configured)
     if seqs is None or tokens is None:
@@ -249,12 +196,7 @@ _Entry = tuple[Any, Mapping[str, int], Mapping[str, int], dict[tuple[int, int, i
 
 
 class ConfigFacts:
-    """The facts of the current vLLM configuration, cached until the configuration object changes.
-
-    Args:
-        get_config: Returns the current configuration or ``None``
-            (``vllm.config.get_current_vllm_config_or_none``); ``None``: no facts.
-    """
+    """The facts of the current vLLM configuration (from ``get_config``), cached until that object changes."""
 
     def __init__(self, get_config: Callable[[], Any] | None) -> None:
         self._get_config = get_config
@@ -279,12 +221,7 @@ class ConfigFacts:
         return self._entry()[2]
 
     def for_kernel(self, shape: KernelShape) -> Mapping[str, int]:
-        """Return :func:`kernel_facts` of the current configuration and ``shape``.
-
-        The same mapping is returned for every call that resolves to the same
-        facts (in the steady state, every call of a layout), so the per-call
-        path builds nothing new.
-        """
+        """Return :func:`kernel_facts` of the current configuration and ``shape``, one mapping per distinct result."""
         _, facts, _, by_key = self._entry()
         key = _kernel_key(facts, shape)
         found = by_key.get(key)

@@ -1,19 +1,12 @@
 """vLLM's FlashInfer paged wrappers on right-sized int workspaces from pool ``flashinfer_int`` (vLLM 0.33, 0.34).
 
-A FlashInfer paged wrapper allocates an 8 MiB int workspace and an 8 MiB pinned
-copy though a plan uses a few KiB. The vLLM plugin wraps the builder's
-``_get_decode_wrapper`` and ``_get_prefill_wrapper``: a wrapper they return for
-the first time takes a region of its own before vLLM plans it, sized by its
-planner's rule for upper bounds of every plan it will make (:func:`step_bounds`).
-Wrappers whose planner no rule bounds keep FlashInfer's buffers, and
-:func:`wrapper_record` says why. docs/vllm.md ("FlashInfer wrappers' int
-workspaces") tables each wrapper's facts and what stays FlashInfer's.
-
-Device semantics: a region lives on the device of the builder's float
-workspace. Capture semantics: vLLM calls the getters while building metadata,
-outside capture, so a region is in place before any graph captures its
-wrapper, and a wrapper keeps it. Thread semantics: one thread per builder;
-records are kept beside the wrappers, never on them. Per step: one look-up.
+The plugin wraps the builder's ``_get_decode_wrapper`` and ``_get_prefill_wrapper``:
+a wrapper returned for the first time takes a region, on the device of the
+builder's float workspace, before vLLM plans it; wrappers no rule bounds keep
+FlashInfer's buffers (:func:`wrapper_record` says why). vLLM calls the getters
+outside capture, so a region is in place before any graph captures its wrapper.
+One thread per builder. Facts per wrapper: docs/vllm.md ("FlashInfer wrappers'
+int workspaces").
 """
 
 from __future__ import annotations
@@ -49,14 +42,7 @@ _DCP_CLASS = "BatchDCPPrefillWrapper"
 
 @dataclass(frozen=True)
 class WrapperRecord:
-    """What the plugin did with one wrapper a builder returned.
-
-    Attributes:
-        kind: ``"decode-graph"``, ``"decode"``, ``"prefill"`` or ``"dcp-context"``.
-        rule: The ``flashinfer_int`` rule its region was sized by; ``None``: it keeps FlashInfer's buffers.
-        facts: The facts the rule was (or would have been) resolved with.
-        why: Why it keeps FlashInfer's buffers, when it does.
-    """
+    """What the plugin did with one wrapper a builder returned (``rule`` ``None``: it keeps FlashInfer's buffers)."""
 
     kind: str
     rule: str | None
@@ -75,15 +61,9 @@ def wrapper_record(wrapper: Any) -> WrapperRecord | None:
 
 
 def step_bounds(config: Any) -> tuple[int, int]:
-    """Return ``(max_num_seqs, T)``: the most requests and query tokens one step of ``config`` plans.
+    """Return ``(max_num_seqs, T)``: the most requests and query tokens one step of ``config`` plans (docs/vllm.md).
 
-    ``T = max(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))``:
-    the scheduler's token budget, or the most decode tokens its requests hold,
-    whichever is more. Each bounds a step's query tokens on its own; the larger
-    is kept so that the bound holds where either one does.
-
-    Raises:
-        LookupError: The configuration lacks ``max_num_seqs`` or ``max_num_batched_tokens``.
+    ``LookupError`` where the configuration lacks either scheduler bound.
     """
     facts = facts_from_config(config)
     seqs, batched = facts.get("batch_size"), facts.get("batch_tokens")
@@ -183,17 +163,8 @@ def _record_prefill(namespace: Mapping[str, Any], builder: Any, wrapper: Any) ->
 def wrap_get_decode_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``FlashInferMetadataBuilder._get_decode_wrapper``: a decode wrapper gets its region before its first plan.
 
-    Args:
-        original: vLLM's ``_get_decode_wrapper(self, batch_size, use_cudagraph=False, q_len_per_req=1)``.
-
-    Returns:
-        A method that returns what vLLM's returns; a wrapper it has not seen is
-        bound first (a CUDA-graph wrapper for its batch and query length, the
-        eager one for :func:`step_bounds`), or recorded as left alone.
-
-    Raises:
-        RuleError: Pool ``flashinfer_int``'s rule cannot be resolved, naming the setting.
-        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    A graph wrapper is sized for its batch and query length, the eager one for
+    :func:`step_bounds`. Raises as :func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper`.
     """
     namespace: Mapping[str, Any] = getattr(original, "__globals__", {})  # read at each call: tests replace classes
 
@@ -212,17 +183,8 @@ def wrap_get_decode_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``FlashInferMetadataBuilder._get_prefill_wrapper``: a prefill wrapper gets a region before its first plan.
 
-    Args:
-        original: vLLM's ``_get_prefill_wrapper(self, causal=True)``.
-
-    Returns:
-        A method that returns what vLLM's returns; a wrapper it has not seen (the
-        causal and the non-causal one, or the paged context wrapper inside vLLM's
-        DCP wrapper) is bound first for :func:`step_bounds`, or recorded as left alone.
-
-    Raises:
-        RuleError: Pool ``flashinfer_int``'s rule cannot be resolved, naming the setting.
-        WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
+    Causal, non-causal and DCP context wrappers are sized for :func:`step_bounds`;
+    raises as :func:`~wspool.flashinfer.wrapper_buffers.bind_paged_wrapper`.
     """
     namespace: Mapping[str, Any] = getattr(original, "__globals__", {})
 
