@@ -210,16 +210,9 @@ _OUTSIDE_VLLM_LANES: ContextVar[str | None] = ContextVar("wspool_lane_outside_vl
 def wrap_use_workspace_lane(original: Callable[[int], Any]) -> Callable[[int], Any]:
     """Wrap vLLM's ``use_workspace_lane(lane)`` so wspool's lane follows vLLM's workspace lane.
 
-    Inside lane ``n > 0`` wspool's lane is ``vllm-u0-l<n>`` (never ``main``), inside
-    lane 0 the lane outside every vLLM lane, so the getters' fast path reads one
-    lane, wspool's, and every other call takes the full path, which names the lane
-    from vLLM's own lane and micro-batch. Applying it tells the getters so.
-
-    Args:
-        original: vLLM's ``use_workspace_lane``, a context manager factory.
-
-    Returns:
-        A context manager factory with vLLM's semantics (thread and task local, as vLLM's).
+    Inside lane ``n > 0`` wspool's lane is ``vllm-u0-l<n>``, inside lane 0 the lane outside
+    every vLLM lane, so the getters' steady state reads one lane (docs/vllm.md). Thread and
+    task local, as vLLM's; applying it tells the getters so.
     """
 
     @contextlib.contextmanager
@@ -351,15 +344,8 @@ def mla_reads_call_facts() -> bool:
 def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
     """Return FlashInfer MLA's workspace: pool ``flashinfer_mla``, rule ``lse`` or ``default``, as ``int8``.
 
-    Replaces ``vllm.v1.attention.backends.mla.flashinfer_mla._get_workspace_buffer``.
-
-    Args:
-        return_lse: Whether the call returns the LSE (rule ``lse``, 256 MiB by
-            default; the DCP rule of ``configs/kimi_dcp.yaml`` reads the facts).
-
-    Returns:
-        A zero-filled ``torch.int8`` view of the pool's buffer on the current
-        CUDA device; the same tensor on later calls while the buffer suffices.
+    Replaces ``flashinfer_mla._get_workspace_buffer``: a zero-filled view on the current
+    CUDA device, the same tensor while the buffer suffices.
 
     Raises:
         RuleError: The rule reads a fact vLLM did not give (named in the message).
@@ -384,16 +370,9 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
 def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
     """Return trtllm-gen's multi-CTA-KV counters: pool ``flashinfer_mla_counters``, rule ``counters``.
 
-    Replaces ``flashinfer_mla._get_multi_ctas_kv_counter_buffer``. The kernel
-    resets its semaphores to zero after every launch, so the buffer is zeroed
-    once, when allocated, and the same tensor is returned while it suffices.
-
-    Args:
-        min_bytes: The counters' size for vLLM's largest batch (fact ``min_bytes``).
-        device: Where (the query's device).
-
-    Returns:
-        A ``uint8`` buffer of at least ``min_bytes`` bytes.
+    Replaces ``flashinfer_mla._get_multi_ctas_kv_counter_buffer``: a ``uint8`` buffer of at
+    least ``min_bytes`` on ``device``, zeroed once when allocated (the kernel resets its
+    semaphores after every launch), the same tensor while it suffices.
 
     Raises:
         WorkspaceFrozenError: It would have to grow while locked or capturing.
@@ -411,11 +390,7 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
 
 
 def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
-    """Return trtllm-gen's paged-attention counters: pool ``flashinfer_counters``, rule ``counters``.
-
-    Replaces ``vllm.v1.attention.backends.flashinfer._get_multi_ctas_kv_counter_buffer``,
-    with the semantics of :func:`get_multi_ctas_kv_counter_buffer`.
-    """
+    """Return trtllm-gen's paged-attention counters (pool ``flashinfer_counters``), as the MLA ones."""
     if not _contexts and _wspool_lane_of() is _MAIN_LANE:
         found = _PAGED_COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
@@ -451,15 +426,8 @@ _MAIN_BY_POOL = {POOL_COUNTERS: _COUNTERS_MAIN, POOL_PAGED_COUNTERS: _PAGED_COUN
 def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = None) -> torch.Tensor:
     """Return sparse FlashInfer MLA's workspace: pool ``flashinfer_mla_sparse``, rule ``default``, as ``int8``.
 
-    Replaces ``flashinfer_mla_sparse._get_workspace_buffer``: the rule's size
-    (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` by default) with ``min_bytes`` as a floor.
-
-    Args:
-        device: Where.
-        min_bytes: The least the caller needs; ``None``: the rule alone.
-
-    Returns:
-        A zero-filled ``torch.int8`` view, the same tensor while the buffer suffices.
+    Replaces ``flashinfer_mla_sparse._get_workspace_buffer``: the rule's size with
+    ``min_bytes`` as a floor, zero-filled, the same tensor while the buffer suffices.
     """
     found = _SPARSE_MAIN[0]
     in_main = not _contexts and _wspool_lane_of() is _MAIN_LANE
@@ -488,21 +456,11 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
 def get_paged_workspace_buffer(builder: Any, prefill_bytes_per_elem: int | None = None) -> torch.Tensor:
     """Return vLLM's FlashInfer attention workspace: pool ``flashinfer``, rule ``vllm`` (or batch-invariant).
 
-    Replaces ``FlashInferMetadataBuilder._get_workspace_buffer``: allocated on
-    the first call on ``builder.device`` and kept on ``builder`` (so vLLM's
-    ``set_workspace_buffer`` still shares one between builders).
-
-    Args:
-        builder: The ``FlashInferMetadataBuilder``.
-        prefill_bytes_per_elem: vLLM's ``FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM``;
-            given, the buffer is at least ``max_num_batched_tokens * num_qo_heads *
-            head_dim`` times it (vLLM's floor for FlashInfer's prefill temporaries),
-            except in batch-invariant mode, as in vLLM.
-
-    Returns:
-        A zero-filled ``uint8`` buffer: 394 MiB (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``)
-        or vLLM's prefill floor by default, 2 GiB (rule ``vllm_batch_invariant``)
-        with ``VLLM_BATCH_INVARIANT``.
+    Replaces ``FlashInferMetadataBuilder._get_workspace_buffer``: made on the first call
+    on ``builder.device`` and kept on ``builder``, so vLLM's ``set_workspace_buffer`` still
+    shares it. ``prefill_bytes_per_elem`` (vLLM's constant) sets vLLM's prefill floor,
+    ``max_num_batched_tokens * num_qo_heads * head_dim`` times it, except in batch-invariant
+    mode (rule ``vllm_batch_invariant``, 2 GiB), as in vLLM.
     """
     buffer: torch.Tensor | None = internals.builder_workspace(builder)
     if buffer is None:
@@ -597,16 +555,10 @@ get_dash_workspace = _device_getter(
 def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``FlashInferMLAImpl.forward_mqa`` so the MLA rules see the shape of the query the kernel gets.
 
-    Args:
-        original: vLLM's ``forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)``.
-
-    Returns:
-        A method that records, for the calling thread and the duration of the
-        call, the facts of the kernel call vLLM's branches make from ``q`` and
-        ``attn_metadata`` (:func:`~wspool.integrations.vllm.facts.decode_kernel_shape`:
-        one row per request, or per token in a ragged causal DCP batch or a
-        non-causal block), at the configured maximum of that layout, then calls
-        ``original``. Metadata the branches cannot read gives the widest facts.
+    The wrapper passes straight through unless a configured MLA rule reads the call's
+    facts; then it records, for this thread and the call's duration, the kernel call's
+    facts (:func:`~wspool.integrations.vllm.facts.decode_kernel_shape`, at the configured
+    maximum of that layout; the widest facts where the metadata cannot be read).
     """
 
     def forward_mqa(self: Any, q: Any, kv_c_and_k_pe_cache: Any, attn_metadata: Any, layer: Any) -> Any:
@@ -649,26 +601,13 @@ def _is_mla_view(workspace: object) -> bool:
 
 
 def wrap_folded_decode(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap Kimi K3's draft decode so its MLA workspace is sized for the folded query the kernel gets.
+    """Wrap Kimi K3's draft ``folded_decode`` so its MLA workspace is sized for the folded query.
 
-    ``vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention.folded_decode``
-    (vLLM 0.34) takes a workspace its callers fetched with
-    ``_get_workspace_buffer(return_lse)`` outside ``forward_mqa`` (a subclass's
-    override, and the drafter's DCP path), then folds ``fold`` query tokens of
-    a request into each row's heads: ``[tokens, heads, dim] -> [tokens / fold,
-    1, fold * heads, dim]``, ``fold`` from vLLM's own ``fold_plan`` (all ``k``
-    tokens without an LSE; with one, the most that keep ``fold * heads <= 128``).
-
-    Args:
-        original: vLLM's ``folded_decode(q, kv_cache, block_table, seq_lens,
-            max_seq_len, tokens_per_request, *, ..., workspace, return_lse,
-            dcp_world_size, ...)``.
-
-    Returns:
-        A function that, when ``workspace`` is the ``flashinfer_mla`` pool's,
-        asks the pool again with the folded kernel's facts (its rows at their
-        configured maximum) and passes that buffer on; a buffer of vLLM's own
-        (the CAKE kernel's) goes through unchanged.
+    vLLM 0.34's drafter folds ``fold`` query tokens of a request into each row's heads
+    (``fold`` from vLLM's ``fold_plan``). Where ``workspace`` is the ``flashinfer_mla``
+    pool's and a rule reads the call's facts, the pool is asked again with the folded
+    kernel's facts and that buffer passed on; a buffer of vLLM's own goes through
+    unchanged (docs/vllm.md).
     """
     fold_plan = getattr(original, "__globals__", {}).get("fold_plan")
 
