@@ -22,7 +22,7 @@ from wspool.devices import DeviceDescription, DeviceLike, is_dynamic, resolve_de
 from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, unknown_rule
 from wspool.freeze import FreezeState
-from wspool.handles import WorkspaceHandle, bump_epoch
+from wspool.handles import EPOCH, WorkspaceHandle, bump_epoch
 from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, WorkspacePool
 from wspool.profile_views import ProfileView, check_rule_facts
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
@@ -189,7 +189,12 @@ class PoolRegistry:
                 found = self._serving(pool, device, lane, rule)
         if facts:
             return found[0].workspace(rule, facts)
-        return found[1].get()
+        handle = found[1]
+        epoch, buffer, raw_stream, index = handle.steady  # WorkspaceHandle.get's steady state, written out
+        if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
+            handle.hits += 1
+            return buffer  # type: ignore[return-value]
+        return handle.get()
 
     def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> tuple[WorkspacePool, WorkspaceHandle]:
         """Return the pool instance that serves ``pool``'s own ``rule`` and its handle (a call's first miss)."""

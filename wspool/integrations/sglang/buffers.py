@@ -315,12 +315,14 @@ def wrap_get_buffer(original: Callable[..., Any]) -> Callable[..., Any]:
     pooled = frozenset(BUFFERS)
 
     def get_buffer(self: Any, name: str, factory: Any) -> Any:
-        buffers = self.resources.buffers
-        buf = buffers.get(name)
-        if buf is None:
-            if name in pooled:
-                return serve(name, factory, lambda: original(self, name, factory))
-            buf = buffers[name] = factory()
+        buf = self.resources.buffers.get(name)
+        return make(self, name, factory) if buf is None else buf
+
+    # Apart from get_buffer, whose arguments a closure here would make cells of on every call.
+    def make(self: Any, name: str, factory: Any) -> Any:
+        if name in pooled:
+            return serve(name, factory, lambda: original(self, name, factory))
+        buf = self.resources.buffers[name] = factory()
         return buf
 
     get_buffer.__wrapped__ = original  # type: ignore[attr-defined]
