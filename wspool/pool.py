@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import torch
 
+from wspool.devices import StreamOrderWatch
 from wspool.errors import (
     SizeError,
     WorkspaceFrozenError,
@@ -43,7 +44,6 @@ from wspool.errors import (
 from wspool.freeze import FreezeState, cuda_capture_probe
 from wspool.handles import bump_epoch
 from wspool.rules import LiteralRule, SizeRule, compile_rule
-from wspool.streams import StreamOrderWatch
 from wspool.units import MAX_SIZE_BYTES, format_size, positive_int
 
 if TYPE_CHECKING:
@@ -302,7 +302,7 @@ class WorkspacePool:
         allocator: Makes zero-filled buffers; the default is ``torch.zeros``.
         capture_probe: Whether the calling thread's stream is capturing a CUDA graph; default
             :func:`cuda_capture_probe` on CUDA devices, never elsewhere.
-        debug_streams: On CUDA devices, watch for unordered streams (:mod:`wspool.streams`).
+        debug_streams: On CUDA devices, watch for unordered streams (:class:`wspool.devices.StreamOrderWatch`).
         device_facts: The device's facts, read after the pool's default facts.
     """
 
