@@ -11,10 +11,13 @@ group vLLM has changed keeps vLLM's own behaviour, named in one warning. The
 replacements live in :mod:`~wspool.integrations.vllm.getters`, the engine's
 facts in :mod:`~wspool.integrations.vllm.facts`, the FlashInfer wrappers' int
 workspaces in :mod:`~wspool.integrations.vllm.wrappers`. docs/vllm.md lists
-every target, pool and rule.
+every target, pool and rule. :func:`get_workspace_buffer` (also under vLLM's
+name ``_get_workspace_buffer``) is vLLM's MLA workspace function, pool-backed,
+for a backend that imports it in place of vLLM's.
 
 Thread semantics: vLLM loads plugins at start-up, before serving; loading is
-idempotent and never raises.
+idempotent and never raises. The drop-in function is thread-safe, on the
+current CUDA device at each call.
 """
 
 from __future__ import annotations
@@ -23,21 +26,29 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from wspool.devices import DeviceLike
 from wspool.integrations import VLLM
 from wspool.integrations.patching import Integration, describe_config
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm import internals, wrappers
 from wspool.integrations.vllm.getters import DEVICE_ENV_VAR
-from wspool.registry import get_registry
+from wspool.registry import PoolRegistry, get_registry
+from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
     "DEVICE_ENV_VAR",
     "ENABLE_ENV_VAR",
+    "FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE",
+    "FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE",
     "GROUPS",
     "INTEGRATION",
     "TARGETS",
     "VllmIntegration",
+    "check_workspace_facts",
+    "get_workspace_buffer",
     "patched",
     "register",
     "unregister",
@@ -351,3 +362,57 @@ def unregister() -> list[str]:
 def patched() -> list[str]:
     """Return the names of the vLLM attributes wspool replaced in this process."""
     return INTEGRATION.patched()
+
+
+#: vLLM's fixed sizes, for code that imports them; the sizes served come from the configuration.
+FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE = VLLM_FIXED_MLA_WORKSPACE_BYTES["default"]
+FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE = VLLM_FIXED_MLA_WORKSPACE_BYTES["lse"]
+
+_DROP_IN_POOL = "flashinfer_mla"
+_DROP_IN_DEVICE = "cuda"  # the current CUDA device at each call (tests point it at the CPU)
+
+
+def get_workspace_buffer(return_lse: bool) -> torch.Tensor:
+    """Return FlashInfer MLA's workspace: the ``flashinfer_mla`` pool's buffer, grown to rule ``lse`` or ``default``.
+
+    vLLM's ``_get_workspace_buffer(return_lse)`` (128 MiB, or 256 MiB once a
+    call returns the LSE, grown lazily and reused) with sizes from the
+    configuration and the device's profile, one buffer per device and lane
+    shared with the pool's other users, and growth refused during capture or
+    while frozen. The call passes no facts: a rule reads the pool's default
+    facts or the device's, which :func:`check_workspace_facts` checks at load time.
+
+    Args:
+        return_lse: Whether the call also returns the LSE (the larger rule).
+
+    Returns:
+        A zero-filled ``uint8`` buffer of at least the rule's size (128 MiB /
+        256 MiB by default); the same tensor on later calls while it suffices.
+
+    Raises:
+        WorkspaceFrozenError: It would have to grow while frozen or capturing; warm up both sizes first.
+        WorkspaceLimitError: It would have to grow beyond ``max_bytes`` or memory.
+    """
+    return get_registry().workspace(_DROP_IN_POOL, _DROP_IN_DEVICE, rule="lse" if return_lse else "default")
+
+
+def check_workspace_facts(registry: PoolRegistry | None = None, device: DeviceLike = _DROP_IN_DEVICE) -> None:
+    """Check at load time that :func:`get_workspace_buffer` can size both rules without facts.
+
+    An engine calls it once while it loads (before its first decode step):
+    a rule of ``flashinfer_mla`` that reads a fact neither the pool's default
+    facts nor the device supply fails here, naming the key to set.
+
+    Args:
+        registry: The registry; default :func:`wspool.get_registry`.
+        device: The device the calls will run on; default the current CUDA device.
+
+    Raises:
+        ConfigError: A fact is missing; the message names ``pools.flashinfer_mla.facts.<name>``
+            and ``WSPOOL_POOLS__FLASHINFER_MLA__FACTS__<NAME>``.
+    """
+    (registry or get_registry()).check_facts(_DROP_IN_POOL, ("default", "lse"), device=device)
+
+
+#: vLLM's name for the function, so a backend switches by changing one import.
+_get_workspace_buffer = get_workspace_buffer
