@@ -29,10 +29,10 @@ from wspool.rules import SizeRule, compile_rule
 from wspool.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    from wspool.devices import current_lane, lane
     from wspool.pool import PoolSpec, PoolStats, WorkspacePool
     from wspool.registry import PoolRegistry, get_registry, reset_registry, set_registry
     from wspool.settings.schema import PoolConfig, WspoolSettings, load_settings
-    from wspool.streams import current_lane, lane
 
 __version__ = "0.1.0"
 
@@ -76,8 +76,8 @@ _LAZY = {
     "PoolConfig": "wspool.settings.schema",
     "WspoolSettings": "wspool.settings.schema",
     "load_settings": "wspool.settings.schema",
-    "current_lane": "wspool.streams",
-    "lane": "wspool.streams",
+    "current_lane": "wspool.devices",
+    "lane": "wspool.devices",
 }
 
 

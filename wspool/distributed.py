@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from wspool.devices import DeviceLike, resolve_device
-from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError, WspoolError
-from wspool.settings.sources import quote
+from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError, WspoolError, quote
 from wspool.units import format_size, parse_size
 
 if TYPE_CHECKING:

@@ -1,29 +1,48 @@
-"""The exceptions wspool raises, and how they name the setting to change.
+"""The exceptions wspool raises, and the builders of their messages, which name the setting to change.
 
 Every error derives from :class:`WspoolError`. Configuration problems are also
 ``ValueError`` and limit problems are also ``MemoryError``, so callers that
-already catch the builtin kinds keep working.
+already catch the builtin kinds keep working. A configuration error quotes the
+value (shortened by :func:`quote`, so a hostile value cannot make a huge
+message), where it came from, its YAML key and its ``WSPOOL_*`` variable.
+Importing this module imports neither torch nor pydantic.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import os
+import re
+import reprlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 __all__ = [
     "MAX_EXACT_DIGITS",
+    "MAX_REPORTED_ERRORS",
     "ConfigError",
     "RuleError",
+    "SettingSources",
     "SizeError",
     "WorkspaceConflictError",
     "WorkspaceFrozenError",
     "WorkspaceLimitError",
     "WorkspaceOverflowError",
     "WspoolError",
+    "config_error",
+    "env_error",
+    "miscased_env_vars",
     "missing_facts",
     "printable",
+    "quote",
     "readable_int",
     "setting_names",
+    "unknown_env_vars",
     "unknown_pool",
     "unknown_rule",
 ]
@@ -162,3 +181,200 @@ def missing_facts(exc: Exception, passer: str, known: Mapping[str, int], names: 
     given = ", ".join(f"{k}={v}" for k, v in known.items()) or "none"
     unknown = ", ".join(name for name in names if name not in known) or "none"
     return RuleError(f"{exc} ({passer} passes the facts it knows: {given}; unknown here: {unknown}; {see})")
+
+
+# -- configuration errors: each names the value, where it came from, its key and its variable --------
+
+
+class SettingSources(Protocol):
+    """Where each configuration value came from (:class:`wspool.settings.sources.Provenance`)."""
+
+    def source_of(self, path: Sequence[str]) -> str: ...
+
+    def variables_under(self, path: Sequence[str]) -> list[str]: ...
+
+
+#: Validation errors quoted in one ConfigError; the rest are counted.
+MAX_REPORTED_ERRORS = 5
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's shortened repr, with integers of any size (``repr`` refuses more than 4,300 digits)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return readable_int(x)
+
+
+_quote = _ShortRepr()
+_quote.maxlevel = 3
+_quote.maxstring = 80
+_quote.maxother = 80
+
+
+def quote(value: object) -> str:
+    """Return ``value``'s repr, shortened for quoting in an error."""
+    return _quote.repr(value)
+
+
+def env_error(exc: Exception) -> ConfigError:
+    """Name the variable whose value could not be decoded as the JSON its key needs."""
+    match = re.search(r'field "(\w+)"', str(exc))
+    field = match.group(1) if match else ""
+    cause = exc.__cause__
+    why = "nests too deeply" if isinstance(exc, RecursionError) else "is not valid JSON"
+    if isinstance(cause, json.JSONDecodeError):
+        why = f"is not valid JSON ({cause.msg} at char {cause.pos})"
+    name = _undecodable_env_var(field, getattr(cause, "doc", None))
+    path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_DELIMITER)) if name else (field or "?",)
+    key, env = setting_names(path)
+    value = quote(os.environ.get(env, "")) if name else "its value"
+    return ConfigError(
+        f"invalid environment variable {env} = {value}: {why}, and {key} takes a mapping; "
+        f"give a JSON object, or set single values through nested variables such as {env}__<KEY>=...",
+        path=path,
+    )
+
+
+def _undecodable_env_var(field: str, doc: object) -> str | None:
+    """Find the ``WSPOOL_*`` variable whose value failed to decode (``doc``: that value, if known)."""
+    prefix = (ENV_PREFIX + field).upper()
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(prefix):
+            continue
+        value = os.environ[name]
+        if doc is not None:
+            if value == doc:
+                return upper
+            continue
+        try:
+            json.loads(value)
+        except RecursionError:
+            return upper
+        except ValueError:
+            continue
+    return None
+
+
+def config_error(
+    exc: ValidationError,
+    provenance: SettingSources,
+    prefix: tuple[str, ...] = (),
+    keys_at: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
+) -> ConfigError:
+    """Turn a validation error into one :class:`ConfigError` naming each key, its source and its fix.
+
+    Args:
+        exc: The validation error.
+        provenance: Where each value came from.
+        prefix: The key path the validated model sits at (``("pools", "mine")``).
+        keys_at: The keys the schema has under a key path, for the suggestion an unknown
+            key gets (``rule`` -> ``rules``); ``None``: no suggestion.
+    """
+    lines = []
+    first_path: tuple[str, ...] | None = None
+    for error in exc.errors(include_url=False):
+        loc = [*prefix, *(str(p) for p in error["loc"] if not str(p).startswith("function-"))]
+        path = tuple(p for p in loc if p != "[key]")
+        if first_path is None:
+            first_path = path
+        if error["type"] == "extra_forbidden":
+            lines.append(_unknown_key(path, error.get("input"), provenance, keys_at))
+            continue
+        key, env = setting_names(path)
+        message = error["msg"].removeprefix("Value error, ")
+        if "[key]" in loc and not isinstance(error.get("input"), str):
+            message = f"a key must be a string, not {type(error.get('input')).__name__}"
+        if error["type"] == "rule_above_max_bytes":
+            lines.append(_rule_above_max_bytes(path, error.get("ctx") or {}, provenance))
+            continue
+        value = error.get("input")
+        shown = f" = {quote(value)}" if not isinstance(value, Mapping) else ""
+        lines.append(f"{key}{shown} (from {provenance.source_of(path)}): {message}; set {key} / {env}")
+    count = len(lines)
+    header = "invalid wspool configuration" + (f" ({count} errors)" if count > 1 else "")
+    reported = lines[:MAX_REPORTED_ERRORS]
+    if count > MAX_REPORTED_ERRORS:
+        reported.append(f"and {count - MAX_REPORTED_ERRORS} more")
+    return ConfigError(header + ": " + "; ".join(reported), path=first_path)
+
+
+def _unknown_key(
+    path: tuple[str, ...],
+    value: object,
+    provenance: SettingSources,
+    keys_at: Callable[[tuple[str, ...]], Sequence[str]] | None,
+) -> str:
+    """Say that ``path`` names no setting, and name the key meant: its variable as the user spelt the rest."""
+    key = setting_names(path)[0]
+    source = provenance.source_of(path)
+    known = list(keys_at(path[:-1])) if keys_at is not None else []
+    if not known:
+        return f"{key} (from {source}): unknown key (check its spelling and nesting)"
+    meant = difflib.get_close_matches(path[-1].lower(), known, n=1, cutoff=0.6)
+    if not meant:
+        return f"{key} (from {source}): unknown key; the keys there are {', '.join(known)}"
+    fixed = (*path[:-1], meant[0])
+    # The rest of the path as the user wrote it: the variable's tail, or a single key below it in YAML.
+    variables = provenance.variables_under(path)
+    if variables:
+        tail = variables[0][len(setting_names(path)[1]) :]
+        fixed_env = setting_names(fixed)[1] + tail
+        fixed_key = setting_names(fixed)[0] + tail.replace(ENV_DELIMITER, ".").lower()
+    else:
+        below = (str(next(iter(value))),) if isinstance(value, Mapping) and len(value) == 1 else ()
+        fixed_key, fixed_env = setting_names((*fixed, *below))
+    return f"{key} (from {source}): unknown key; did you mean {meant[0]!r}? set {fixed_key} / {fixed_env}"
+
+
+def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provenance: SettingSources) -> str:
+    rule, limit = (*pool, "rules", str(ctx.get("rule"))), (*pool, "max_bytes")
+    return (
+        f"{setting_names(rule)[0]} = {quote(ctx.get('source'))} ({ctx.get('size')}, from "
+        f"{provenance.source_of(rule)}) is above {setting_names(limit)[0]} = {ctx.get('limit')} (from "
+        f"{provenance.source_of(limit)}), so it could never be served; lower {describe_setting(rule)} "
+        f"or raise {describe_setting(limit)}"
+    )
+
+
+def _first_names(names: Sequence[str]) -> str:
+    """``names`` for a message: the first :data:`MAX_REPORTED_ERRORS`, escaped, and how many more."""
+    more = f" and {len(names) - MAX_REPORTED_ERRORS} more" if len(names) > MAX_REPORTED_ERRORS else ""
+    return ", ".join(printable(n) for n in names[:MAX_REPORTED_ERRORS]) + more
+
+
+def miscased_env_vars(names: Sequence[str]) -> ConfigError:
+    """The error for ``WSPOOL_*`` variables ``names`` that are not in upper case, naming each fix."""
+    fixes = "; ".join(f"set {printable(n.upper())}, not {printable(n)}" for n in names[:MAX_REPORTED_ERRORS])
+    return ConfigError(
+        f"environment variable(s) {_first_names(names)} "
+        f"not in upper case: wspool's {ENV_PREFIX}* variables are upper case, and one in another case "
+        f"would be ignored or clash with its upper-case twin; {fixes}",
+        path=tuple(names[0].upper()[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)),
+    )
+
+
+def unknown_env_vars(names: Sequence[str], fields: set[str], extra: Sequence[str]) -> ConfigError:
+    """The error for ``WSPOOL_*`` variables ``names`` that name no setting (top-level ``fields``) nor ``extra``."""
+    known_names = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
+    meant = [m for m in (_meant_variable(n, fields, extra) for n in names[:MAX_REPORTED_ERRORS]) if m]
+    return ConfigError(
+        f"unknown environment variable(s) {_first_names(names)}: no wspool setting has that name "
+        f"(check the spelling; the variables are {known_names}, and pools are set through "
+        f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)"
+        + (f"; did you mean {', '.join(meant)}?" if meant else ""),
+        path=(names[0][len(ENV_PREFIX) :].lower(),),
+    )
+
+
+def _meant_variable(name: str, fields: set[str], extra: Iterable[str]) -> str | None:
+    """The variable ``name`` most likely misspells (``WSPOOL_POOL__P__RULES__X`` -> ``WSPOOL_POOLS__...``)."""
+    upper = name.upper()
+    whole = difflib.get_close_matches(upper, list(extra), n=1, cutoff=0.8)
+    if whole:
+        return whole[0]
+    head, nested, rest = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
+    found = difflib.get_close_matches(head, sorted(fields), n=1, cutoff=0.6)
+    if not found or (nested and found[0] != "POOLS"):
+        return None
+    return f"{ENV_PREFIX}{found[0]}{nested}{rest}"

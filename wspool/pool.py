@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import torch
 
+from wspool.devices import StreamOrderWatch
 from wspool.errors import (
     SizeError,
     WorkspaceFrozenError,
@@ -36,7 +37,6 @@ from wspool.errors import (
 from wspool.freeze import FreezeState, cuda_capture_probe
 from wspool.handles import bump_epoch
 from wspool.rules import LiteralRule, SizeRule, compile_rule
-from wspool.streams import StreamOrderWatch
 from wspool.units import MAX_SIZE_BYTES, format_size, positive_int
 
 if TYPE_CHECKING:
@@ -266,7 +266,7 @@ class WorkspacePool:
     """A workspace buffer for one (pool, device with an index, lane); create through a registry.
 
     ``capture_probe`` defaults to :func:`cuda_capture_probe` on CUDA devices;
-    ``debug_streams`` watches for unordered streams there (:mod:`wspool.streams`).
+    ``debug_streams`` watches for unordered streams there (:class:`wspool.devices.StreamOrderWatch`).
     """
 
     def __init__(

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from wspool.devices import DeviceDescription, DeviceLike, is_dynamic, resolve_device
+from wspool.devices import DeviceDescription, DeviceLike, current_lane, is_dynamic, resolve_device
 from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, unknown_rule
 from wspool.freeze import FreezeState
@@ -27,7 +27,6 @@ from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, WorkspacePoo
 from wspool.profile_views import ProfileView, check_rule_facts
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import WspoolSettings, load_settings, profile_settings
-from wspool.streams import current_lane
 
 __all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
 

@@ -1,4 +1,4 @@
-"""Tests for wspool.lse_merge: partial attention outputs merged by their natural-log LSEs."""
+"""Tests for wspool.flashinfer.merge_lse_partials: partial attention outputs merged by their natural-log LSEs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from wspool.lse_merge import merge_lse_partials
+from wspool.flashinfer.reference import merge_lse_partials
 
 NEG_INF = float("-inf")
 

@@ -1,9 +1,9 @@
-"""Tests for wspool.streams: the debug check for one buffer used from two unordered streams.
+"""Tests for wspool.devices' stream-order check (one buffer used from two unordered streams).
 
 The decision logic runs here against a small simulated GPU: streams hold
 queues of kernels and waits, events mark queue positions, and the GPU runs
 only when the host waits on an event. The real-stream version is in
-tests/reliability/test_reliability_gpu.py.
+tests/reliability/test_streams_gpu.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import wspool
-from wspool.streams import StreamOrderWarning, StreamOrderWatch
+from wspool.devices import StreamOrderWarning, StreamOrderWatch
 
 CUDA0 = torch.device("cuda", 0)
 

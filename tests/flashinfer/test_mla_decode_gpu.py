@@ -28,7 +28,7 @@ import wspool
 from tests.helpers.dcp_shares import RAGGED_LENGTHS, decode_by_shares, split_into_shares
 from tests.helpers.mla_inputs import MLAInputs, make_inputs, mla_reference, run_mla_decode
 from wspool.flashinfer import mla_decode, mla_decode_reference, select_path
-from wspool.lse_merge import merge_lse_partials
+from wspool.flashinfer.reference import merge_lse_partials
 
 pytestmark = pytest.mark.gpu
 

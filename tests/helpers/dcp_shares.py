@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers.mla_inputs import MLAInputs
 from wspool.flashinfer import mla_decode
-from wspool.lse_merge import merge_lse_partials
+from wspool.flashinfer.reference import merge_lse_partials
 from wspool.units import ceil_div
 
 __all__ = ["RAGGED_LENGTHS", "decode_by_shares", "split_into_shares"]

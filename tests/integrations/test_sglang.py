@@ -245,7 +245,7 @@ def test_a_failure_while_patching_rolls_everything_back(
 
     last = sg.TARGETS[-1]
     broken = Target(last.module, last.path, last.parameters, explode, "explodes")
-    monkeypatch.setattr(sg.plugin, "GROUPS", (TargetGroup("SGLang's workspaces", (*sg.TARGETS[:-1], broken)),))
+    monkeypatch.setattr(sg, "GROUPS", (TargetGroup("SGLang's workspaces", (*sg.TARGETS[:-1], broken)),))
     before = _originals(srt)
     load()
     assert sg.patched() == [] and _originals(srt) == before
@@ -408,7 +408,7 @@ def test_the_third_of_three_targets_failing_restores_the_first_two(
 
     first, second, third = sg.TARGETS[:3]
     broken = Target(third.module, third.path, third.parameters, explode, "explodes")
-    monkeypatch.setattr(sg.plugin, "GROUPS", (TargetGroup("three", (first, second, broken)),))
+    monkeypatch.setattr(sg, "GROUPS", (TargetGroup("three", (first, second, broken)),))
     before = _originals(srt)
     load()
     assert sg.patched() == [] and _originals(srt) == before

@@ -29,7 +29,7 @@ from tests.helpers.sglang_model import TINY_LLAMA
 from tests.helpers.tokenspeed_cpu import SM100_SM_COUNT
 from wspool.errors import WorkspaceFrozenError
 from wspool.integrations import tokenspeed
-from wspool.integrations.tokenspeed import buffers, internals
+from wspool.integrations.tokenspeed import buffers
 from wspool.settings.schema import load_settings_with_provenance
 
 MiB = 1 << 20
@@ -217,12 +217,12 @@ def test_a_broken_configuration_leaves_tokenspeed_untouched_in_one_line(
 
 
 def test_the_private_names_read_exist(ts: TokenSpeed) -> None:
-    """Every TokenSpeed name internals.py reads exists in the installed TokenSpeed, as read."""
-    assert internals.READ_FROM.startswith("TokenSpeed 0.1.1")
-    assert sorted(internals.ACCESSORS) == ["dsa_workspace_bytes", "flashmla_workspace"]
-    for accessor, (module, name) in internals.ACCESSORS.items():
+    """Every TokenSpeed name the accessors in buffers.py read exists in the installed TokenSpeed, as read."""
+    assert buffers.READ_FROM.startswith("TokenSpeed 0.1.1")
+    assert sorted(buffers.ACCESSORS) == ["dsa_workspace_bytes", "flashmla_workspace"]
+    for accessor, (module, name) in buffers.ACCESSORS.items():
         assert hasattr(importlib.import_module(module), name), accessor
-    assert internals.dsa_workspace_bytes() == 384 * MiB
+    assert buffers.dsa_workspace_bytes() == 384 * MiB
 
 
 # -- the shared block ---------------------------------------------------------------------------
@@ -373,7 +373,7 @@ def test_flashmlas_flashinfer_workspace_is_a_pool_kept_apart_from_the_block(
     assert backend.workspace_buffer is buffer and buffer.numel() == 2 * MiB
     assert backend.prefill_wrapper_ragged.workspace is buffer and backend.prefill_wrapper_paged.workspace is buffer
     assert not _overlap(buffer, _buffer(buffers.BLOCK.pool))
-    assert internals.flashmla_workspace(ts.flashmla) is None
+    assert buffers.flashmla_workspace(ts.flashmla) is None
 
 
 def test_sampling_scratch_stays_tokenspeeds(ts: TokenSpeed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

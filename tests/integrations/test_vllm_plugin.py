@@ -194,9 +194,9 @@ def test_load_general_plugins_patches_each_function(loaded: None) -> None:
     assert _module(SPARSE_SM120)._get_workspace_buffer is ws.get_sparse_workspace_buffer  # a by-name copy
     assert paged._get_multi_ctas_kv_counter_buffer is ws.get_paged_multi_ctas_kv_counter_buffer
     assert mla.FlashInferMLAImpl.forward_mqa.__wspool__
-    assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == plugin.plugin.__name__
-    assert workspace.WorkspaceManager.lock.__module__ == plugin.plugin.__name__
-    assert workspace.WorkspaceManager.unlock.__module__ == plugin.plugin.__name__
+    assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == plugin.__name__
+    assert workspace.WorkspaceManager.lock.__module__ == plugin.__name__
+    assert workspace.WorkspaceManager.unlock.__module__ == plugin.__name__
     assert sorted(plugin.patched()) == _present_targets()
 
 
@@ -857,7 +857,7 @@ def test_the_third_of_three_targets_failing_restores_the_first_two(
     first, second = plugin.GROUPS[0].targets[:2]  # the MLA workspace and forward_mqa
     third = plugin.GROUPS[1].targets[0]  # the counters
     broken = Target(third.module, third.path, third.parameters, explode, "explodes")
-    monkeypatch.setattr(plugin.plugin, "GROUPS", (TargetGroup("three", (first, second, broken)),))
+    monkeypatch.setattr(plugin, "GROUPS", (TargetGroup("three", (first, second, broken)),))
     before = (mla._get_workspace_buffer, mla.FlashInferMLAImpl.__dict__["forward_mqa"])
     load()
     assert plugin.patched() == []

@@ -17,8 +17,8 @@ import torch
 
 import wspool
 from tests.reliability.gpu_scratch import NUMEL, current_cuda_device, scratch_registry
+from wspool.devices import StreamOrderWarning
 from wspool.errors import WorkspaceFrozenError
-from wspool.streams import StreamOrderWarning
 from wspool.units import MiB
 
 pytestmark = pytest.mark.gpu

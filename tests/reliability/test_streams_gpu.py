@@ -15,7 +15,7 @@ import torch
 import wspool
 from tests.helpers.registry import make_registry
 from tests.reliability.gpu_scratch import NUMEL, current_cuda_device, scratch_registry
-from wspool.streams import StreamOrderWarning
+from wspool.devices import StreamOrderWarning
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import wspool
-from wspool.integrations import adapters
+from wspool.integrations import vllm as drop_in
 from wspool.tools.demo import run_demo
 
 pytestmark = pytest.mark.gpu
@@ -63,9 +63,9 @@ def test_profile_fixed_gives_vllms_fixed_sizes() -> None:
 def test_adapter_without_facts_serves_the_hopper_size() -> None:
     """_get_workspace_buffer(return_lse) alone gets 17369088 bytes on an H200, for both rules."""
     _hopper()
-    adapters.check_workspace_facts()
-    assert adapters._get_workspace_buffer(False).numel() == _hopper_bytes()
-    assert adapters._get_workspace_buffer(True).numel() == _hopper_bytes()
+    drop_in.check_workspace_facts()
+    assert drop_in._get_workspace_buffer(False).numel() == _hopper_bytes()
+    assert drop_in._get_workspace_buffer(True).numel() == _hopper_bytes()
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert _hopper_bytes() == 17_369_088
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from wspool.cli import wrap
-from wspool.errors import describe_setting, printable, setting_names
+from wspool.errors import describe_setting, printable, quote, setting_names
 from wspool.settings.schema import (
     OWN_POOLS,
     Provenance,
@@ -25,7 +25,6 @@ from wspool.settings.schema import (
     profile_settings,
     unknown_rule_facts,
 )
-from wspool.settings.sources import quote
 from wspool.units import format_size
 
 if TYPE_CHECKING:  # the registry imports torch: each command imports it when it runs

@@ -23,7 +23,7 @@ from typing import Any
 
 from wspool import __version__
 from wspool.cli import wrap
-from wspool.errors import ConfigError, printable
+from wspool.errors import ConfigError, printable, quote
 from wspool.integrations import ENGINES, targets_of
 from wspool.integrations.patching import EngineInfo, parse_switch
 from wspool.settings.profiles import ProfileChoice, choose_profile
@@ -35,7 +35,7 @@ from wspool.settings.schema import (
     load_settings_with_provenance,
     profile_settings,
 )
-from wspool.settings.sources import ENGINE_KNOBS, quote
+from wspool.settings.sources import ENGINE_KNOBS
 
 __all__ = ["FLASHINFER_DISTRIBUTION", "cmd_doctor", "diagnose", "format_report"]
 

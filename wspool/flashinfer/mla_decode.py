@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from wspool.devices import current_lane
 from wspool.flashinfer.mla import MLA_POOL, MLADecodePlan, mla_decode_plan
 from wspool.registry import PoolRegistry, get_registry
-from wspool.streams import current_lane
 
 __all__ = ["MLAPlanCache", "mla_decode"]
 

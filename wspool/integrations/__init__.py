@@ -2,8 +2,7 @@
 
 Each engine is a package on one seam (:mod:`wspool.integrations.patching`):
 :mod:`wspool.integrations.vllm`, :mod:`wspool.integrations.sglang` and
-:mod:`wspool.integrations.tokenspeed`, loaded by their engines through entry points; :mod:`wspool.integrations.adapters`
-holds drop-in functions for engines without a plugin system. :data:`ENGINES`
+:mod:`wspool.integrations.tokenspeed`, loaded by their engines through entry points. :data:`ENGINES`
 describes each engine without importing it or its package.
 """
 

@@ -12,13 +12,10 @@ immutable and thread-safe; nothing here touches CUDA. Keys: docs/profiles.md.
 
 from __future__ import annotations
 
-import difflib
 import keyword
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any
 
@@ -26,14 +23,25 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
-    EnvSettingsSource,
     InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
 )
 
-from wspool.errors import ENV_DELIMITER, ENV_PREFIX, ConfigError, describe_setting, printable, setting_names
+from wspool.errors import (
+    ENV_DELIMITER,
+    ENV_PREFIX,
+    MAX_REPORTED_ERRORS,
+    ConfigError,
+    config_error,
+    describe_setting,
+    env_error,
+    miscased_env_vars,
+    quote,
+    setting_names,
+    unknown_env_vars,
+)
 from wspool.rules import FUNCTIONS, MAX_MAGNITUDE, LiteralRule, compile_rule
 from wspool.settings.profiles import AUTO, PROFILE_NAMES, find_config_file, load_profile, shipped_name_of
 from wspool.settings.sources import (
@@ -41,17 +49,12 @@ from wspool.settings.sources import (
     MAX_CONFIG_DEPTH,
     MAX_CONFIG_FILE_BYTES,
     MAX_CONFIG_VALUES,
-    MAX_REPORTED_ERRORS,
+    LoadInputs,
     Provenance,
     SettingsLayer,
     Source,
-    config_error,
-    deep_copy,
-    engine_knob_layers,
     engine_knob_settings,
-    env_error,
-    quote,
-    read_yaml,
+    read_sources,
 )
 from wspool.units import MiB, format_size, parse_size
 
@@ -95,9 +98,6 @@ __all__ = [
 
 
 GROWTH_POLICIES = ("exact", "power_of_two")
-
-
-# Values quoted back in errors are shortened, so a hostile value cannot make a huge message.
 
 
 def _rule_value(value: object) -> str:
@@ -314,39 +314,9 @@ def check_env_names(
         elif name != upper:
             miscased.append(name)
     if miscased:
-        fixes = "; ".join(f"set {printable(n.upper())}, not {printable(n)}" for n in miscased[:MAX_REPORTED_ERRORS])
-        more = f" and {len(miscased) - MAX_REPORTED_ERRORS} more" if len(miscased) > MAX_REPORTED_ERRORS else ""
-        raise ConfigError(
-            f"environment variable(s) {', '.join(printable(n) for n in miscased[:MAX_REPORTED_ERRORS])}{more} "
-            f"not in upper case: wspool's {ENV_PREFIX}* variables are upper case, and one in another case "
-            f"would be ignored or clash with its upper-case twin; {fixes}",
-            path=tuple(miscased[0].upper()[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)),
-        )
+        raise miscased_env_vars(miscased)
     if unknown:
-        known_names = ", ".join([*extra, *(f"{ENV_PREFIX}{f}" for f in sorted(fields))])
-        shown = ", ".join(printable(n) for n in unknown[:MAX_REPORTED_ERRORS])
-        more = f" and {len(unknown) - MAX_REPORTED_ERRORS} more" if len(unknown) > MAX_REPORTED_ERRORS else ""
-        meant = [m for m in (_meant_variable(n, fields, extra) for n in unknown[:MAX_REPORTED_ERRORS]) if m]
-        raise ConfigError(
-            f"unknown environment variable(s) {shown}{more}: no wspool setting has that name "
-            f"(check the spelling; the variables are {known_names}, and pools are set through "
-            f"{ENV_PREFIX}POOLS{ENV_DELIMITER}<POOL>{ENV_DELIMITER}<KEY>)"
-            + (f"; did you mean {', '.join(meant)}?" if meant else ""),
-            path=(unknown[0][len(ENV_PREFIX) :].lower(),),
-        )
-
-
-def _meant_variable(name: str, fields: set[str], extra: Iterable[str]) -> str | None:
-    """The variable ``name`` most likely misspells (``WSPOOL_POOL__P__RULES__X`` -> ``WSPOOL_POOLS__...``)."""
-    upper = name.upper()
-    whole = difflib.get_close_matches(upper, list(extra), n=1, cutoff=0.8)
-    if whole:
-        return whole[0]
-    head, nested, rest = upper[len(ENV_PREFIX) :].partition(ENV_DELIMITER)
-    found = difflib.get_close_matches(head, sorted(fields), n=1, cutoff=0.6)
-    if not found or (nested and found[0] != "POOLS"):
-        return None
-    return f"{ENV_PREFIX}{found[0]}{nested}{rest}"
+        raise unknown_env_vars(unknown, fields, extra)
 
 
 def check_pool_names(pools: Mapping[str, PoolConfig], source_of: Any = None) -> None:
@@ -500,7 +470,7 @@ class PoolConfig(BaseModel):
         for name, source in self.rules.items():
             rule = compile_rule(source)
             if isinstance(rule, LiteralRule) and rule.nbytes > self.max_bytes:
-                # The pool's name is not known here: _config_error names both full keys.
+                # The pool's name is not known here: config_error names both full keys.
                 raise PydanticCustomError(
                     "rule_above_max_bytes",
                     "rule {rule} = {source} ({size}) is above max_bytes = {limit}",
@@ -538,7 +508,7 @@ class WspoolSettings(BaseSettings):
     profile: ProfileSetting = AUTO
 
     # What load_settings read for these settings, so profile_settings layers a profile under the same inputs.
-    _load_inputs: _LoadInputs | None = PrivateAttr(default=None)
+    _load_inputs: LoadInputs | None = PrivateAttr(default=None)
 
     @classmethod
     def settings_customise_sources(
@@ -616,54 +586,16 @@ def profile_settings(settings: WspoolSettings, profile: str) -> tuple[WspoolSett
     return _build(inputs, profile)
 
 
-@dataclass(frozen=True)
-class _LoadInputs:
-    """What one load read, highest precedence first; settings built from equal sources are equal."""
-
-    overrides: dict[str, Any]
-    sources: tuple[Source, ...]  # the environment, the file or the shipped configuration, the engines' variables
-    path: Path | None = field(compare=False)
-    how: str = field(compare=False)
-    shipped: str | None = field(compare=False)
-    environ_names: frozenset[str] = field(compare=False)
-
-
-def _read(config_file: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> _LoadInputs:
-    """Read every source once: ``WSPOOL_*``, the YAML file, the engines' variables."""
-    check_env_names()
-    path, how = find_config_file(config_file)
-    yaml_data = read_yaml(path, how, WspoolSettings.model_fields) if path is not None else {}
-    try:
-        env_data = EnvSettingsSource(WspoolSettings)()
-    except (SettingsError, RecursionError) as exc:
-        raise env_error(exc) from None
-    shipped = shipped_name_of(path) if path is not None else None
-    engines = engine_knob_layers()
-    sources = [Source("environment", env_data)]
-    if path is None:
-        sources += engines
-    elif shipped is None:  # the user's own file: over the engines' variables
-        sources += [Source("file", yaml_data, name=str(path)), *engines]
-    else:  # a shipped configuration is a shipped default: the engines' variables override it
-        sources += [*engines, Source("shipped", yaml_data, name=shipped)]
-    return _LoadInputs(
-        # A copy, so that the caller's later edits of what it passed in code reach neither.
-        overrides=deep_copy(overrides),
-        sources=tuple(sources),
-        path=path,
-        how=how,
-        shipped=shipped,
-        environ_names=frozenset(n for n in os.environ if n.startswith(ENV_PREFIX)),
-    )
-
-
 def _load(
     config_file: str | os.PathLike[str] | None, profile: str | None, overrides: dict[str, Any]
 ) -> tuple[WspoolSettings, Provenance]:
-    return _build(_read(config_file, overrides), profile)
+    check_env_names()
+    path, how = find_config_file(config_file)
+    shipped = shipped_name_of(path) if path is not None else None
+    return _build(read_sources(WspoolSettings, overrides, path, how, shipped), profile)
 
 
-def _build(inputs: _LoadInputs, profile: str | None) -> tuple[WspoolSettings, Provenance]:
+def _build(inputs: LoadInputs, profile: str | None) -> tuple[WspoolSettings, Provenance]:
     """Validate the settings of ``inputs``, with ``profile``'s settings under them (``None``: none)."""
     layers = list(inputs.sources)
     if profile is not None:

@@ -1,9 +1,10 @@
 """Where settings come from: the strict YAML reader, the engines' own workspace variables, and provenance.
 
-Every YAML file wspool reads goes through :func:`read_yaml_file`, which refuses
-duplicate keys, unsafe tags and documents over its bounds; every value keeps
-where it came from (:class:`Provenance`), so an error names the source, the
-YAML key and the ``WSPOOL_*`` variable. An engine's own workspace variable
+:func:`read_sources` reads one load's inputs once. Every YAML file wspool
+reads goes through :func:`read_yaml_file`, which refuses duplicate keys,
+unsafe tags and documents over its bounds; every value keeps where it came
+from (:class:`Provenance`), so an error names the source, the YAML key and the
+``WSPOOL_*`` variable. An engine's own workspace variable
 (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``...) sits below the user's file and
 ``WSPOOL_*``, and above a shipped configuration. Pure functions over files,
 text and mappings; thread-safe. Precedence: README.
@@ -11,29 +12,24 @@ text and mappings; thread-safe. Precedence: README.
 
 from __future__ import annotations
 
-import difflib
-import json
 import os
-import re
-import reprlib
 import stat
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsError
 
 from wspool.errors import (
     ENV_DELIMITER,
     ENV_PREFIX,
     ConfigError,
     WspoolError,
-    describe_setting,
-    readable_int,
+    env_error,
+    quote,
     setting_names,
 )
 from wspool.units import KiB, MiB, format_size
@@ -45,19 +41,17 @@ __all__ = [
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
-    "MAX_REPORTED_ERRORS",
     "SOURCE_KINDS",
+    "LoadInputs",
     "Provenance",
     "SettingsLayer",
     "Source",
-    "config_error",
     "config_file_from",
     "deep_copy",
     "engine_knob_layers",
     "engine_knob_settings",
-    "env_error",
     "parse_yaml",
-    "quote",
+    "read_sources",
     "read_text_file",
     "read_yaml",
     "read_yaml_file",
@@ -229,149 +223,6 @@ class Provenance:
                 return name
         below = self.variables_under(path)  # a key the schema refuses, set through a variable for a key below it
         return below[0] if below else setting_names(path)[1]
-
-
-#: Validation errors quoted in one ConfigError; the rest are counted.
-MAX_REPORTED_ERRORS = 5
-
-
-class _ShortRepr(reprlib.Repr):
-    """reprlib's shortened repr, with integers of any size (``repr`` refuses more than 4,300 digits)."""
-
-    def repr_int(self, x: int, level: int) -> str:
-        return readable_int(x)
-
-
-_quote = _ShortRepr()
-_quote.maxlevel = 3
-_quote.maxstring = 80
-_quote.maxother = 80
-
-
-def quote(value: object) -> str:
-    """Return ``value``'s repr, shortened for quoting in an error."""
-    return _quote.repr(value)
-
-
-def env_error(exc: Exception) -> ConfigError:
-    """Name the variable whose value could not be decoded as the JSON its key needs."""
-    match = re.search(r'field "(\w+)"', str(exc))
-    field = match.group(1) if match else ""
-    cause = exc.__cause__
-    why = "nests too deeply" if isinstance(exc, RecursionError) else "is not valid JSON"
-    if isinstance(cause, json.JSONDecodeError):
-        why = f"is not valid JSON ({cause.msg} at char {cause.pos})"
-    name = _undecodable_env_var(field, getattr(cause, "doc", None))
-    path = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_DELIMITER)) if name else (field or "?",)
-    key, env = setting_names(path)
-    value = quote(os.environ.get(env, "")) if name else "its value"
-    return ConfigError(
-        f"invalid environment variable {env} = {value}: {why}, and {key} takes a mapping; "
-        f"give a JSON object, or set single values through nested variables such as {env}__<KEY>=...",
-        path=path,
-    )
-
-
-def _undecodable_env_var(field: str, doc: object) -> str | None:
-    """Find the ``WSPOOL_*`` variable whose value failed to decode (``doc``: that value, if known)."""
-    prefix = (ENV_PREFIX + field).upper()
-    for name in sorted(os.environ):
-        upper = name.upper()
-        if not upper.startswith(prefix):
-            continue
-        value = os.environ[name]
-        if doc is not None:
-            if value == doc:
-                return upper
-            continue
-        try:
-            json.loads(value)
-        except RecursionError:
-            return upper
-        except ValueError:
-            continue
-    return None
-
-
-def config_error(
-    exc: ValidationError,
-    provenance: Provenance,
-    prefix: tuple[str, ...] = (),
-    keys_at: Callable[[tuple[str, ...]], Sequence[str]] | None = None,
-) -> ConfigError:
-    """Turn a validation error into one :class:`ConfigError` naming each key, its source and its fix.
-
-    Args:
-        exc: The validation error.
-        provenance: Where each value came from.
-        prefix: The key path the validated model sits at (``("pools", "mine")``).
-        keys_at: The keys the schema has under a key path, for the suggestion an unknown
-            key gets (``rule`` -> ``rules``); ``None``: no suggestion.
-    """
-    lines = []
-    first_path: tuple[str, ...] | None = None
-    for error in exc.errors(include_url=False):
-        loc = [*prefix, *(str(p) for p in error["loc"] if not str(p).startswith("function-"))]
-        path = tuple(p for p in loc if p != "[key]")
-        if first_path is None:
-            first_path = path
-        if error["type"] == "extra_forbidden":
-            lines.append(_unknown_key(path, error.get("input"), provenance, keys_at))
-            continue
-        key, env = setting_names(path)
-        message = error["msg"].removeprefix("Value error, ")
-        if "[key]" in loc and not isinstance(error.get("input"), str):
-            message = f"a key must be a string, not {type(error.get('input')).__name__}"
-        if error["type"] == "rule_above_max_bytes":
-            lines.append(_rule_above_max_bytes(path, error.get("ctx") or {}, provenance))
-            continue
-        value = error.get("input")
-        shown = f" = {quote(value)}" if not isinstance(value, Mapping) else ""
-        lines.append(f"{key}{shown} (from {provenance.source_of(path)}): {message}; set {key} / {env}")
-    count = len(lines)
-    header = "invalid wspool configuration" + (f" ({count} errors)" if count > 1 else "")
-    reported = lines[:MAX_REPORTED_ERRORS]
-    if count > MAX_REPORTED_ERRORS:
-        reported.append(f"and {count - MAX_REPORTED_ERRORS} more")
-    return ConfigError(header + ": " + "; ".join(reported), path=first_path)
-
-
-def _unknown_key(
-    path: tuple[str, ...],
-    value: object,
-    provenance: Provenance,
-    keys_at: Callable[[tuple[str, ...]], Sequence[str]] | None,
-) -> str:
-    """Say that ``path`` names no setting, and name the key meant: its variable as the user spelt the rest."""
-    key = setting_names(path)[0]
-    source = provenance.source_of(path)
-    known = list(keys_at(path[:-1])) if keys_at is not None else []
-    if not known:
-        return f"{key} (from {source}): unknown key (check its spelling and nesting)"
-    meant = difflib.get_close_matches(path[-1].lower(), known, n=1, cutoff=0.6)
-    if not meant:
-        return f"{key} (from {source}): unknown key; the keys there are {', '.join(known)}"
-    fixed = (*path[:-1], meant[0])
-    # The rest of the path as the user wrote it: the variable's tail, or a single key below it in YAML.
-    variables = provenance.variables_under(path)
-    if variables:
-        tail = variables[0][len(setting_names(path)[1]) :]
-        fixed_env = setting_names(fixed)[1] + tail
-        fixed_key = setting_names(fixed)[0] + tail.replace(ENV_DELIMITER, ".").lower()
-    else:
-        below = (str(next(iter(value))),) if isinstance(value, Mapping) and len(value) == 1 else ()
-        fixed_key, fixed_env = setting_names((*fixed, *below))
-    return f"{key} (from {source}): unknown key; did you mean {meant[0]!r}? set {fixed_key} / {fixed_env}"
-
-
-def _rule_above_max_bytes(pool: tuple[str, ...], ctx: Mapping[str, Any], provenance: Provenance) -> str:
-    rule, limit = (*pool, "rules", str(ctx.get("rule"))), (*pool, "max_bytes")
-    return (
-        f"{setting_names(rule)[0]} = {quote(ctx.get('source'))} ({ctx.get('size')}, from "
-        f"{provenance.source_of(rule)}) is above {setting_names(limit)[0]} = {ctx.get('limit')} (from "
-        f"{provenance.source_of(limit)}), so it could never be served; lower {describe_setting(rule)} "
-        f"or raise {describe_setting(limit)}"
-    )
 
 
 #: The variable that names the YAML file.
@@ -681,3 +532,57 @@ def engine_knob_settings(environ: Mapping[str, str] | None = None) -> dict[str, 
         for pool, config in layer.data["pools"].items():
             merged["pools"].setdefault(pool, {"rules": {}})["rules"].update(config["rules"])
     return merged if merged["pools"] else {}
+
+
+@dataclass(frozen=True)
+class LoadInputs:
+    """What one load read, highest precedence first; settings built from equal sources are equal."""
+
+    overrides: dict[str, Any]
+    sources: tuple[Source, ...]  # the environment, the file or the shipped configuration, the engines' variables
+    path: Path | None = field(compare=False)
+    how: str = field(compare=False)
+    shipped: str | None = field(compare=False)
+    environ_names: frozenset[str] = field(compare=False)
+
+
+def read_sources(
+    settings_cls: type[BaseSettings],
+    overrides: Mapping[str, Any],
+    path: Path | None,
+    how: str = "",
+    shipped: str | None = None,
+) -> LoadInputs:
+    """Read every source of one load once: ``WSPOOL_*``, the YAML file, the engines' variables.
+
+    Args:
+        settings_cls: The settings whose fields the file and the ``WSPOOL_*`` variables set.
+        overrides: The values given in code (copied, so the caller's later edits reach nothing).
+        path: The YAML file, or ``None``.
+        how: How the file was named (``"named by WSPOOL_CONFIG"``), for messages.
+        shipped: The shipped configuration ``path`` is, or ``None`` for the user's own file.
+
+    Raises:
+        ConfigError: The file is missing or not valid YAML, or a ``WSPOOL_*`` value is not the JSON its key needs.
+    """
+    yaml_data = read_yaml(path, how, settings_cls.model_fields) if path is not None else {}
+    try:
+        env_data = EnvSettingsSource(settings_cls)()
+    except (SettingsError, RecursionError) as exc:
+        raise env_error(exc) from None
+    engines = engine_knob_layers()
+    sources = [Source("environment", env_data)]
+    if path is None:
+        sources += engines
+    elif shipped is None:  # the user's own file: over the engines' variables
+        sources += [Source("file", yaml_data, name=str(path)), *engines]
+    else:  # a shipped configuration is a shipped default: the engines' variables override it
+        sources += [*engines, Source("shipped", yaml_data, name=shipped)]
+    return LoadInputs(
+        overrides=deep_copy(overrides),
+        sources=tuple(sources),
+        path=path,
+        how=how,
+        shipped=shipped,
+        environ_names=frozenset(n for n in os.environ if n.startswith(ENV_PREFIX)),
+    )

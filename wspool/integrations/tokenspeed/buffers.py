@@ -16,13 +16,16 @@ Every rule may read ``tokenspeed_bytes``, what TokenSpeed's own code would
 allocate there (its variables honoured); docs/tokenspeed.md lists the rules.
 Device semantics: the device TokenSpeed names. Lanes: the calling context's.
 Capture: TokenSpeed freezes before capture, and a frozen registry refuses
-growth with :class:`~wspool.WorkspaceFrozenError`.
+growth with :class:`~wspool.WorkspaceFrozenError`. TokenSpeed's private names
+are read through one accessor each (:data:`ACCESSORS`, read from
+:data:`READ_FROM`), which imports TokenSpeed's module only when called.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -35,14 +38,15 @@ import torch
 import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
 from wspool.handles import WorkspaceHandle
-from wspool.integrations.tokenspeed import internals
 from wspool.units import MiB, ceil_div, format_size, round_up
 
 __all__ = [
+    "ACCESSORS",
     "BLOCK",
     "DSA",
     "FACT_NAMES",
     "FLASHMLA",
+    "READ_FROM",
     "TOKENSPEED_POOLS",
     "TRTLLM_MHA",
     "TRTLLM_MLA",
@@ -51,8 +55,12 @@ __all__ = [
     "TokenspeedPools",
     "Workspace",
     "dsa_workspace",
+    "dsa_workspace_bytes",
+    "flashmla_module",
+    "flashmla_workspace",
     "forget",
     "replacing",
+    "set_flashmla_workspace",
     "trtllm_mla_workspace",
     "wrap_flashmla_constructor",
     "wrap_mha_constructor",
@@ -352,13 +360,13 @@ def wrap_mha_constructor(original: Callable[..., None]) -> Callable[..., None]:
 @contextlib.contextmanager
 def _flashmla_buffer(buffer: torch.Tensor) -> Iterator[None]:
     """Put ``buffer`` where FlashMLA's constructor takes its workspace, and what was there back after."""
-    module = internals.flashmla_module()
-    previous = internals.flashmla_workspace(module)
-    internals.set_flashmla_workspace(module, buffer)
+    module = flashmla_module()
+    previous = flashmla_workspace(module)
+    set_flashmla_workspace(module, buffer)
     try:
         yield
     finally:
-        internals.set_flashmla_workspace(module, previous)
+        set_flashmla_workspace(module, previous)
 
 
 def wrap_flashmla_constructor(original: Callable[..., None]) -> Callable[..., None]:
@@ -368,7 +376,7 @@ def wrap_flashmla_constructor(original: Callable[..., None]) -> Callable[..., No
     every later one takes, whatever its device; here each construction takes
     the pool's buffer for its own device, and the global is left as it was.
     """
-    size_of = internals.flashmla_module().get_flashinfer_workspace_size
+    size_of = flashmla_module().get_flashinfer_workspace_size
 
     @functools.wraps(original)
     def __init__(self: Any, config: Any, spec: Any, *, kernel_page_size: int) -> None:
@@ -400,7 +408,7 @@ def trtllm_mla_workspace(device: torch.device | str) -> torch.Tensor:
 
 @functools.cache
 def _dsa_facts() -> Mapping[str, int]:
-    return MappingProxyType({"tokenspeed_bytes": internals.dsa_workspace_bytes()})
+    return MappingProxyType({"tokenspeed_bytes": dsa_workspace_bytes()})
 
 
 def dsa_workspace(device: torch.device | str) -> torch.Tensor:
@@ -418,3 +426,47 @@ def replacing(function: Callable[..., Any]) -> Callable[[Any], Any]:
         return function
 
     return make
+
+
+# -- TokenSpeed's private names ---------------------------------------------------------------
+# TokenSpeed offers no public way to reach these; ``tests/integrations/test_tokenspeed.py`` fails
+# with the accessor's name when TokenSpeed lacks one.
+
+#: The TokenSpeed release every name below was read from.
+READ_FROM = "TokenSpeed 0.1.1 (tokenspeed-kernel 0.1.4)"
+
+_FLASHMLA_MODULE = "tokenspeed.runtime.layers.attention.backends.paged.flashmla"
+_DSA_MODULE = "tokenspeed_kernel.ops.attention.dsa.flashinfer"
+_FLASHMLA_GLOBAL = "_global_workspace_buffer"
+_DSA_BYTES = "_DSA_SPARSE_WORKSPACE_BYTES"
+
+
+def flashmla_module() -> Any:
+    """Return TokenSpeed's FlashMLA backend module (imports it)."""
+    return importlib.import_module(_FLASHMLA_MODULE)
+
+
+def flashmla_workspace(module: Any) -> Any:
+    """Return ``flashmla._global_workspace_buffer``, the buffer a FlashMLA backend takes when built (TokenSpeed 0.1.1).
+
+    ``None`` until a backend allocated it: ``FlashMLABackend.__init__`` allocates
+    ``get_flashinfer_workspace_size()`` bytes there when it finds ``None``.
+    """
+    return getattr(module, _FLASHMLA_GLOBAL, None)
+
+
+def set_flashmla_workspace(module: Any, buffer: Any) -> None:
+    """Set ``flashmla._global_workspace_buffer``, which ``FlashMLABackend.__init__`` reads (TokenSpeed 0.1.1)."""
+    setattr(module, _FLASHMLA_GLOBAL, buffer)
+
+
+def dsa_workspace_bytes() -> int:
+    """Return ``_DSA_SPARSE_WORKSPACE_BYTES``, DSA sparse MLA's fixed size (tokenspeed-kernel 0.1.4: 384 MiB)."""
+    return int(getattr(importlib.import_module(_DSA_MODULE), _DSA_BYTES))
+
+
+#: Every accessor with the module and name it reads (for the test that they still exist).
+ACCESSORS: dict[str, tuple[str, str]] = {
+    "flashmla_workspace": (_FLASHMLA_MODULE, _FLASHMLA_GLOBAL),
+    "dsa_workspace_bytes": (_DSA_MODULE, _DSA_BYTES),
+}

@@ -1,4 +1,4 @@
-"""Tests for wspool.integrations.adapters: _get_workspace_buffer behaves like the seed's function (vLLM PR #47074)."""
+"""Tests for wspool.integrations.vllm._get_workspace_buffer: it behaves like the seed's function (vLLM PR #47074)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 import wspool
 from wspool.errors import WorkspaceFrozenError
-from wspool.integrations import adapters
+from wspool.integrations import vllm as drop_in
 
 MiB = 1 << 20
 
@@ -33,7 +33,7 @@ def _seed_function() -> object:
 @pytest.fixture(autouse=True)
 def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Point the adapter at the CPU, as the seed's copy is."""
-    monkeypatch.setattr(adapters, "_DEVICE", "cpu")
+    monkeypatch.setattr(drop_in, "_DROP_IN_DEVICE", "cpu")
 
 
 @pytest.mark.parametrize("calls", list(itertools.product([False, True], repeat=4)))
@@ -44,7 +44,7 @@ def test_same_sizes_growth_and_reuse_as_the_seed(calls: tuple[bool, ...]) -> Non
     seen_ours: list[torch.Tensor] = []
     for return_lse in calls:
         want = seed(return_lse)  # type: ignore[operator]
-        got = adapters._get_workspace_buffer(return_lse)
+        got = drop_in._get_workspace_buffer(return_lse)
         assert (got.numel(), got.dtype, got.device) == (want.numel(), want.dtype, want.device)
         assert int(got.count_nonzero()) == 0
         # Reuse follows the seed exactly: a new tensor exactly when the seed made one.
@@ -60,8 +60,8 @@ def test_signature_and_constants_match_the_seed() -> None:
     """The function's signature is the seed's; its constants are still importable."""
     import inspect
 
-    assert str(inspect.signature(adapters._get_workspace_buffer)) == "(return_lse: 'bool') -> 'torch.Tensor'"
-    sizes = (adapters.FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE, adapters.FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE)
+    assert str(inspect.signature(drop_in._get_workspace_buffer)) == "(return_lse: 'bool') -> 'torch.Tensor'"
+    sizes = (drop_in.FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE, drop_in.FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE)
     assert sizes == (128 * MiB, 256 * MiB)
 
 
@@ -69,13 +69,13 @@ def test_sizes_follow_the_configuration(monkeypatch: pytest.MonkeyPatch) -> None
     """WSPOOL_* variables change what the adapter serves, which the seed's constants could not."""
     monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE", "300MiB")
     wspool.reset_registry()
-    assert adapters._get_workspace_buffer(True).numel() == 300 * MiB
-    assert adapters._get_workspace_buffer(False).numel() == 300 * MiB
+    assert drop_in._get_workspace_buffer(True).numel() == 300 * MiB
+    assert drop_in._get_workspace_buffer(False).numel() == 300 * MiB
 
 
 def test_no_growth_while_frozen() -> None:
     """Where the seed would replace the buffer behind a captured graph, the adapter refuses."""
-    adapters._get_workspace_buffer(False)
+    drop_in._get_workspace_buffer(False)
     with wspool.get_registry().frozen(), pytest.raises(WorkspaceFrozenError, match="RULES__LSE"):
-        adapters._get_workspace_buffer(True)
-    assert adapters._get_workspace_buffer(False).numel() == 128 * MiB
+        drop_in._get_workspace_buffer(True)
+    assert drop_in._get_workspace_buffer(False).numel() == 128 * MiB

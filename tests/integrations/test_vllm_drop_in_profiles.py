@@ -1,4 +1,4 @@
-"""Tests for wspool.integrations.adapters with profiles and default facts: every shipped config served without facts."""
+"""Tests for wspool.integrations.vllm._get_workspace_buffer with profiles and default facts: every shipped config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.helpers.devices_fake import B200, H200, HOPPER_MLA_BYTES, meta_alloca
 from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import ConfigError
 from wspool.flashinfer.layouts import softmax_slab_bytes
-from wspool.integrations import adapters
+from wspool.integrations import vllm as drop_in
 from wspool.settings.profiles import shipped_config, shipped_config_names
 
 MiB = 1 << 20
@@ -18,7 +18,7 @@ MiB = 1 << 20
 @pytest.fixture(autouse=True)
 def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Point the adapter at the CPU, which the tests fake as a GPU."""
-    monkeypatch.setattr(adapters, "_DEVICE", "cpu")
+    monkeypatch.setattr(drop_in, "_DROP_IN_DEVICE", "cpu")
 
 
 def _serve(config: str | None, description: DeviceDescription) -> tuple[int, int]:
@@ -26,9 +26,9 @@ def _serve(config: str | None, description: DeviceDescription) -> tuple[int, int
         settings = wspool.load_settings(None if config is None else shipped_config(config))
         registry = wspool.PoolRegistry(settings, allocator=meta_allocator)
         wspool.set_registry(registry)
-        adapters.check_workspace_facts(registry, "cpu")
-        default = adapters._get_workspace_buffer(False).numel()
-        return default, adapters._get_workspace_buffer(True).numel()
+        drop_in.check_workspace_facts(registry, "cpu")
+        default = drop_in._get_workspace_buffer(False).numel()
+        return default, drop_in._get_workspace_buffer(True).numel()
 
 
 def test_no_facts_on_an_h200_serves_the_hopper_profile() -> None:
@@ -70,7 +70,7 @@ def test_a_missing_fact_fails_at_load_time_naming_its_key() -> None:
             match=r"needs fact\(s\) max_seq_len, num_heads, .*set pools\.flashinfer_mla\.facts\.max_seq_len / "
             r"WSPOOL_POOLS__FLASHINFER_MLA__FACTS__MAX_SEQ_LEN, pools\.flashinfer_mla\.facts\.num_heads",
         ):
-            adapters.check_workspace_facts(registry, "cpu")
+            drop_in.check_workspace_facts(registry, "cpu")
     assert all(s.capacity_bytes == 0 for s in registry.all_stats())
 
 
@@ -78,4 +78,4 @@ def test_on_the_cpu_the_hopper_profile_names_the_device_fact() -> None:
     """profile hopper on a device without facts fails the check naming sm_count."""
     registry = wspool.PoolRegistry(wspool.load_settings(profile="hopper"), allocator=meta_allocator)
     with pytest.raises(ConfigError, match=r"profile hopper\) needs fact\(s\) sm_count.*facts\.sm_count"):
-        adapters.check_workspace_facts(registry, "cpu")
+        drop_in.check_workspace_facts(registry, "cpu")
