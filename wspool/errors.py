@@ -36,6 +36,9 @@ __all__ = [
     "WspoolError",
     "config_error",
     "env_error",
+    "growth_above_limit",
+    "growth_failed",
+    "growth_while_frozen",
     "miscased_env_vars",
     "missing_facts",
     "printable",
@@ -181,6 +184,36 @@ def missing_facts(exc: Exception, passer: str, known: Mapping[str, int], names: 
     given = ", ".join(f"{k}={v}" for k, v in known.items()) or "none"
     unknown = ", ".join(name for name in names if name not in known) or "none"
     return RuleError(f"{exc} ({passer} passes the facts it knows: {given}; unknown here: {unknown}; {see})")
+
+
+def growth_above_limit(
+    where: str, nbytes: int, size: str, reason: str, what: str, limit: int, limit_size: str, hint: str
+) -> WorkspaceLimitError:
+    """The error for a growth to ``nbytes`` (``size``) above ``what`` = ``limit``; ``hint`` says what to change."""
+    return WorkspaceLimitError(
+        f"{where} needs {readable_int(nbytes)} bytes ({size}) for {reason}, above {what} = {limit} bytes "
+        f"({limit_size}); {hint}"
+    )
+
+
+def growth_while_frozen(
+    where: str, why: str, reason: str, nbytes: int, size: str, old: int, setting: str
+) -> WorkspaceFrozenError:
+    """The error for a growth refused ``why`` (while frozen, during capture), naming the setting to raise."""
+    return WorkspaceFrozenError(
+        f"{where} would have to grow {why}: {reason} needs {readable_int(nbytes)} bytes ({size}), {old} bytes "
+        f"available. Reserve or warm up that size before capturing/freezing, or raise {setting}"
+    )
+
+
+def growth_failed(
+    where: str, old: int, old_size: str, capacity: int, capacity_size: str, reason: str, cause: str, setting: str
+) -> WorkspaceLimitError:
+    """The error for an allocator that failed (``cause``) to grow a buffer; the pool keeps its old one."""
+    return WorkspaceLimitError(
+        f"{where} could not grow from {old} to {capacity} bytes ({capacity_size}) for {reason}: {cause}; "
+        f"the pool keeps its {old_size} buffer. Lower {setting} or free device memory"
+    )
 
 
 # -- configuration errors: each names the value, where it came from, its key and its variable --------

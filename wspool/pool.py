@@ -27,10 +27,12 @@ import torch
 from wspool.devices import StreamOrderWatch
 from wspool.errors import (
     SizeError,
-    WorkspaceFrozenError,
     WorkspaceLimitError,
     WspoolError,
     describe_setting,
+    growth_above_limit,
+    growth_failed,
+    growth_while_frozen,
     readable_int,
     unknown_rule,
 )
@@ -165,23 +167,17 @@ def _growth_refusal(
         shown = limit if limit is not None and nbytes > limit else MAX_SIZE_BYTES
         what = "max_bytes" if shown == limit else "wspool's size limit"
         hint = f"raise {spec.setting('max_bytes')}" if shown == limit else f"lower {setting}"
+        where = f"pool {spec.name!r} on {device} (lane {lane})"
         return (
-            WorkspaceLimitError(
-                f"pool {spec.name!r} on {device} (lane {lane}) needs {readable_int(nbytes)} bytes "
-                f"({format_size(nbytes)}) for {reason}, above {what} = {shown} bytes "
-                f"({format_size(shown)}); {hint}"
-            ),
+            growth_above_limit(where, nbytes, format_size(nbytes), reason, what, shown, format_size(shown), hint),
             "wspool: refused %s on %s lane %s: %s (%s) needs %s bytes, above %s %d",
             (spec.name, device, lane, reason, format_size(nbytes), readable_int(nbytes), what, shown),
         )
     if frozen or capturing:
         why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
+        where = f"pool {spec.name!r} on {device} (lane {lane})"
         return (
-            WorkspaceFrozenError(
-                f"pool {spec.name!r} on {device} (lane {lane}) would have to grow {why}: "
-                f"{reason} needs {readable_int(nbytes)} bytes ({format_size(nbytes)}), {old} bytes available. "
-                f"Reserve or warm up that size before capturing/freezing, or raise {setting}"
-            ),
+            growth_while_frozen(where, why, reason, nbytes, format_size(nbytes), old, setting),
             "wspool: refused growth of %s on %s lane %s %s: %s needs %s bytes, %d available",
             (spec.name, device, lane, why, reason, readable_int(nbytes), old),
         )
@@ -205,12 +201,9 @@ def _allocation_failure(
     else:
         first = (str(exc).splitlines() or [""])[0][:120]
         cause = f"the allocation failed ({type(exc).__name__}: {first})"
-    return WorkspaceLimitError(
-        f"pool {spec.name!r} on {device} (lane {lane}) could not grow from {old} to "
-        f"{capacity} bytes ({format_size(capacity)}) for {reason}: {cause}; "
-        f"the pool keeps its {format_size(old) if old else 'empty'} buffer. "
-        f"Lower {setting} or free device memory"
-    )
+    where = f"pool {spec.name!r} on {device} (lane {lane})"
+    kept = format_size(old) if old else "empty"
+    return growth_failed(where, old, kept, capacity, format_size(capacity), reason, cause, setting)
 
 
 class _RuleSlot:
