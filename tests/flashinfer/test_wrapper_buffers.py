@@ -9,6 +9,7 @@ shows as a wrong result), and what the statistics report.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -35,7 +36,7 @@ from wspool.flashinfer import (
 )
 from wspool.flashinfer.mla import MLA_FLOAT_CARVES
 from wspool.flashinfer.refusals import grow_after_overflow
-from wspool.regions import binding_of, wrapper_regions
+from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.units import MiB, ceil_div, round_up
 
 # -- the rules against the planners' carves (FlashInfer's scheduler.cuh) ----------------------
@@ -493,3 +494,25 @@ def test_an_unbound_wrappers_int_overflow_is_raised_as_it_is() -> None:
         grow_after_overflow(error, pool=pool, capacity=1 << 20, attempt=0, op="MLA decode", rule="lse",
                             setting="x", float_carves=MLA_FLOAT_CARVES)  # fmt: skip
     assert info.value is error
+
+
+def test_call_supplying_supplies_the_binding_on_its_thread_for_the_call_only() -> None:
+    """The plan call sees its binding on its own thread; a nested call's is restored after; other threads see none."""
+    outer, inner = (WrapperBinding(None, None, "mla") for _ in range(2))  # type: ignore[arg-type]
+    supplied = wrapper_buffers.SUPPLIED_BY_THREAD
+    seen: list[object] = []
+
+    def elsewhere() -> None:
+        seen.append(supplied.get(threading.get_ident()))
+
+    def plan() -> None:
+        seen.append(supplied.get(threading.get_ident()))
+        wrapper_buffers.call_supplying(inner, lambda: seen.append(supplied.get(threading.get_ident())))
+        seen.append(supplied.get(threading.get_ident()))
+        other = threading.Thread(target=elsewhere)
+        other.start()
+        other.join()
+
+    wrapper_buffers.call_supplying(outer, plan)
+    assert seen == [outer, inner, outer, None]
+    assert threading.get_ident() not in supplied

@@ -35,6 +35,7 @@ __all__ = [
     "MLA_HOOK",
     "READ_VERSIONS",
     "SUPPLIED",
+    "SUPPLIED_BY_THREAD",
     "bind_mla_wrapper",
     "bind_paged_wrapper",
     "call_supplying",
@@ -72,10 +73,13 @@ READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
 #: The FlashInfer class whose constructor makes the MLA int workspace and pinned copy.
 MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchMLAGeneratedFaMechanics")
 
-#: The binding whose buffers an MLA backend built in this context takes (this thread or task only).
-#: :func:`supplying` and :func:`call_supplying` set it around a plan; a call site that plans every
-#: step may set and reset it itself around exactly the plan call.
+#: The binding whose buffers an MLA backend built in this context takes (this thread or task only),
+#: set by :func:`supplying` around a plan.
 SUPPLIED: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
+#: The binding a synchronous plan call on each thread supplies, by ``threading.get_ident()``: set by
+#: :func:`call_supplying`, and by a call site that plans every step, around exactly the plan call.
+#: Read before :data:`SUPPLIED`; a context variable's set and reset cost grows with the context.
+SUPPLIED_BY_THREAD: dict[int, WrapperBinding] = {}
 _hook_lock = threading.Lock()
 
 
@@ -213,7 +217,9 @@ def _supplied_init(original: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        binding = SUPPLIED.get()
+        binding = SUPPLIED_BY_THREAD.get(threading.get_ident()) if SUPPLIED_BY_THREAD else None
+        if binding is None:
+            binding = SUPPLIED.get()
         if binding is not None:
             int_buffer = kwargs.get("int_workspace_buffer")
             if int_buffer is None:
@@ -348,12 +354,19 @@ def int_setting_of(wrapper: Any) -> str | None:
 
 
 def call_supplying(binding: WrapperBinding | None, call: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
-    """Run ``call(*args, **kwargs)`` (a wrapper's plan) with ``binding`` supplied, as :func:`supplying` does."""
-    token = SUPPLIED.set(binding)
+    """Run ``call(*args, **kwargs)`` (a wrapper's plan) with ``binding`` supplied on this thread (none: as is)."""
+    if binding is None:
+        return call(*args, **kwargs)
+    key = threading.get_ident()
+    previous = SUPPLIED_BY_THREAD.get(key)
+    SUPPLIED_BY_THREAD[key] = binding
     try:
         return call(*args, **kwargs)
     finally:
-        SUPPLIED.reset(token)
+        if previous is None:
+            del SUPPLIED_BY_THREAD[key]
+        else:
+            SUPPLIED_BY_THREAD[key] = previous
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -345,18 +346,24 @@ _left_alone: weakref.WeakSet[Any] = weakref.WeakSet()
 def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``FlashInferMLAIndicesUpdaterDecode.call_begin_forward``: bind the wrapper once, plan inside supplying."""
 
-    supplied = wrapper_buffers.SUPPLIED  # set around exactly the plan call, inline: it runs every step
+    supplied = wrapper_buffers.SUPPLIED_BY_THREAD  # set inline around exactly the plan call: it runs every step
+    thread = threading.get_ident
 
     @functools.wraps(original)
     def call_begin_forward(self: Any, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
         binding = binding_of(wrapper)
         if binding is None and (wrapper in _left_alone or (binding := _bind_mla(wrapper)) is None):
             return original(self, wrapper, *args, **kwargs)
-        token = supplied.set(binding)
+        key = thread()
+        previous = supplied.get(key)
+        supplied[key] = binding
         try:
             return original(self, wrapper, *args, **kwargs)
         finally:
-            supplied.reset(token)
+            if previous is None:
+                del supplied[key]
+            else:
+                supplied[key] = previous
 
     return call_begin_forward
 
