@@ -86,17 +86,16 @@ class WrapperBinding:
 
 
 # Every registry's bindings by ``id(wrapper)``: (a weak reference to the wrapper, its binding). A wrapper
-# has one binding at a time; its entry leaves when it dies. Engines look a binding up per plan call, so the
-# key is the id, not the wrapper (a WeakKeyDictionary makes a weak reference per look-up).
+# has one binding at a time; its entry leaves when it dies (the weak reference's callback runs as the wrapper
+# is freed, before its id can name another object). Engines look a binding up per plan call, so the key is the
+# id, not the wrapper (a WeakKeyDictionary makes a weak reference per look-up).
 _BOUND: dict[int, tuple[weakref.ref[Any], WrapperBinding]] = {}
 
 
 def binding_of(wrapper: Any) -> WrapperBinding | None:
     """Return the region binding ``wrapper`` has in any registry, or ``None`` (any thread)."""
     found = _BOUND.get(id(wrapper))
-    if found is not None and found[0]() is wrapper:
-        return found[1]
-    return None
+    return None if found is None else found[1]
 
 
 def _remember(wrapper: Any, binding: WrapperBinding) -> None:
