@@ -31,6 +31,7 @@ from wspool.errors import ConfigError
 
 __all__ = [
     "DEFAULT_LANE",
+    "LANES_ENTERED",
     "DeviceDescription",
     "DeviceLike",
     "StreamOrderWarning",
@@ -246,6 +247,9 @@ _LANE: contextvars.ContextVar[str] = contextvars.ContextVar("wspool_lane", defau
 
 #: The hot path reads the lane through this bound method (no attribute lookups).
 current_lane = _LANE.get
+#: ``[True]`` once any thread or task entered :func:`lane`: until then every lane is
+#: :data:`DEFAULT_LANE`, which a hot path may take without asking.
+LANES_ENTERED = [False]
 
 
 @contextmanager
@@ -258,6 +262,7 @@ def lane(name: str) -> Iterator[str]:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"a lane name must be a non-empty string, got {name!r}")
+    LANES_ENTERED[0] = True
     token = _LANE.set(name)
     try:
         yield name

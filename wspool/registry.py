@@ -18,7 +18,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from wspool.devices import DeviceDescription, DeviceLike, current_lane, is_dynamic, resolve_device
+from wspool.devices import (
+    DEFAULT_LANE,
+    LANES_ENTERED,
+    DeviceDescription,
+    DeviceLike,
+    current_lane,
+    is_dynamic,
+    resolve_device,
+)
 from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, unknown_rule
 from wspool.freeze import FreezeState
@@ -176,7 +184,7 @@ class PoolRegistry:
             WorkspaceLimitError: Growth needed beyond ``max_bytes`` or memory.
         """
         if lane is None:
-            lane = current_lane()
+            lane = current_lane() if LANES_ENTERED[0] else DEFAULT_LANE
         if device is None or device == "cuda":
             device = resolve_device(device)
         found = self._fast.get((pool, device, lane, rule))

@@ -8,6 +8,8 @@ tests/reliability/test_streams_gpu.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -185,3 +187,14 @@ def test_cpu_pools_are_not_watched(monkeypatch: pytest.MonkeyPatch) -> None:
         warnings.simplefilter("error", StreamOrderWarning)
         for lane in ("a", "b", "a"):
             reg.workspace("flashinfer_mla", device="cpu", lane=lane)
+
+
+def test_entering_a_lane_tells_the_hot_paths_to_ask_for_it() -> None:
+    """Once any lane is entered the hot paths read the lane; a fresh interpreter starts with none entered."""
+    code = (
+        "import wspool, wspool.devices as d; first = d.LANES_ENTERED[0]\n"
+        "with wspool.lane('x'): inside = d.LANES_ENTERED[0]\n"
+        "print(first, inside, d.LANES_ENTERED[0], wspool.current_lane())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "True", "main"]

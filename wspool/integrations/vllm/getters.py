@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import wspool
+from wspool.devices import LANES_ENTERED
 from wspool.errors import ConfigError, RuleError, missing_facts
 from wspool.handles import EPOCH, WorkspaceHandle
 from wspool.integrations.vllm import internals
@@ -352,7 +353,7 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
         WorkspaceFrozenError: It would have to grow while vLLM's workspace is locked, or during capture.
     """
     # The steady state (no micro-batch, vLLM's lane 0, wspool's lane main): the handle's, written out.
-    in_main = not _contexts and _wspool_lane_of() is _MAIN_LANE
+    in_main = not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
     handle = _main_mla[return_lse] if in_main else None
     if handle is not None:
         epoch, buffer, raw_stream, index = handle.steady
@@ -377,7 +378,7 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
     Raises:
         WorkspaceFrozenError: It would have to grow while locked or capturing.
     """
-    if not _contexts and _wspool_lane_of() is _MAIN_LANE:
+    if not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE):
         found = _COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
@@ -391,7 +392,7 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
 
 def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> torch.Tensor:
     """Return trtllm-gen's paged-attention counters (pool ``flashinfer_counters``), as the MLA ones."""
-    if not _contexts and _wspool_lane_of() is _MAIN_LANE:
+    if not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE):
         found = _PAGED_COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
@@ -430,7 +431,7 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
     ``min_bytes`` as a floor, zero-filled, the same tensor while the buffer suffices.
     """
     found = _SPARSE_MAIN[0]
-    in_main = not _contexts and _wspool_lane_of() is _MAIN_LANE
+    in_main = not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
     if in_main and found is not None and found[1] == device:
         handle = found[0]
         epoch, buffer, raw_stream, index = handle.steady
@@ -497,7 +498,11 @@ def _device_getter(
         if found is not None and found[1] == device and not _contexts:
             handle = found[0]
             epoch, buffer, raw_stream, index = handle.steady
-            if epoch == EPOCH[0] and _wspool_lane_of() is _MAIN_LANE and (raw_stream is None or not raw_stream(index)):
+            if (
+                epoch == EPOCH[0]
+                and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
+                and (raw_stream is None or not raw_stream(index))
+            ):
                 handle.hits += 1
                 return buffer  # type: ignore[return-value]
         return _device_handle(table, main, device).get()
