@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["FreezeState", "cuda_capture_probe"]
+__all__ = ["TORCH_NAMES_READ_FROM", "FreezeState", "cuda_capture_probe", "cuda_stream_functions"]
 
 
 class FreezeState:
@@ -81,17 +81,34 @@ class FreezeState:
             self._resets += 1
 
 
+#: The torch releases whose private names :func:`cuda_stream_functions` reads were read from.
+TORCH_NAMES_READ_FROM = "torch 2.11, 2.13 and 2.14 (CUDA builds; a CPU build lacks them)"
+
+
+def cuda_stream_functions() -> tuple[Callable[[int], int] | None, Callable[[], bool] | None]:
+    """Return torch's C functions ``_cuda_getCurrentRawStream(index)`` and ``_cuda_isCurrentStreamCapturing()``.
+
+    ``torch.cuda.current_stream`` and ``torch.cuda.is_current_stream_capturing`` are
+    Python functions around them; a probe asked per call calls the C functions
+    (:data:`TORCH_NAMES_READ_FROM`). Each is ``None`` where torch lacks it or has
+    only a CPU build's placeholder.
+    """
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return (
+        raw_stream if isinstance(raw_stream, types.BuiltinFunctionType) else None,
+        capturing if isinstance(capturing, types.BuiltinFunctionType) else None,
+    )
+
+
 def cuda_capture_probe(device: torch.device) -> Callable[[], bool]:
     """Return a cheap "is the current stream capturing a CUDA graph?" (never on the legacy default stream)."""
     index = device.index if device.index is not None else 0
-    # torch.cuda.is_current_stream_capturing is a Python function around this C one (torch 2.4 to 2.14);
-    # the probe runs per call, so it calls the C function where torch has it.
-    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-    if not isinstance(capturing, types.BuiltinFunctionType):  # a CPU build's placeholder
+    raw_stream, capturing = cuda_stream_functions()
+    if capturing is None:
         capturing = torch.cuda.is_current_stream_capturing
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw_stream is None:  # pragma: no cover - every torch this project supports has it
-        return capturing  # type: ignore[no-any-return]
+    if raw_stream is None:
+        return capturing
 
     def probe() -> bool:
         return raw_stream(index) != 0 and capturing()
