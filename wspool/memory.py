@@ -18,7 +18,6 @@ import torch
 
 from wspool.errors import RuleError
 from wspool.pool import Allocator, PoolStats, zeros_allocator
-from wspool.regions import existing_regions
 from wspool.units import format_size
 
 if TYPE_CHECKING:
@@ -94,7 +93,7 @@ def kernel_buffer_stats(registry: PoolSource) -> list[KernelBufferStats]:
         return []
     with tracked.lock:
         entries = list(tracked.entries.items())
-    regions = existing_regions(registry)  # reading makes nothing
+    regions = registry.existing_wrapper_regions()  # reading makes nothing
     totals: dict[tuple[str, str, str], list[int]] = {}
     counted_regions: dict[tuple[str, str, str], set[int]] = {}
     dead = []
@@ -204,7 +203,7 @@ def memory_stats(registry: PoolSource) -> dict[str, Any]:
         entry = devices.setdefault(stats.device, {"held_bytes": 0})
         entry["held_bytes"] += held
     kernel = [asdict(k) for k in kernel_buffer_stats(registry)]
-    regions = existing_regions(registry)
+    regions = registry.existing_wrapper_regions()
     int_regions = [] if regions is None else regions.stats()
     for k in kernel:
         entry = devices.setdefault(k["device"], {"held_bytes": 0})

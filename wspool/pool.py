@@ -595,8 +595,18 @@ class WorkspacePool:
         )
 
 
+class RegionsView(Protocol):
+    """What accounting reads of a registry's wrapper regions (:class:`wspool.regions.WrapperRegions`)."""
+
+    def binding(self, wrapper: Any) -> Any: ...
+
+    def stats(self) -> list[dict[str, Any]]: ...
+
+
 class PoolSource(Protocol):
     """What accounting and agreement read from a registry (:class:`~wspool.PoolRegistry` is one); thread-safe."""
+
+    def existing_wrapper_regions(self) -> RegionsView | None: ...
 
     def state(self, kind: type[_T], make: Callable[[], _T] | None = None) -> _T: ...
 

@@ -33,6 +33,7 @@ from wspool.freeze import FreezeState
 from wspool.handles import EPOCH, WorkspaceHandle, bump_epoch
 from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, WorkspacePool
 from wspool.profile_views import ProfileView, check_rule_facts
+from wspool.regions import WrapperRegions, existing_regions
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import WspoolSettings, load_settings, profile_settings
 
@@ -363,6 +364,10 @@ class PoolRegistry:
     def peek_state(self, kind: type[_State]) -> _State | None:
         """Return this registry's object of type ``kind`` if one was made, without making it."""
         return self._states.get(kind)  # type: ignore[return-value]
+
+    def existing_wrapper_regions(self) -> WrapperRegions | None:
+        """Return this registry's regions for kernel wrappers' own buffers if any were made (makes none)."""
+        return existing_regions(self)
 
     # -- reserve, warm up, freeze, release, report --------------------------------
 
