@@ -225,9 +225,15 @@ def _sglang_plan_probes() -> list[_Probe]:
     )
     if binding is None:
         return []
-    updater = object()
+    # SGLang's call, as its decode updater makes it: six positional arguments after the wrapper, two keywords.
+    arguments = (object(), wrapper, torch.ones(4), 4, torch.arange(5), torch.arange(5), False, None)
     probe = _wrapper_probe(
-        "call_begin_forward wrapper (added)", "per step", wrappers.supplying_mla_decode, (updater, wrapper)
+        "call_begin_forward wrapper (added)",
+        "per step",
+        wrappers.supplying_mla_decode,
+        arguments,
+        plan=object(),
+        req_pool_indices=torch.arange(4),
     )
     return [_Probe(probe.call, probe.path, probe.own, probe.wspool)]
 

@@ -349,16 +349,54 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
     supplied = wrapper_buffers.SUPPLIED_BY_THREAD  # set inline around exactly the plan call: it runs every step
     thread = threading.get_ident
 
+    # SGLang 0.5.23's parameters, written out: forwarding them costs less than packing *args and **kwargs.
     @functools.wraps(original)
-    def call_begin_forward(self: Any, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
+    def call_begin_forward(
+        self: Any,
+        wrapper: Any,
+        paged_kernel_lens: Any,
+        paged_kernel_lens_sum: Any,
+        q_indptr: Any,
+        kv_indptr: Any,
+        init_metadata_replay: bool = False,
+        spec_info: Any = None,
+        *,
+        plan: Any,
+        req_pool_indices: Any,
+        **fast_decode_kwargs: Any,
+    ) -> Any:
         binding = binding_of(wrapper)
         if binding is None and (wrapper in _left_alone or (binding := _bind_mla(wrapper)) is None):
-            return original(self, wrapper, *args, **kwargs)
+            return original(
+                self,
+                wrapper,
+                paged_kernel_lens,
+                paged_kernel_lens_sum,
+                q_indptr,
+                kv_indptr,
+                init_metadata_replay,
+                spec_info,
+                plan=plan,
+                req_pool_indices=req_pool_indices,
+                **fast_decode_kwargs,
+            )
         key = thread()
         previous = supplied.get(key)
         supplied[key] = binding
         try:
-            return original(self, wrapper, *args, **kwargs)
+            return original(
+                self,
+                wrapper,
+                paged_kernel_lens,
+                paged_kernel_lens_sum,
+                q_indptr,
+                kv_indptr,
+                init_metadata_replay,
+                spec_info,
+                plan=plan,
+                req_pool_indices=req_pool_indices,
+                **fast_decode_kwargs,
+            )
         finally:
             if previous is None:
                 del supplied[key]
