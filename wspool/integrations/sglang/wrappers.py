@@ -366,23 +366,12 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
         **fast_decode_kwargs: Any,
     ) -> Any:
         binding = binding_of(wrapper)
-        if binding is None and (wrapper in _left_alone or (binding := _bind_mla(wrapper)) is None):
-            return original(
-                self,
-                wrapper,
-                paged_kernel_lens,
-                paged_kernel_lens_sum,
-                q_indptr,
-                kv_indptr,
-                init_metadata_replay,
-                spec_info,
-                plan=plan,
-                req_pool_indices=req_pool_indices,
-                **fast_decode_kwargs,
-            )
+        if binding is None and wrapper not in _left_alone:
+            binding = _bind_mla(wrapper)  # None: it keeps FlashInfer's buffers and plans as written
         key = thread()
         previous = supplied.get(key)
-        supplied[key] = binding
+        if binding is not None:
+            supplied[key] = binding
         try:
             return original(
                 self,
@@ -398,10 +387,11 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
                 **fast_decode_kwargs,
             )
         finally:
-            if previous is None:
-                del supplied[key]
-            else:
-                supplied[key] = previous
+            if binding is not None:
+                if previous is None:
+                    del supplied[key]
+                else:
+                    supplied[key] = previous
 
     return call_begin_forward
 
