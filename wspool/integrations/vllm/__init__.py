@@ -281,15 +281,18 @@ GROUPS: tuple[TargetGroup, ...] = (
         "vLLM's workspace lanes",
         (
             Target(_WORKSPACE, "use_workspace_lane", ("lane",), ws.wrap_use_workspace_lane, _FOLLOWS_LANE),
-            # Imports it by name: a copy bound at its import, patched where that import came first.
-            Target(
-                _MODEL_RUNNER,
-                "use_workspace_lane",
-                ("lane",),
-                ws.wrap_use_workspace_lane,
-                _FOLLOWS_LANE,
-                optional=True,
-                imported_only=True,
+            # Import it by name: copies bound at their import, patched where that import came first.
+            *(
+                Target(
+                    module,
+                    "use_workspace_lane",
+                    ("lane",),
+                    ws.wrap_use_workspace_lane,
+                    _FOLLOWS_LANE,
+                    optional=True,
+                    imported_only=True,
+                )
+                for module in (_MODEL_RUNNER, "vllm.benchmarks.forward.speculator")
             ),
         ),
     ),
