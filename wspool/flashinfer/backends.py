@@ -27,6 +27,7 @@ __all__ = [
     "KV_LORA_RANK",
     "PRIVATE_NAMES_READ",
     "QK_ROPE_HEAD_DIM",
+    "READ_VERSIONS",
     "TRTLLM_SCRATCH_BYTES",
     "DCPArgs",
     "blackwell_backend",
@@ -153,9 +154,12 @@ def cute_dsl_workspace_bytes(
     return int(nbytes)
 
 
-#: The FlashInfer releases whose private names wspool reads were read from: the cute-dsl size
+#: The FlashInfer releases whose source wspool has read (0.7.3's was not available; it is admitted
+#: as vLLM 0.34.0 pins it): their refusal texts, their MLA backend constructor and their private names.
+READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
+#: :data:`READ_VERSIONS` in words, for messages about the private names read: the cute-dsl size
 #: functions here, and the wrappers' ``_backend`` and ``_float_workspace_buffer`` (``wspool.flashinfer.kernels``).
-PRIVATE_NAMES_READ = "flashinfer-python 0.7.1rc2, 0.7.2, 0.7.2.post1 and 0.7.4"
+PRIVATE_NAMES_READ = f"flashinfer-python {', '.join(READ_VERSIONS[:-1])} and {READ_VERSIONS[-1]}"
 
 
 def cute_dsl_sizer_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from wspool.errors import WorkspaceOverflowError
+from wspool.flashinfer.backends import READ_VERSIONS
 from wspool.pool import WorkspacePool
 from wspool.units import MAX_SIZE_BYTES, MiB, format_size, round_up
 
@@ -35,14 +36,11 @@ class RefusalForm:
     example: str
 
 
-# The versions whose source was read (0.7.3 could not be obtained; it is admitted as vLLM 0.34.0 pins it).
-_READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
-
 #: The refusal texts of every supported FlashInfer version, for every call wspool makes.
 REFUSAL_FORMS: tuple[RefusalForm, ...] = (
     RefusalForm(
         name="aligned-allocator",
-        versions=_READ_VERSIONS,
+        versions=READ_VERSIONS,
         wrappers=(
             "BatchMLAPagedAttentionWrapper.plan (fa2/fa3; on 0.7.4 only past its Python preflight)",
             "trtllm_batch_decode_with_kv_cache_mla (trtllm-gen: trtllm_gen_softmax_workspace)",
@@ -71,7 +69,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
     ),
     RefusalForm(
         name="cute-dsl-planned",
-        versions=_READ_VERSIONS,
+        versions=READ_VERSIONS,
         wrappers=("BatchMLAPagedAttentionWrapper.plan (cute-dsl)",),
         exception="ValueError (_BackendPlanUnsupportedError)",
         sized="total",
@@ -83,7 +81,7 @@ REFUSAL_FORMS: tuple[RefusalForm, ...] = (
     ),
     RefusalForm(
         name="cute-dsl-functional",
-        versions=_READ_VERSIONS,
+        versions=READ_VERSIONS,
         wrappers=("trtllm_batch_decode_with_kv_cache_mla (backend='cute-dsl')",),
         exception="ValueError",
         sized="total",

@@ -23,6 +23,7 @@ import torch
 
 from wspool.devices import describe_device
 from wspool.errors import ConfigError, describe_setting
+from wspool.flashinfer.backends import READ_VERSIONS  # the versions whose MLA backend constructor was read
 from wspool.regions import WrapperBinding, binding_of, wrapper_regions
 from wspool.registry import PoolRegistry
 from wspool.rules import compile_rule
@@ -68,8 +69,6 @@ INT_RULES: Mapping[str, str] = {
         " + batch_size) + 4 * (batch_size + num_tokens) + 128"
     ),
 }
-#: The FlashInfer versions whose MLA backend constructor wspool has read (0.7.3's source was not available).
-READ_VERSIONS = ("0.7.1rc2", "0.7.2", "0.7.2.post1", "0.7.4")
 #: The FlashInfer class whose constructor makes the MLA int workspace and pinned copy.
 MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchMLAGeneratedFaMechanics")
 
