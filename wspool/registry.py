@@ -78,9 +78,9 @@ class PoolRegistry:
         self.freeze_state = FreezeState()
         self._declared: dict[str, dict[str, Any]] = {}
         self._pools: dict[_PoolKey, WorkspacePool] = {}
-        # (pool, device as given, lane, rule) -> the pool instance that serves it and a handle of
-        # that rule: filled on a call's first miss, once the rule is known to be the pool's own.
-        self._fast: dict[tuple[str, DeviceLike, str, str], tuple[WorkspacePool, WorkspaceHandle]] = {}
+        # lane -> pool -> device as given -> rule -> the pool instance that serves it and a handle
+        # of that rule: filled on a call's first miss, once the rule is known to be the pool's own.
+        self._fast: dict[str, dict[str, dict[DeviceLike, dict[str, tuple[WorkspacePool, WorkspaceHandle]]]]] = {}
         self._views: dict[str, ProfileView] = {}
         self._devices: dict[torch.device, tuple[ProfileView, ProfileChoice, Mapping[str, int]]] = {}
         # The state objects of what is built on this registry (plan caches, an engine's views),
@@ -186,15 +186,14 @@ class PoolRegistry:
         """
         if lane is None:
             lane = current_lane() if LANES_ENTERED[0] else DEFAULT_LANE
-        if device is None or device == "cuda":
-            device = resolve_device(device)
-        found = self._fast.get((pool, device, lane, rule))
-        if found is None:
-            if is_dynamic(device):  # torch.device("cuda"): look up by the current index instead
-                device = resolve_device(device)
-                found = self._fast.get((pool, device, lane, rule))
-            if found is None:
-                found = self._serving(pool, device, lane, rule)
+        if device is None:
+            device = resolve_device(None)
+        try:
+            # Nested lookups hash only strings and devices, whose hashes are cheap; a tuple key
+            # would be built and hashed on every call.
+            found = self._fast[lane][pool][device][rule]
+        except (KeyError, TypeError):
+            found = self._serving(pool, device, lane, rule)
         if facts:
             return found[0].workspace(rule, facts)
         handle = found[1]
@@ -205,12 +204,19 @@ class PoolRegistry:
         return handle.get()
 
     def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> tuple[WorkspacePool, WorkspaceHandle]:
-        """Return the pool instance that serves ``pool``'s own ``rule`` and its handle (a call's first miss)."""
+        """Return the pool instance that serves ``pool``'s own ``rule`` and its handle (a call's first miss).
+
+        A device that names "the current device" is resolved on every call and its entry kept
+        under the concrete device, so that a change of current device finds the right pool.
+        """
+        if is_dynamic(device):
+            device = resolve_device(device)
+            with contextlib.suppress(KeyError):
+                return self._fast[lane][pool][device][rule]
         found = self.pool(pool, device, lane=lane)
         self._own_rule(pool, rule, device)
         served = (found, WorkspaceHandle(lambda: self.serving_pool(pool, rule, device, lane), rule))
-        if not is_dynamic(device):
-            self._fast[(pool, device, lane, rule)] = served
+        self._fast.setdefault(lane, {}).setdefault(pool, {}).setdefault(device, {})[rule] = served
         return served
 
     def serving_pool(self, pool: str, rule: str, device: DeviceLike = None, lane: str | None = None) -> WorkspacePool:
