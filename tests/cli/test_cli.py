@@ -574,8 +574,8 @@ def test_help_shows_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> 
     _, out, _ = _in_process(capsys, "bench", "--help")
     text = " ".join(out.split())
     assert (
-        "comma-separated subset of hot_path, engine_path, mla_decode, decode_step, memory (default: "
-        "hot_path,mla_decode,decode_step,memory)"
+        "comma-separated subset of hot_path, engine_path, mla_decode, mla_plan, decode_step, memory (default: "
+        "hot_path,mla_decode,mla_plan,decode_step,memory)"
     ) in text
     assert "timed batches per hot-path figure (default: 101)" in text
     _, out, _ = _in_process(capsys, "resolve", "--help")

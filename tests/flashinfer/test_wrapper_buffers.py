@@ -515,4 +515,4 @@ def test_call_supplying_supplies_the_binding_on_its_thread_for_the_call_only() -
 
     wrapper_buffers.call_supplying(outer, plan)
     assert seen == [outer, inner, outer, None]
-    assert threading.get_ident() not in supplied
+    assert supplied.get(threading.get_ident()) is None

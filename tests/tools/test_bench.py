@@ -13,7 +13,13 @@ import pytest
 
 from wspool.cli import main
 from wspool.tools.bench import CPU_SECTIONS, SECTIONS, run_benchmarks
-from wspool.tools.bench_gpu import DecodeCallFigures, DecodeStepFigures, MemoryRow, added_time_budget_us
+from wspool.tools.bench_gpu import (
+    DecodeCallFigures,
+    DecodeStepFigures,
+    MemoryRow,
+    PlanSupplyFigures,
+    added_time_budget_us,
+)
 from wspool.tools.bench_report import BenchError, failed_sections, format_report, load_figures, plot_memory
 from wspool.tools.sweep import MLAShape
 
@@ -49,6 +55,7 @@ def _gpu_figures() -> dict[str, Any]:
         "machine": {"gpu": "NVIDIA H200 (compute capability 9.0, 132 SMs, 140 GiB)", "cpu": "x", "python": "3.12"},
         "mla_decode": {"rules_file": "configs/hopper.yaml", "runs": 100, "rows": [c.as_dict() for c in calls]},
         "decode_step": {"rules_file": "configs/hopper.yaml", "runs": 100, "rows": [s.as_dict() for s in steps]},
+        "mla_plan": PlanSupplyFigures(64, 128, 1024, own_us=40.0, wspool_us=38.5, noise_us=1.25).as_dict(),
         "memory": {"rules_file": "configs/hopper.yaml", "rows": [m.as_dict() for m in memory]},
     }
 
@@ -70,7 +77,7 @@ def test_cpu_run_skips_gpu_sections_and_writes_json(tmp_path: Path) -> None:
     result = _run("bench", "--repeats", "3", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "x vLLM's)" in result.stdout
-    for title in ("(b) mla_decode", "(b2) decode step", "(c) memory"):
+    for title in ("(b) mla_decode", "(b2) decode step", "(b3) SGLang's eager MLA decode plan", "(c) memory"):
         assert any(
             line.startswith(title) and line.endswith("skipped: no CUDA device") for line in result.stdout.splitlines()
         )
@@ -101,6 +108,7 @@ def test_report_prints_markdown_tables_and_verdicts() -> None:
     assert "| 1 | 128 | 4096 | 1 | 81.0 | 80.0 | +0.50 | -0.25 | yes | 4100.0 |" in text
     assert "| 128 | 128 | 4096 | 1 | 254.0 | 250.0 | +4.00 | - | yes | - |" in text
     assert "batch 128: skipped: graph mode failed: RuntimeError: x" in text
+    assert "FlashInfer's own 40.0 us, wspool 38.5 us, added -1.50 us (spread of FlashInfer's own rounds 1.25" in text
     assert (
         "| B=512 H=128 L=32768 q=1 lse | 17369088 (16.56MiB) | 17369088 (16.56MiB) | 1.000 | 256MiB | 15.5 | ok |"
         in text

@@ -49,3 +49,13 @@ def test_bench_memory_sweep(wrapper_gpu: int, tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["memory"]["rows"]
     assert all(r["minimum_bytes"] <= r["rule_bytes"] <= 1.1 * r["minimum_bytes"] for r in rows)
     assert {r["run_at_rule"] for r in rows} == {"ok"}
+
+
+def test_the_plan_section_times_both_sides_and_leaves_the_hook_in_place(wrapper_gpu: int) -> None:
+    """bench's mla_plan section plans with FlashInfer's own buffers and with wspool's, and reinstalls the hook."""
+    from wspool.flashinfer import wrapper_buffers
+    from wspool.tools.bench_gpu import measure_mla_plan
+
+    figures = measure_mla_plan(torch.device("cuda"), rounds=2, plans=3, batch_size=4, max_seq_len=128)
+    assert figures.own_us > 0 and figures.wspool_us > 0 and figures.noise_us >= 0
+    assert wrapper_buffers.install_mla_hook() is None

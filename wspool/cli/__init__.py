@@ -160,9 +160,9 @@ def write_text(path: str, text: str) -> None:
 _Handler = Callable[[argparse.Namespace], int]
 _DEVICE_HELP = "device (default: the current one: CUDA when available, else cpu)"
 #: bench's sections, in the order it runs them (wspool.tools.bench.SECTIONS; a test keeps them equal).
-BENCH_SECTIONS = ("hot_path", "engine_path", "mla_decode", "decode_step", "memory")
+BENCH_SECTIONS = ("hot_path", "engine_path", "mla_decode", "mla_plan", "decode_step", "memory")
 #: The sections bench runs by default: engine_path, which imports the installed engines, is asked for by name.
-BENCH_DEFAULT_SECTIONS = ("hot_path", "mla_decode", "decode_step", "memory")
+BENCH_DEFAULT_SECTIONS = ("hot_path", "mla_decode", "mla_plan", "decode_step", "memory")
 
 
 def _handler(module: str, name: str) -> _Handler:

@@ -78,7 +78,8 @@ SUPPLIED: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar
 #: The binding a synchronous plan call on each thread supplies, by ``threading.get_ident()``: set by
 #: :func:`call_supplying`, and by a call site that plans every step, around exactly the plan call.
 #: Read before :data:`SUPPLIED`; a context variable's set and reset cost grows with the context.
-SUPPLIED_BY_THREAD: dict[int, WrapperBinding] = {}
+#: A ``None`` entry (left once a call ends, to spare a deletion per call) supplies nothing.
+SUPPLIED_BY_THREAD: dict[int, WrapperBinding | None] = {}
 _hook_lock = threading.Lock()
 
 
@@ -362,10 +363,7 @@ def call_supplying(binding: WrapperBinding | None, call: Callable[..., _R], *arg
     try:
         return call(*args, **kwargs)
     finally:
-        if previous is None:
-            del SUPPLIED_BY_THREAD[key]
-        else:
-            SUPPLIED_BY_THREAD[key] = previous
+        SUPPLIED_BY_THREAD[key] = previous
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: The sections of ``wspool bench``, in the order they run and print.
-SECTIONS = ("hot_path", "engine_path", "mla_decode", "decode_step", "memory")
+SECTIONS = ("hot_path", "engine_path", "mla_decode", "mla_plan", "decode_step", "memory")
 #: The sections that run on the CPU too; the others need a CUDA device.
 CPU_SECTIONS = ("hot_path", "engine_path")
 
@@ -218,12 +218,17 @@ def run_benchmarks(
         rows = bench_gpu.measure_memory(registry, shapes, MLAWorkspaceProbe(gpu))
         return {"rules_file": str(rules), "rows": [r.as_dict() for r in rows]}
 
+    def mla_plan() -> dict[str, Any]:
+        return bench_gpu.measure_mla_plan(gpu).as_dict()
+
     def decode_step() -> dict[str, Any]:
         rows = bench_gpu.measure_decode_step(registry, gpu, runs=step_runs)
         return {"rules_file": str(rules), "runs": step_runs, "rows": [r.as_dict() for r in rows]}
 
     # The step (with its CUDA-graph capture) runs last; a failed section is recorded and the rest still run.
-    for name, measure in (("mla_decode", mla_decode), ("memory", memory), ("decode_step", decode_step)):
+    for name, measure in (
+        ("mla_decode", mla_decode), ("mla_plan", mla_plan), ("memory", memory), ("decode_step", decode_step),
+    ):  # fmt: skip
         if name in sections:
             say(f"{name} ...")
             try:

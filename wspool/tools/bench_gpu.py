@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from wspool.flashinfer import MLADecodePlan, backends, mla_decode, mla_decode_plan
+from wspool.flashinfer import MLADecodePlan, backends, mla_decode, mla_decode_plan, wrapper_buffers
 from wspool.flashinfer.backends import select_path
 from wspool.registry import PoolRegistry
 from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
@@ -28,10 +28,12 @@ __all__ = [
     "DecodeCallFigures",
     "DecodeStepFigures",
     "MemoryRow",
+    "PlanSupplyFigures",
     "added_time_budget_us",
     "measure_decode_step",
     "measure_memory",
     "measure_mla_decode",
+    "measure_mla_plan",
 ]
 
 
@@ -383,3 +385,104 @@ def measure_memory(registry: PoolRegistry, shapes: Sequence[MLAShape], probe: ML
         rule = registry.resolve("flashinfer_mla", shape.rule, **shape.facts(probe.sm_count))
         rows.append(MemoryRow(shape, minimum, rule, probe.verify(shape, rule)))
     return rows
+
+
+@dataclass(frozen=True)
+class PlanSupplyFigures:
+    """One eager MLA ``plan()`` per step as SGLang's decode updater makes it: FlashInfer's own buffers against wspool's.
+
+    ``own_us`` plans with FlashInfer unhooked, allocating its int workspace and
+    pinned copy per plan; ``wspool_us`` plans through SGLang's wrapped
+    ``call_begin_forward`` shape on a wrapper bound to a region. Medians over
+    rounds that alternate the two (the hook is installed and removed between them).
+    """
+
+    batch_size: int
+    num_heads: int
+    max_seq_len: int
+    own_us: float
+    wspool_us: float
+    noise_us: float
+    """The spread of FlashInfer's own side: the largest minus the smallest round median."""
+
+    @property
+    def added_us(self) -> float:
+        """What wspool's supply adds per plan (negative: it saves)."""
+        return self.wspool_us - self.own_us
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the figures as plain data."""
+        return {**asdict(self), "added_us": self.added_us}
+
+
+def measure_mla_plan(
+    gpu: torch.device, *, rounds: int = 15, plans: int = 200, batch_size: int = 64, num_heads: int = 128,
+    max_seq_len: int = 1024,
+) -> PlanSupplyFigures:  # fmt: skip
+    """Time SGLang's per-step eager MLA plan with and without wspool's int workspace supply (see the class)."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    from wspool.integrations.sglang.wrappers import supplying_mla_decode
+
+    why = wrapper_buffers.install_mla_hook()
+    if why is not None:
+        raise RuntimeError(why)
+    float_workspace = torch.zeros(VLLM_FIXED_MLA_WORKSPACE_BYTES["default"], dtype=torch.uint8, device=gpu)
+    lengths = torch.full((batch_size,), max_seq_len, dtype=torch.int32, device=gpu)
+    q_indptr = torch.arange(batch_size + 1, dtype=torch.int32, device=gpu)
+    kv_indptr = q_indptr * max_seq_len
+    kv_indices = torch.arange(batch_size * max_seq_len, dtype=torch.int32, device=gpu)
+    kv_lora_rank, rope = backends.KV_LORA_RANK, backends.QK_ROPE_HEAD_DIM
+
+    def call_begin_forward(
+        _updater: object, wrapper: Any, lens: Any, _lens_sum: int, qo: Any, kv: Any, _replay: bool = False,
+        _spec_info: Any = None, *, plan: Any, req_pool_indices: Any, **_fast_decode_kwargs: Any,
+    ) -> None:  # fmt: skip
+        # SGLang's eager decode plan: page size 1, twelve positional arguments.
+        del plan, req_pool_indices  # SGLang's keywords, which the plan does not read here
+        wrapper.plan(qo, kv, kv_indices, lens, num_heads, kv_lora_rank, rope, 1, False, SM_SCALE,
+                     torch.bfloat16, torch.bfloat16)  # fmt: skip
+
+    wrapped = supplying_mla_decode(call_begin_forward)
+    registry = PoolRegistry()
+    own = BatchMLAPagedAttentionWrapper(float_workspace, backend="auto")
+    mine = BatchMLAPagedAttentionWrapper(float_workspace, backend="auto")
+    if wrapper_buffers.bind_mla_wrapper(mine, registry=registry, device=gpu, lane="main") is None:
+        raise RuntimeError("the registry keeps FlashInfer's buffers: nothing to compare")
+    args = (lengths, batch_size * max_seq_len, q_indptr, kv_indptr)
+
+    def timed(fn: Callable[..., object], wrapper: Any) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter_ns()
+        for _ in range(plans):
+            fn(None, wrapper, *args, plan=None, req_pool_indices=None)
+        torch.cuda.synchronize()
+        return (time.perf_counter_ns() - start) / plans / 1000
+
+    own_rounds: list[float] = []
+    mine_rounds: list[float] = []
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(rounds + 1):  # the first round warms both up
+            for hooked in (False, True) if i % 2 == 0 else (True, False):
+                if hooked:
+                    wrapper_buffers.install_mla_hook()
+                    took = timed(wrapped, mine)
+                    if i:
+                        mine_rounds.append(took)
+                else:
+                    wrapper_buffers.uninstall_mla_hook()
+                    took = timed(call_begin_forward, own)
+                    if i:
+                        own_rounds.append(took)
+    finally:
+        wrapper_buffers.install_mla_hook()
+        if collecting:
+            gc.enable()
+    return PlanSupplyFigures(
+        batch_size=batch_size, num_heads=num_heads, max_seq_len=max_seq_len,
+        own_us=statistics.median(own_rounds), wspool_us=statistics.median(mine_rounds),
+        noise_us=max(own_rounds) - min(own_rounds),
+    )  # fmt: skip

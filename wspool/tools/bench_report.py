@@ -115,6 +115,19 @@ def _mla_decode(section: Mapping[str, Any] | None) -> list[str]:
     ]
 
 
+def _mla_plan(section: Mapping[str, Any] | None) -> list[str]:
+    title = "(b3) SGLang's eager MLA decode plan per step: FlashInfer's own int buffers against wspool's supply"
+    why = _skipped(section)
+    if why is not None:
+        return [f"{title}: {why}"]
+    assert section is not None
+    return [
+        f"{title}, batch {section['batch_size']}, {section['num_heads']} heads, length {section['max_seq_len']}:",
+        f"  FlashInfer's own {section['own_us']:.1f} us, wspool {section['wspool_us']:.1f} us, "
+        f"added {section['added_us']:+.2f} us (spread of FlashInfer's own rounds {section['noise_us']:.2f} us)",
+    ]
+
+
 def _decode_step(section: Mapping[str, Any] | None) -> list[str]:
     title = "(b2) decode step of 61 layer calls with LSE: a plan per step, run per layer"
     why = _skipped(section)
@@ -177,7 +190,8 @@ def format_report(figures: Mapping[str, Any]) -> str:
         f"python {machine.get('python', '?')}, torch {machine.get('torch', '?')}, "
         f"FlashInfer {machine.get('flashinfer', '?')}",
     ]
-    for key, render in (("mla_decode", _mla_decode), ("decode_step", _decode_step), ("memory", _memory)):
+    renders = (("mla_decode", _mla_decode), ("mla_plan", _mla_plan), ("decode_step", _decode_step), ("memory", _memory))
+    for key, render in renders:
         if key in figures:
             lines += ["", *render(figures[key])]
     engine = _engine_path(figures)

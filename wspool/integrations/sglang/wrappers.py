@@ -368,11 +368,26 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
         binding = binding_of(wrapper)
         if binding is None and wrapper not in _left_alone:
             binding = _bind_mla(wrapper)  # None: it keeps FlashInfer's buffers and plans as written
+        # None supplies nothing, even inside an outer supply: that wrapper's region is not this one's.
         key = thread()
         previous = supplied.get(key)
-        if binding is not None:
-            supplied[key] = binding
+        supplied[key] = binding
         try:
+            if fast_decode_kwargs:  # graph replays pass their host arrays; an eager step passes none
+                return original(
+                    self,
+                    wrapper,
+                    paged_kernel_lens,
+                    paged_kernel_lens_sum,
+                    q_indptr,
+                    kv_indptr,
+                    init_metadata_replay,
+                    spec_info,
+                    plan=plan,
+                    req_pool_indices=req_pool_indices,
+                    **fast_decode_kwargs,
+                )
+            # Without ** the call is a plain vectorcall: no keyword dictionary is merged.
             return original(
                 self,
                 wrapper,
@@ -384,14 +399,9 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
                 spec_info,
                 plan=plan,
                 req_pool_indices=req_pool_indices,
-                **fast_decode_kwargs,
             )
         finally:
-            if binding is not None:
-                if previous is None:
-                    del supplied[key]
-                else:
-                    supplied[key] = previous
+            supplied[key] = previous  # a None entry reads as nothing supplied
 
     return call_begin_forward
 
