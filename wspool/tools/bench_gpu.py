@@ -7,10 +7,11 @@ and figures: docs/performance.md.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -139,6 +140,19 @@ class MemoryRow:
         }
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Collect once, then keep the garbage collector off for the block (as ``timeit`` does)."""
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _paired_times_ns(
     a: Callable[[], object], b: Callable[[], object], runs: int, warmup: int
 ) -> tuple[float, float, float]:
@@ -154,19 +168,13 @@ def _paired_times_ns(
     clock = time.perf_counter_ns
     times_a: list[int] = []
     times_b: list[int] = []
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
+    with _gc_paused():
         for i in range(runs):
             for fn, out in ((a, times_a), (b, times_b)) if i % 2 == 0 else ((b, times_b), (a, times_a)):
                 start = clock()
                 fn()
                 torch.cuda.synchronize()
                 out.append(clock() - start)
-    finally:
-        if collecting:
-            gc.enable()
     paired = statistics.median(x - y for x, y in zip(times_a, times_b, strict=True))
     return statistics.median(times_a), statistics.median(times_b), paired
 
@@ -461,26 +469,20 @@ def measure_mla_plan(
 
     own_rounds: list[float] = []
     mine_rounds: list[float] = []
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    sides = (
+        (wrapper_buffers.uninstall_mla_hook, call_begin_forward, own, own_rounds),
+        (wrapper_buffers.install_mla_hook, wrapped, mine, mine_rounds),
+    )
     try:
-        for i in range(rounds + 1):  # the first round warms both up
-            for hooked in (False, True) if i % 2 == 0 else (True, False):
-                if hooked:
-                    wrapper_buffers.install_mla_hook()
-                    took = timed(wrapped, mine)
+        with _gc_paused():
+            for i in range(rounds + 1):  # the first round warms both up
+                for hook, fn, wrapper, out in sides if i % 2 == 0 else sides[::-1]:
+                    hook()
+                    took = timed(fn, wrapper)
                     if i:
-                        mine_rounds.append(took)
-                else:
-                    wrapper_buffers.uninstall_mla_hook()
-                    took = timed(call_begin_forward, own)
-                    if i:
-                        own_rounds.append(took)
+                        out.append(took)
     finally:
         wrapper_buffers.install_mla_hook()
-        if collecting:
-            gc.enable()
     return PlanSupplyFigures(
         batch_size=batch_size, num_heads=num_heads, max_seq_len=max_seq_len,
         own_us=statistics.median(own_rounds), wspool_us=statistics.median(mine_rounds),
