@@ -27,6 +27,7 @@ import torch
 from wspool.devices import StreamOrderWatch
 from wspool.errors import (
     SizeError,
+    WorkspaceFrozenError,
     WorkspaceLimitError,
     WspoolError,
     describe_setting,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Allocator",
+    "LimitsRefusal",
     "PoolSource",
     "PoolSpec",
     "PoolStats",
@@ -57,6 +59,8 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+#: Builds the error for a refused growth of a reserved pool: (pool, rule, the call's facts, the refusal).
+LimitsRefusal = Callable[["WorkspacePool", SizeRule, Mapping[str, object], WorkspaceFrozenError], Exception]
 #: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
 Allocator = Callable[[int, torch.device], torch.Tensor]
 
@@ -309,6 +313,9 @@ class WorkspacePool:
         # Bound handles whose calls count as requests, and the counts of those that bound elsewhere.
         self._handles: weakref.WeakSet[WorkspaceHandle] = weakref.WeakSet()
         self._taken: dict[str, int] = {}
+        # Set by a reservation (wspool.bounds): turns a refused growth into the error naming the limit
+        # the call's facts exceed. Read only on the growth path.
+        self.limits_refusal: LimitsRefusal | None = None
 
     # -- the per-call path -------------------------------------------------
 
@@ -340,7 +347,7 @@ class WorkspacePool:
             if nbytes > self._peak:
                 self._note_peak(nbytes)
             return buffer  # type: ignore[return-value]
-        return self._serve_growing(slot, nbytes)
+        return self._serve_growing(slot, nbytes, facts)
 
     def ensure(self, rule: str, facts: Mapping[str, object]) -> torch.Tensor:
         """Grow to what ``rule`` resolves to, without counting a request; raises as :meth:`workspace`."""
@@ -394,8 +401,13 @@ class WorkspacePool:
             if nbytes > self._peak:
                 self._peak = nbytes
 
-    def _serve_growing(self, slot: _RuleSlot, nbytes: int) -> torch.Tensor:
-        buffer = self._grow(nbytes, slot.label, slot.setting)
+    def _serve_growing(self, slot: _RuleSlot, nbytes: int, facts: Mapping[str, object] | None = None) -> torch.Tensor:
+        try:
+            buffer = self._grow(nbytes, slot.label, slot.setting)
+        except WorkspaceFrozenError as exc:
+            if self.limits_refusal is None or slot.rule is None or facts is None:
+                raise
+            raise self.limits_refusal(self, slot.rule, {**slot.defaults, **facts}, exc) from exc
         next(slot.counter)
         if nbytes > self._peak:
             self._note_peak(nbytes)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from wspool.bounds import Reservation, apply_reservation, plan_reservation
 from wspool.devices import (
     DEFAULT_LANE,
     LANES_ENTERED,
@@ -28,7 +29,7 @@ from wspool.devices import (
     resolve_device,
 )
 from wspool.devices import describe_device as describe_any_device
-from wspool.errors import ConfigError, unknown_rule
+from wspool.errors import ConfigError, RuleError, unknown_rule
 from wspool.freeze import FreezeState
 from wspool.handles import EPOCH, WorkspaceHandle, bump_epoch
 from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, WorkspacePool
@@ -419,6 +420,34 @@ class PoolRegistry:
         from wspool.units import parse_size
 
         return target.request(parse_size(nbytes), "reserve")
+
+    def reserve_for(
+        self,
+        limits: Mapping[str, object],
+        *,
+        pools: Iterable[str] | None = None,
+        devices: Iterable[DeviceLike] = (None,),
+        lanes: Iterable[str] | None = None,
+        strict: bool = True,
+    ) -> Reservation:
+        """Grow each buffer of ``pools`` (``None``: every pool) to its rules' bound over ``limits``; return the plan.
+
+        ``limits`` maps a fact to its largest value, a ``range`` or a set of values
+        (:mod:`wspool.bounds`); other facts are fixed at their defaults. Each rule is
+        bounded on each of ``devices`` and ``lanes`` (default: the current lane); a
+        shared buffer is reserved at the largest of its rules. :meth:`freeze` after
+        it: no call within the limits grows, and a call beyond them is refused
+        with the error naming the fact, its limit and where to raise it.
+
+        Raises:
+            RuleError: With ``strict``, a rule cannot be bounded (named); nothing is allocated.
+            WorkspaceLimitError: A buffer cannot be allocated.
+        """
+        plan = plan_reservation(self, limits, pools=pools, devices=devices, lanes=lanes or (current_lane(),))
+        if strict and plan.refusals:
+            raise RuleError(str(plan.refusals[0].refusal), path=("pools", plan.refusals[0].pool))
+        apply_reservation(self, plan)
+        return plan
 
     def warmup(
         self,

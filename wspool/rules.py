@@ -31,6 +31,7 @@ __all__ = [
     "SizeRule",
     "compile_expression",
     "compile_rule",
+    "parse_expression",
     "rule_label",
 ]
 
@@ -175,6 +176,16 @@ def compile_expression(source: str, setting: tuple[str, ...]) -> tuple[Evaluator
         raise compiler.fail(f"not a valid expression ({detail})") from None
     evaluate = compiler.build(tree.body)
     return evaluate, tuple(sorted(compiler.names))
+
+
+def parse_expression(source: str, setting: tuple[str, ...] = ()) -> ast.expr:
+    """Return the checked syntax tree of an expression, its sizes as byte integers (for :mod:`wspool.bounds`).
+
+    Raises:
+        RuleError: The expression is not one :func:`compile_expression` accepts; names ``setting``.
+    """
+    compile_expression(source, setting)
+    return ast.parse(_substitute_size_literals(source, setting).strip(), mode="eval").body
 
 
 #: Distinct fact tuples remembered per rule before the cache starts over.
