@@ -489,11 +489,13 @@ def plan_reservation(
     pools: Iterable[str] | None = None,
     devices: Iterable[DeviceLike] = (None,),
     lanes: Iterable[str] = (DEFAULT_LANE,),
+    facts: Mapping[str, int] | None = None,
 ) -> Reservation:
     """Bound every rule of ``pools`` (``None``: all) on each of ``devices`` and ``lanes``; allocates nothing.
 
     Pool instances are created (without buffers) to read each device's profile
-    and facts. A rule that cannot be bounded is a row with its ``refusal``.
+    and facts; ``facts`` fix further facts over those defaults. A rule that
+    cannot be bounded is a row with its ``refusal``.
     """
     checked = to_limits(limits)
     rows: list[PlannedRule] = []
@@ -509,7 +511,8 @@ def plan_reservation(
                     if spec.rule_pools.get(rule, spec.name) != name:
                         continue
                     try:
-                        found = bound_rule(compiled, checked, instance.default_facts(rule), name=rule)
+                        defaults = {**instance.default_facts(rule), **(facts or {})}
+                        found = bound_rule(compiled, checked, defaults, name=rule)
                     except RuleError as exc:
                         rows.append(PlannedRule(name, rule, spec.name, key[1], lane, None, str(exc)))
                         continue

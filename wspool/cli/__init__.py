@@ -1,4 +1,4 @@
-"""The ``wspool`` command: doctor, demo, show, resolve, stats, bench, calibrate.
+"""The ``wspool`` command: doctor, demo, show, resolve, plan, stats, bench, calibrate.
 
 Bad input exits with status 2 and one line on stderr, never a traceback. The
 parser imports neither torch nor FlashInfer; each command imports what it needs.
@@ -324,6 +324,30 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     add_config_option(stats)
     stats.set_defaults(handler=_handler("wspool.cli.commands", "cmd_stats"))
+
+    plan = _command(
+        commands,
+        "plan",
+        "print what each pool would reserve for limits on the calls' facts (allocates nothing)",
+        "Bound every rule of every pool over the limits: its bytes, the fact values that give them, and whether "
+        "the bound is proven (the size is monotone in each fact) or searched (every value tried). A fact with "
+        "no limit is fixed at its default. Exit status 0: every rule bounded; 1: some rule refused (named).",
+    )
+    plan.add_argument(
+        "--limit",
+        action="append",
+        metavar="NAME=MAX",
+        help="a fact's largest value (NAME=MAX), range (NAME=LO..HI) or values (NAME=A,B,C); repeatable",
+    )
+    plan.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="fix a fact at a value")
+    plan.add_argument("--pool", action="append", metavar="NAME", help="plan only this pool (repeatable; default: all)")
+    plan.add_argument("--lane", action="append", metavar="NAME", help="a lane to plan (repeatable; default: main)")
+    plan.add_argument(
+        "--device", default=None, help="the device whose profile and facts apply (default: the current one)"
+    )
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    add_config_option(plan)
+    plan.set_defaults(handler=_handler("wspool.cli.commands", "cmd_plan"))
 
     bench = _command(commands, "bench", "measure the per-call path, MLA decode and memory (GPU parts on a GPU)")
     bench.add_argument("--device", default=None, help="device of the hot-path pools (default: the GPU, else cpu)")

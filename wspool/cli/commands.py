@@ -30,7 +30,16 @@ from wspool.units import format_size
 if TYPE_CHECKING:  # the registry imports torch: each command imports it when it runs
     from wspool.registry import PoolRegistry
 
-__all__ = ["DECLARED_INT_RULES", "cmd_demo", "cmd_resolve", "cmd_show", "cmd_stats", "config_line", "setting_rows"]
+__all__ = [
+    "DECLARED_INT_RULES",
+    "cmd_demo",
+    "cmd_plan",
+    "cmd_resolve",
+    "cmd_show",
+    "cmd_stats",
+    "config_line",
+    "setting_rows",
+]
 
 #: The origin of a ``pools.flashinfer_int`` rule no source configures: wspool declares it in code.
 DECLARED_INT_RULES = "wspool's default for FlashInfer wrappers' int workspaces (declared in code)"
@@ -242,6 +251,39 @@ def cmd_resolve(args: argparse.Namespace) -> int:
         print(wrap(f"  rule {printable(repr(rule.source))}, from {printable(origin)}"))
         print(wrap(f"  on {device}, profile {choice.profile}; set {key} / {variable}"))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``wspool plan``: each rule's bound over the limits, the facts that give it, and how it was found."""
+    from wspool.bounds import parse_limit, plan_reservation
+    from wspool.devices import resolve_device
+
+    limits = dict(parse_limit(text) for text in args.limit or [])
+    registry, _ = _registry(args.config)
+    device = resolve_device(args.device)
+    for name in args.pool or []:
+        registry.spec(name)  # an unknown pool is the error naming the pools there are
+    plan = plan_reservation(
+        registry, limits, pools=args.pool, devices=[device], lanes=args.lane or ["main"], facts=dict(args.fact or [])
+    )
+    if args.json:
+        print(json.dumps({"device": str(device), "profile": registry.profile_of(device).profile, **plan.as_dict()}))
+        return 1 if plan.refusals else 0
+    shown = ", ".join(f"{name}={limit.describe()}" for name, limit in plan.limits.items()) or "none"
+    print(wrap(f"limits: {shown}; on {device}, profile {registry.profile_of(device).profile}; nothing is allocated"))
+    for row in plan.rows:
+        where = f"{row.pool}.{row.rule} on {row.device} lane {row.lane}"
+        if row.bound is None:
+            print(wrap(f"{where}: refused: {printable(str(row.refusal))}"))
+            continue
+        bound = row.bound
+        at = ", ".join(f"{k}={v}" for k, v in sorted(bound.facts.items())) or "any facts"
+        how = bound.method + (f" over {bound.points} points ({', '.join(bound.searched)})" if bound.searched else "")
+        print(wrap(f"{where}: {bound.nbytes} bytes ({format_size(bound.nbytes)}), {how}, at {at}"))
+    for (name, buffer_device, lane), nbytes in plan.buffers.items():
+        print(f"buffer {name} on {buffer_device} lane {lane}: {nbytes} bytes ({format_size(nbytes)})")
+    print(f"total: {plan.total_bytes} bytes ({format_size(plan.total_bytes)})")
+    return 1 if plan.refusals else 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
