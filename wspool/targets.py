@@ -38,7 +38,8 @@ class Target:
     Another signature than ``parameters`` is not patched (``None``: not called, a
     module global). An ``optional`` target absent from the version in use is skipped.
     An ``imported_only`` target (a by-name copy) is located only where its module is
-    already imported: a later import binds the patched original.
+    already imported: a later import binds the patched original, which
+    :meth:`PatchSet.undo` puts back there too.
     """
 
     module: str
@@ -137,11 +138,17 @@ def locate(target: Target) -> Located:
 
 @dataclass
 class PatchPlan:
-    """What :meth:`PatchSet.plan` found: the targets to patch, and what it leaves alone and why."""
+    """What :meth:`PatchSet.plan` found: the targets to patch, and what it leaves alone and why.
+
+    ``reach`` is every target of the groups to patch, located or not: the names
+    where a replacement may be found later (a by-name copy imported after the
+    patch binds it), which an undo checks.
+    """
 
     located: list[tuple[Target, Located]] = field(default_factory=list)
     not_patched: list[str] = field(default_factory=list)
     absent: list[str] = field(default_factory=list)
+    reach: list[Target] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,7 @@ class PatchSet:
         self.all_or_nothing = all_or_nothing
         self._lock = threading.Lock()
         self._patches: dict[str, Patch] = {}
+        self._reach: list[Target] = []
         self._undo_hooks: list[Callable[[], None]] = []
 
     def plan(self, groups: Iterable[TargetGroup]) -> PatchPlan:
@@ -194,8 +202,10 @@ class PatchSet:
             else:
                 plan.located.extend(located)
                 plan.absent.extend(skipped)
+                plan.reach.extend(group.targets)
         if self.all_or_nothing and plan.not_patched:
             plan.located.clear()
+            plan.reach.clear()
         return plan
 
     def apply(self, plan: PatchPlan) -> list[Patch]:
@@ -222,6 +232,7 @@ class PatchSet:
                     ) from exc
                 raise
             self._patches = {patch.name: patch for patch in applied}
+            self._reach = list(plan.reach) if applied else []
             return applied
 
     def on_undo(self, hook: Callable[[], None]) -> None:
@@ -230,13 +241,21 @@ class PatchSet:
             self._undo_hooks.append(hook)
 
     def undo(self) -> list[str]:
-        """Put every original back, newest first, except where something replaced wspool's; return the names."""
+        """Put every original back, newest first, except where something replaced wspool's; return the names.
+
+        A replacement found under a name the patch reached but did not patch (a
+        by-name copy imported, or a module imported again, after the patch) gets
+        its original back too, so a later :meth:`apply` wraps each original once.
+        """
         with self._lock:
             patches = list(self._patches.values())
+            reach, self._reach = self._reach, []
             self._patches = {}
             hooks, self._undo_hooks = self._undo_hooks, []
-            restored = [p.name for p in patches if p.current() is p.replacement]
-            self._restore([p for p in patches if p.current() is p.replacement], keep_stuck=False)
+            ours = [p for p in patches if p.current() is p.replacement]
+            restored = [p.name for p in ours]
+            self._restore(ours, keep_stuck=False)
+            restored.extend(name for name in _restore_copies(reach, patches) if name not in restored)
         for hook in reversed(hooks):
             hook()
         return restored
@@ -264,3 +283,33 @@ class PatchSet:
 
     def __bool__(self) -> bool:
         return bool(self._patches)
+
+
+def _holder(target: Target) -> Any:
+    """The module or class that holds ``target`` now, where its module is imported; never imports, else ``None``."""
+    owner = sys.modules.get(target.module)
+    for part in target.path.split(".")[:-1]:
+        owner = getattr(owner, part, None)
+        if not isinstance(owner, type):
+            return None
+    return owner
+
+
+def _restore_copies(reach: list[Target], patches: list[Patch]) -> list[str]:
+    """Put each patch's original back wherever a target of ``reach`` holds its replacement now; return the names."""
+    originals = {id(p.replacement): p.original for p in patches if p.replacement is not p.original}
+    restored = []
+    for target in reach:
+        owner = _holder(target)
+        if owner is None:
+            continue
+        attr = target.path.rsplit(".", 1)[-1]
+        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if current is None or id(current) not in originals:
+            continue
+        try:
+            setattr(owner, attr, originals[id(current)])
+        except Exception:  # an owner that refuses the write keeps wspool's replacement; nothing else is lost
+            continue
+        restored.append(target.name)
+    return restored

@@ -178,3 +178,23 @@ def test_an_imported_only_target_is_absent_until_its_module_is_imported(engine: 
     with pytest.raises(TargetAbsent, match="not imported yet"):
         locate(missing)
     assert "wspool_test_module_never_imported" not in sys.modules
+
+
+def test_a_by_name_copy_imported_after_apply_gets_its_original_back_at_undo(engine: types.ModuleType) -> None:
+    """A module imported after apply binds the replacement by name; undo restores it there, and a re-apply wraps
+    the original once."""
+    copy_name = "wspool_test_engine_copy"
+    group = TargetGroup("g", (_target("one"), Target(copy_name, "one", ("a",), _wrap("one"), "a copy",
+                                                      optional=True, imported_only=True)))  # fmt: skip
+    patches = PatchSet()
+    try:
+        patches.apply(patches.plan((group,)))
+        copy = types.ModuleType(copy_name)
+        copy.one = engine.one  # type: ignore[attr-defined]  # `from engine import one`, after the patch
+        sys.modules[copy_name] = copy
+        assert patches.undo() == [f"{MODULE}.one", f"{copy_name}.one"]
+        assert engine.one is _one and copy.one is _one
+        patches.apply(patches.plan((group,)))
+        assert engine.one(1) == ("one", 1) and copy.one(1) == ("one", 1)
+    finally:
+        sys.modules.pop(copy_name, None)

@@ -15,7 +15,7 @@ import pytest
 
 import wspool
 from wspool.errors import ConfigError
-from wspool.integrations import ENGINES, SGLANG, VLLM, integration, targets_of
+from wspool.integrations import ENGINES, SGLANG, TOKENSPEED, VLLM, integration, targets_of
 from wspool.integrations.patching import EngineInfo, Integration, describe_config, parse_switch
 from wspool.targets import Target, TargetGroup
 
@@ -126,6 +126,22 @@ def test_the_engines_are_declared_and_light() -> None:
 def test_versions_are_checked_against_the_declared_range(version: str, supported: bool) -> None:
     """vLLM's declared range admits 0.33 and 0.34 and nothing else; a version that does not parse is not supported."""
     assert VLLM.supports(version) is supported
+
+
+@pytest.mark.parametrize(
+    ("info", "version"),
+    [(SGLANG, "0.5.23rc0"), (TOKENSPEED, "0.1.1rc2"), (VLLM, "0.33.0rc1"), (VLLM, "0.34.0.dev3"),
+     (SGLANG, "0.5.23+cu130")],
+)  # fmt: skip
+def test_a_pre_release_of_a_supported_version_is_supported(info: EngineInfo, version: str) -> None:
+    """A release candidate or development release of a supported version counts as that version."""
+    assert info.supports(version) is True
+
+
+@pytest.mark.parametrize(("info", "version"), [(SGLANG, "0.5.24rc0"), (VLLM, "0.35.0rc1"), (VLLM, "0.32.9rc1")])
+def test_a_pre_release_of_an_unsupported_version_is_not(info: EngineInfo, version: str) -> None:
+    """A pre-release of a version outside the range stays outside it."""
+    assert info.supports(version) is False
 
 
 def test_the_engines_own_plugin_variables_are_read() -> None:

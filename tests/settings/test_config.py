@@ -289,6 +289,38 @@ def test_hostile_yaml_is_a_config_error_naming_where(tmp_path: Path, text: str, 
         load_settings(path)
 
 
+@pytest.mark.parametrize("key", ["off", "no", "yes", "on", "Off", "true"])
+def test_a_key_yaml_11_reads_as_a_boolean_is_the_name_written(tmp_path: Path, key: str) -> None:
+    """A rule called `off:` (or no/yes/on/true) is a rule of that name, from the file, as a YAML 1.2 reader sees it."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"pools:\n  p:\n    rules:\n      default: 1KiB\n      {key}: 2KiB\n")
+    settings, provenance = load_settings_with_provenance(path)
+    assert settings.pools["p"].rules == {"default": "1KiB", key: "2KiB"}
+    assert provenance.source_of(("pools", "p", "rules", key)) == f"YAML file {path}"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("pools:\n  p:\n    rules: {default: 1KiB}\n    no: 3\n",
+         r"^invalid wspool configuration: pools\.p\.no \(from YAML file \S*c\.yaml\): unknown key"),
+        ("yes: 1\n", r"^invalid wspool configuration: yes \(from YAML file \S*c\.yaml\): unknown key"),
+    ],
+)  # fmt: skip
+def test_a_misplaced_boolean_looking_key_is_refused_by_its_written_name(tmp_path: Path, text: str, match: str) -> None:
+    """A key `no:` or `yes:` where no such key exists is refused naming the key as written and its file."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_settings(path)
+
+
+@pytest.mark.parametrize(("word", "on"), [("yes", True), ("on", True), ("no", False), ("off", False)])
+def test_a_boolean_value_keeps_its_yaml_11_meaning(tmp_path: Path, word: str, on: bool) -> None:
+    """`debug_streams: yes` is true and `debug_streams: off` false: only keys are read as written."""
+    assert load_settings(_write(tmp_path, f"debug_streams: {word}\n")).debug_streams is on
+
+
 def test_an_overlong_config_path_is_a_config_error(tmp_path: Path) -> None:
     """A config name longer than the OS allows is a ConfigError."""
     with pytest.raises(ConfigError, match=r"cannot read config file .*File name too long"):

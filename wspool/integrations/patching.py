@@ -73,14 +73,21 @@ class EngineInfo:
             return None
 
     def supports(self, version: str) -> bool:
-        """Whether wspool supports ``version`` of the engine (pre-releases of a supported version count)."""
+        """Whether wspool supports ``version`` of the engine (pre-releases of a supported version count).
+
+        A pre-release or development release (``0.5.23rc0``, ``0.34.0.dev3``) is
+        judged by the release it precedes, which a lower bound such as ``>=0.5.23``
+        admits; a local label (``+cu130``) is ignored.
+        """
         from packaging.specifiers import SpecifierSet
         from packaging.version import InvalidVersion, Version
 
         try:
-            return Version(version) in SpecifierSet(self.supported, prereleases=True)
+            parsed = Version(version)
         except InvalidVersion:
             return False
+        release = Version(parsed.base_version) if parsed.is_prerelease else parsed
+        return release in SpecifierSet(self.supported, prereleases=True)
 
     def selection(self, environ: Mapping[str, str] | None = None) -> str | None:
         """Return why the engine's own plugin variables keep wspool from loading, or ``None``."""

@@ -379,6 +379,10 @@ def parse_yaml(text: str, where: str) -> Any:
 class _StrictLoader(yaml.SafeLoader):
     """The safe loader, refusing a key given twice in one mapping (the last one would win silently).
 
+    A plain key that YAML 1.1 reads as a boolean (``off``, ``no``, ``yes``, ``on``,
+    ``true``) is read as the text written, as YAML 1.2 reads ``off``; values keep
+    YAML 1.1's booleans (``debug_streams: yes`` is true).
+
     A key that a merge (``<<: *base``) brings in may be given again explicitly: the
     explicit one wins, as YAML specifies. A scalar PyYAML cannot build
     (``!!timestamp x``, ``!!bool maybe``, ``2021-13-45``, ``!!int abc``, an integer of
@@ -399,6 +403,8 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_STR_TAG = "tag:yaml.org,2002:str"
 
 
 def _refuse_repeated_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: bool, checked: set[int]) -> None:
@@ -414,6 +420,9 @@ def _refuse_repeated_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: b
                 if isinstance(source, yaml.MappingNode):
                     _refuse_repeated_keys(loader, source, deep, checked)
             continue
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag == _BOOL_TAG and key_node.style is None:
+            # A key is a name, read as written: YAML 1.1 would make `off:` or `yes:` a boolean (YAML 1.2 does not).
+            key_node.tag = _STR_TAG
         key = loader.construct_object(key_node, deep=deep)
         try:
             first = seen.get(key)
