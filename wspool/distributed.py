@@ -114,8 +114,10 @@ def agree(
     A pool only some ranks hold is created on the others. The ranks check
     together that each can grow before any allocates; when one cannot, or an
     allocation fails, every rank raises the same error (ranks that grew keep
-    their buffers). ``reserve`` adds sizes per ``(pool, lane)``, at most 1 PiB.
-    Returns this rank's changes, sorted by pool and lane.
+    their buffers). ``reserve`` adds sizes per ``(pool, lane)``, at most 1 PiB;
+    a ``shared_with`` pool's size is agreed, checked and grown as its host's
+    buffer, under the host's name. Returns this rank's changes, sorted by pool
+    (the buffer's) and lane.
 
     Raises:
         AgreementFrozenError: A frozen rank would have to grow, or a rank is capturing.
@@ -127,6 +129,7 @@ def agree(
     dist = _distributed()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     local, wanted, problems = _local_request(device, reserve)
+    wanted = _by_buffer(registry, wanted)
     if any(kind == "frozen" for kind, _ in problems) and _collective_device(dist, group, _CPU).type != "cpu":
         # An NCCL-only group runs its collectives on this rank's capturing stream: they cannot run.
         raise WorkspaceFrozenError(dict(problems)["frozen"])
@@ -185,6 +188,15 @@ def _local_request(
         except (TypeError, ValueError) as exc:  # a key that is no pair; a SizeError (a ValueError)
             problems.append(("config", f"reserve[{quote(key)}]: {exc}"))
     return local, wanted, problems
+
+
+def _by_buffer(registry: PoolSource, wanted: Mapping[_Key, int]) -> dict[_Key, int]:
+    """Key each reserve by the pool whose buffer it draws from (a ``shared_with`` host), the larger where two meet."""
+    hosts: dict[_Key, int] = {}
+    for (pool, lane), nbytes in wanted.items():
+        key = (registry.buffer_pool(pool), lane)
+        hosts[key] = max(hosts.get(key, 0), nbytes)
+    return hosts
 
 
 def _reserve_bytes(size: object) -> int:
@@ -284,7 +296,8 @@ def _check(
         return Refusal(rank, name, lane, str(device), kind, target, held, detail)
 
     try:
-        spec = pool.spec if pool is not None else registry.spec(name)
+        # A pool not created yet: its configuration under this device's profile (a host's cap is its buffer's).
+        spec = pool.spec if pool is not None else registry.spec(name, device)
     except ConfigError as exc:
         return refuse("config", f"{exc}; configure the pool the same way on every rank")
     if spec.max_bytes is not None and target > spec.max_bytes:

@@ -131,3 +131,42 @@ def test_a_guest_fixed_rule_above_the_hosts_cap_is_refused_at_load() -> None:
         make_registry(pools)
     pools["g"]["rules"]["y"] = "60MiB"
     assert make_registry(pools).workspace("g", "cpu", rule="y").numel() == 60 * MiB
+
+
+def test_agree_reserves_a_shared_pool_on_its_hosts_buffer_in_a_one_rank_group(tmp_path: Path) -> None:
+    """agree(reserve={(guest, lane): n}) grows the host's buffer once and succeeds on one rank; a size above the
+    host's max_bytes is refused before anything is allocated."""
+    import torch.distributed as dist
+
+    from wspool.distributed import AgreedChange, AgreementLimitError, agree
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        pools = {"a": {"rules": {"x": "1MiB"}, "max_bytes": "8MiB"}, "b": {"shared_with": "a", "rules": {"y": "3MiB"}}}
+        reg = make_registry(pools)
+        changes = agree(reg, device="cpu", reserve={("b", "main"): 3 * MiB, ("a", "main"): 2 * MiB})
+        assert changes == [AgreedChange("a", "main", "cpu", 0, 3 * MiB)]
+        assert reg.stats("a", "cpu").capacity_bytes == 3 * MiB
+        fresh = make_registry(pools)
+        with pytest.raises(AgreementLimitError, match=r"pool 'a' \(lane main\) on cpu needs 16777216 bytes .*above "
+                           r"max_bytes = 8388608 bytes .*pools\.a\.max_bytes"):  # fmt: skip
+            agree(fresh, device="cpu", reserve={("b", "main"): "16MiB"})
+        assert fresh.all_stats() == []
+    finally:
+        dist.destroy_process_group()
+
+
+def test_agree_reserves_the_builtin_flashinfer_pool_on_flashinfer_mlas_buffer(tmp_path: Path) -> None:
+    """The built-in flashinfer pool shares flashinfer_mla's buffer: agreeing a reserve for it grows that buffer."""
+    import torch.distributed as dist
+
+    from wspool.distributed import agree
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        reg = make_registry()
+        assert reg.buffer_pool("flashinfer") == "flashinfer_mla"
+        (change,) = agree(reg, device="cpu", reserve={("flashinfer", "main"): 4 * MiB})
+        assert (change.pool, change.new_bytes) == ("flashinfer_mla", 4 * MiB)
+    finally:
+        dist.destroy_process_group()
