@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -11,11 +12,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import wspool.cli.doctor as doctor
 from wspool.cli import main
 from wspool.integrations import ENGINES
-from wspool.integrations.patching import EngineInfo
+from wspool.integrations.patching import EngineInfo, Integration
 from wspool.targets import Target, TargetGroup
 
 VLLM_VAR = "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"
@@ -43,11 +46,23 @@ def _subprocess(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, timeout=120)
 
 
+class _FakeIntegration(Integration):
+    """The integration of whichever FAKE doctor's ENGINES holds now: FAKE_GROUPS, no checks of its own."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        super().__init__(logging.getLogger("wspool.test.fake"))
+
+    def groups(self) -> tuple[TargetGroup, ...]:
+        return FAKE_GROUPS
+
+
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Doctor sees one engine, FAKE, whose targets are FAKE_GROUPS."""
     monkeypatch.setattr(doctor, "ENGINES", (FAKE,))
-    monkeypatch.setattr(doctor, "targets_of", lambda key: FAKE_GROUPS if key == "fake" else ())
+    monkeypatch.setattr(doctor, "integration", lambda key: _FakeIntegration(next(i for i in doctor.ENGINES
+                                                                                   if i.key == key)))  # fmt: skip
     yield
 
 
@@ -243,3 +258,204 @@ def test_each_installed_engine_is_installed_supported_and_active() -> None:
         assert (engine["installed"], engine["supported"], engine["active"]) == (True, True, True), engine
         assert engine["targets"], info.key
     assert result["report"]["problems"] == []
+
+
+# -- one preflight: what keeps load() from patching is what doctor reports ----------------------------------------
+
+#: A version each engine's integration supports, given to EngineInfo.installed_version below.
+SUPPORTED = {"vllm": "0.34.0", "sglang": "0.5.23", "tokenspeed": "0.1.1"}
+#: Not a variable: the version the test gives the engine's installed_version.
+VERSION_VAR = "installed version"
+#: A pool with a rule no other pool has, for a pool to share its buffer with.
+SCRATCH = "pools:\n  elsewhere:\n    rules: {elsewhere_only: 1MiB}\n"
+
+
+def _own_buffer_cases() -> list[tuple[str, dict[str, str], str, str]]:
+    """Every pool an engine needs its own buffer for, given a shared_with: (engine, environment, file, error)."""
+    from wspool.integrations.sglang.buffers import BUFFERS
+    from wspool.integrations.tokenspeed.buffers import FLASHMLA, WORKSPACES
+    from wspool.integrations.vllm.getters import OWN_BUFFER_POOLS
+
+    def shared(pool: str, host: str = "elsewhere") -> str:
+        return f"{SCRATCH}  {pool}:\n    shared_with: {host}\n"
+
+    cases = [("vllm", {}, shared(pool), rf"pool '{pool}' must have its own buffer") for pool in OWN_BUFFER_POOLS]
+    cases += [("sglang", {}, shared(w.pool), rf"pool '{w.pool}' must have its own buffer")
+              for w in BUFFERS.values() if w.own_buffer]  # fmt: skip
+    cases += [("tokenspeed", {}, shared(w.pool), rf"pool '{w.pool}' must have a buffer of its own")
+              for w in WORKSPACES if w.zeroed]  # fmt: skip
+    flashmla_buffer = "flashinfer_mla" if FLASHMLA.pool == "flashinfer" else FLASHMLA.pool  # the built-in sharing
+    cases.append(("tokenspeed", {}, shared("tokenspeed_scratch", flashmla_buffer), r"shares pool 'tokenspeed_scratch'"))
+    return cases
+
+
+#: Every refusal load() has that is a mistake, for each engine it applies to: (engine, environment, file, error).
+MISTAKES: list[tuple[str, dict[str, str], str, str]] = [
+    *[(key, {var: "maybe"}, "", rf"invalid environment variable {var} = 'maybe'")
+      for key, var in (("vllm", "WSPOOL_VLLM"), ("sglang", "WSPOOL_SGLANG"), ("tokenspeed", "WSPOOL_TOKENSPEED"))],
+    *[(key, {var: "other"}, "", rf"{var}='other' does not name wspool")
+      for key, var in (("vllm", "VLLM_PLUGINS"), ("sglang", "SGLANG_PLUGINS"))],
+    *[(key, {VERSION_VAR: "0.0.1"}, "", r"0\.0\.1 is \D*wspool supports >=") for key in SUPPORTED],
+    *[(key, {}, "pools:\n  flashinfer_mla:\n    rules: {lse: 12 parsecs}\n", r"pools\.flashinfer_mla\.rules\.lse")
+      for key in SUPPORTED],
+    *[(key, {var: "gpu0"}, "", rf"invalid environment variable {var} = 'gpu0': not a device")
+      for key, var in (("vllm", "WSPOOL_VLLM_DEVICE"), ("sglang", "WSPOOL_SGLANG_DEVICE"))],
+    *_own_buffer_cases(),
+]  # fmt: skip
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], key: str) -> None:
+    """Every engine installed at a supported version; ``key``'s at ``environ[VERSION_VAR]`` where given."""
+    versions = {**SUPPORTED, key: environ.get(VERSION_VAR, SUPPORTED[key])}
+    monkeypatch.setattr(EngineInfo, "installed_version", lambda self: versions[self.key])
+    for var, value in environ.items():
+        if var != VERSION_VAR:
+            monkeypatch.setenv(var, value)
+
+
+def _load_refuses(key: str, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Run the engine's load(); return its log lines (it must patch nothing)."""
+    import wspool
+    from wspool.integrations import integration
+
+    wspool.reset_registry()
+    engine = integration(key)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=engine.logger.name):
+        loaded = engine.load()
+    patched = engine.patched()
+    if patched:  # a load that should have refused: put the engine back before failing
+        engine.unload()
+    assert (loaded, patched) == (False, [])
+    return [r.getMessage() for r in caplog.records if r.name == engine.logger.name]
+
+
+@pytest.mark.parametrize(("key", "environ", "config", "error"), MISTAKES)
+def test_every_mistake_that_stops_load_makes_doctor_exit_1_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    key: str,
+    environ: dict[str, str],
+    config: str,
+    error: str,
+) -> None:
+    """A bad switch, an allowlist without wspool, an unsupported version, a bad configuration, a device variable that
+    names no device, a pool the engine needs its own buffer for given a shared_with: load() patches nothing and says
+    why, and doctor names the same reason, the engine NOT active, and exits 1."""
+    _installed(monkeypatch, environ, key)
+    if config:
+        path = tmp_path / "wspool.yaml"
+        path.write_text(config)
+        monkeypatch.setenv("WSPOOL_CONFIG", str(path))
+    said = " ".join(_load_refuses(key, caplog))
+    assert re.search(error, said), said
+    assert main(["doctor"]) == 1
+    text = " ".join(capsys.readouterr().out.split())
+    version = re.escape(environ.get(VERSION_VAR, SUPPORTED[key]))
+    assert re.search(rf"{version}: installed, (NOT )?supported.*?, NOT active", text), text
+    problems = text[text.index("problems: ") :]
+    assert re.search(error, problems), problems
+    report = doctor.diagnose(environ=dict(os.environ))
+    (engine,) = [e for e in report["engines"] if e["key"] == key]
+    assert engine["active"] is False and engine["why_inactive"]
+
+
+@pytest.mark.parametrize(
+    ("key", "environ", "why"),
+    [("vllm", {"WSPOOL_VLLM": "0"}, "WSPOOL_VLLM=0 turns it off"),
+     ("sglang", {"WSPOOL_SGLANG": "off"}, "WSPOOL_SGLANG=off turns it off"),
+     ("tokenspeed", {"WSPOOL_TOKENSPEED": "no"}, "WSPOOL_TOKENSPEED=no turns it off"),
+     ("tokenspeed", {"TOKENSPEED_DISABLE_PLUGINS": "wspool"}, "TOKENSPEED_DISABLE_PLUGINS='wspool' names wspool")],
+)  # fmt: skip
+def test_an_engine_turned_off_on_purpose_is_not_active_in_doctor_and_load_patches_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, key: str, environ: dict[str, str], why: str
+) -> None:
+    """wspool's switch at 0, or the engine's disable list naming wspool: load() patches nothing, and doctor says the
+    same reason, NOT active, and no problem."""
+    _installed(monkeypatch, environ, key)
+    assert _load_refuses(key, caplog)
+    report = doctor.diagnose(environ=dict(os.environ))
+    (engine,) = [e for e in report["engines"] if e["key"] == key]
+    assert (engine["active"], engine["why_inactive"], report["problems"]) == (False, [why], [])
+
+
+@pytest.mark.parametrize(
+    ("key", "version"), [("sglang", "0.5.23rc0"), ("tokenspeed", "0.1.1rc2"), ("vllm", "0.33.0rc1")]
+)
+def test_a_release_candidate_of_a_supported_version_is_supported_and_active_in_doctor(
+    monkeypatch: pytest.MonkeyPatch, key: str, version: str
+) -> None:
+    """SGLang 0.5.23rc0, TokenSpeed 0.1.1rc2 and vLLM 0.33.0rc1 count as the releases they precede: doctor exits 0."""
+    _installed(monkeypatch, {VERSION_VAR: version}, key)
+    report = doctor.diagnose(environ=dict(os.environ))
+    (engine,) = [e for e in report["engines"] if e["key"] == key]
+    assert (engine["version"], engine["supported"], engine["active"]) == (version, True, True)
+    assert report["problems"] == []
+
+
+_SWITCH = {"vllm": "WSPOOL_VLLM", "sglang": "WSPOOL_SGLANG", "tokenspeed": "WSPOOL_TOKENSPEED"}
+_SELECTION = {"vllm": "VLLM_PLUGINS", "sglang": "SGLANG_PLUGINS", "tokenspeed": "TOKENSPEED_DISABLE_PLUGINS"}
+_OWN_POOL = {"vllm": "flashinfer_mla_counters", "sglang": "sglang_trtllm_mla", "tokenspeed": "tokenspeed_dsa"}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    key=st.sampled_from(sorted(SUPPORTED)),
+    switch=st.sampled_from([None, "1", "0", "off", "maybe"]),
+    selection=st.sampled_from([None, "wspool", "other", "other,wspool"]),
+    device=st.sampled_from([None, "cpu", "gpu0"]),
+    version=st.sampled_from(["supported", "rc", "0.0.1"]),
+    shared=st.booleans(),
+)
+def test_doctor_says_active_exactly_when_load_goes_on_to_patch(
+    caplog: pytest.LogCaptureFixture,
+    key: str,
+    switch: str | None,
+    selection: str | None,
+    device: str | None,
+    version: str,
+    shared: bool,
+) -> None:
+    """Over random combinations of switch, plugin selection, device variable, version and a pool sharing a buffer
+    it must own: doctor's engine is active exactly when load() goes on to locate targets, and when it is not, load's
+    one line says a reason doctor lists."""
+    from wspool.integrations import integration
+    from wspool.targets import PatchPlan
+
+    installed = {"supported": SUPPORTED[key], "rc": SUPPORTED[key] + "rc1", "0.0.1": "0.0.1"}[version]
+    environ = {
+        _SWITCH[key]: switch,
+        _SELECTION[key]: selection,
+        "WSPOOL_VLLM_DEVICE" if key == "vllm" else "WSPOOL_SGLANG_DEVICE": device,
+    }
+    if shared:
+        environ["WSPOOL_POOLS__ELSEWHERE__RULES__ELSEWHERE_ONLY"] = "1MiB"
+        environ[f"WSPOOL_POOLS__{_OWN_POOL[key].upper()}__SHARED_WITH"] = "elsewhere"
+    engine = integration(key)
+    located: list[bool] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineInfo, "installed_version", lambda self: installed if self.key == key else SUPPORTED[self.key])
+        for var, value in environ.items():
+            if value is not None:
+                mp.setenv(var, value)
+        mp.setattr(engine.patches, "plan", lambda groups: located.append(True) or PatchPlan())
+        report = doctor.diagnose(environ=dict(os.environ))
+        wspool_reset()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=engine.logger.name):
+            assert engine.load() is False and engine.patched() == []
+    (verdict,) = [e for e in report["engines"] if e["key"] == key]
+    assert verdict["active"] is bool(located), (verdict["why_inactive"], located)
+    if not located:  # load's line names what doctor's first reason names: a variable, a version or a pool
+        said = " ".join(r.getMessage() for r in caplog.records if r.name == engine.logger.name)
+        names = re.findall(r"\b[A-Z][A-Z_]{3,}\b|\d+\.\d+\.\d+\w*|pool '\w+'", verdict["why_inactive"][0])
+        assert names and all(name in said for name in names), (said, verdict["why_inactive"])
+
+
+def wspool_reset() -> None:
+    """Forget the default registry (the next load reads the configuration afresh)."""
+    import wspool
+
+    wspool.reset_registry()

@@ -51,18 +51,14 @@ def _wrap(original: Any) -> Any:
 class _Demo(Integration):
     info = INFO
 
-    def __init__(self, targets: tuple[Target, ...], **kw: Any) -> None:
+    def __init__(self, targets: tuple[Target, ...]) -> None:
         super().__init__(logging.getLogger("wspool.test.demo"))
         self._targets = targets
         self.activated = 0
         self.deactivated = 0
-        self.prepared: Callable[[], str] = kw.get("prepare", describe_config)
 
     def groups(self) -> tuple[TargetGroup, ...]:
         return (TargetGroup("demo", self._targets),)
-
-    def prepare(self) -> str:
-        return self.prepared()
 
     def activate(self) -> list[str]:
         self.activated += 1
@@ -201,12 +197,7 @@ def test_a_broken_configuration_leaves_the_engine_untouched(
     broken.write_text("pools: [not, a, mapping]\n")
     monkeypatch.setenv("WSPOOL_CONFIG", str(broken))
     wspool.reset_registry()
-
-    def prepare() -> str:
-        wspool.get_registry()
-        return describe_config()
-
-    demo = _Demo(_targets(), prepare=prepare)
+    demo = _Demo(_targets())
     assert not demo.load()
     assert engine.one is _f and demo.activated == 0
     (error,) = _lines(log, logging.ERROR)

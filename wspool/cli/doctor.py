@@ -23,9 +23,9 @@ from typing import Any
 
 from wspool import __version__
 from wspool.cli import wrap
-from wspool.errors import ConfigError, printable, quote
-from wspool.integrations import ENGINES, targets_of
-from wspool.integrations.patching import EngineInfo, parse_switch
+from wspool.errors import ConfigError, printable
+from wspool.integrations import ENGINES, integration
+from wspool.integrations.patching import EngineInfo, Preflight, parse_switch
 from wspool.settings.profiles import ProfileChoice, choose_profile
 from wspool.settings.schema import (
     LAYERS_KEYWORD,
@@ -65,7 +65,7 @@ def diagnose(config: str | None = None, environ: Mapping[str, str] | None = None
         "torch": torch_info,
         "devices": devices,
         "flashinfer": _flashinfer(problems),
-        "engines": [_engine(info, env, configuration["valid"], provenance, problems) for info in ENGINES],
+        "engines": [_engine(info, env, settings, configuration, provenance, problems) for info in ENGINES],
         "configuration": configuration,
         "problems": problems,
     }
@@ -223,16 +223,19 @@ def _entry_point(info: EngineInfo) -> dict[str, Any]:
 
 
 def _engine(
-    info: EngineInfo, env: Mapping[str, str], valid: bool, provenance: Provenance | None, problems: list[str]
+    info: EngineInfo,
+    env: Mapping[str, str],
+    settings: WspoolSettings | None,
+    configuration: Mapping[str, Any],
+    provenance: Provenance | None,
+    problems: list[str],
 ) -> dict[str, Any]:
     version = info.installed_version()
     entry = _entry_point(info)
     try:
         switch_on: bool | None = parse_switch(info.switch_var, env)
-    except ConfigError as exc:
+    except ConfigError:
         switch_on = None
-        if version is not None:
-            problems.append(str(exc))
     selection = info.selection(env)
     result: dict[str, Any] = {
         "key": info.key,
@@ -251,36 +254,56 @@ def _engine(
         "excluded_by": selection,
         "engine_variables": [_engine_variable(name, env, provenance) for name in info.engine_variables],
     }
-    why_not = _why_inactive(info, result, valid, problems)
+    if version is None:
+        result["active"], result["why_inactive"] = False, [f"{info.name} is not installed"]
+        return result
+    try:
+        engine = integration(info.key)  # wspool's package for it, not the engine
+        verdict = engine.preflight(env, lambda: _registry(settings, configuration))
+        result["targets"] = [
+            {
+                "group": group.name,
+                "targets": [{"module": t.module, "path": t.path, "what": t.what} for t in group.targets],
+            }
+            for group in engine.groups()
+        ]
+    except Exception as exc:  # wspool's package for the engine fails to import: say so, and go on
+        result["targets"] = None
+        result["active"] = False
+        result["why_inactive"] = [f"wspool's {info.name} integration cannot be imported"]
+        problems.append(f"wspool's {info.name} integration cannot be imported ({type(exc).__name__}: {exc})")
+        return result
+    why_not = _why_inactive(info, result, verdict, configuration["valid"], problems)
     result["active"] = not why_not
     result["why_inactive"] = why_not
-    if version is not None:
-        try:
-            result["targets"] = [
-                {
-                    "group": group.name,
-                    "targets": [{"module": t.module, "path": t.path, "what": t.what} for t in group.targets],
-                }
-                for group in targets_of(info.key)
-            ]
-        except Exception as exc:  # wspool's package for the engine fails to import: say so, and go on
-            result["targets"] = None
-            problems.append(f"wspool's {info.name} integration cannot be imported ({type(exc).__name__}: {exc})")
     return result
 
 
-def _why_inactive(info: EngineInfo, result: dict[str, Any], valid: bool, problems: list[str]) -> list[str]:
-    """Why the engine would start without wspool; each reason that is a mistake also goes to ``problems``."""
-    name, reasons = info.name, []
-    if not result["installed"]:
-        return [f"{name} is not installed"]
-    version, entry = result["version"], result["entry_point"]
-    if not result["supported"]:
-        reasons.append(f"{name} {version} is not a version wspool supports ({info.supported})")
-        problems.append(
-            f"{name} {version} is installed, but wspool supports {info.supported}: its plugin patches nothing; "
-            f"install a supported {name}, or set {info.switch_var}=0"
-        )
+def _registry(settings: WspoolSettings | None, configuration: Mapping[str, Any]) -> Any:
+    """A registry of the configuration doctor read, to run an engine's preflight in; nothing is allocated."""
+    if settings is None:
+        raise ConfigError(configuration["error"])
+    from wspool.registry import PoolRegistry
+
+    return PoolRegistry(settings)
+
+
+def _why_inactive(
+    info: EngineInfo, result: dict[str, Any], verdict: Preflight, valid: bool, problems: list[str]
+) -> list[str]:
+    """Why the engine would start without wspool: the preflight its load() runs, and its entry point.
+
+    Each reason that is a mistake also goes to ``problems`` (once: a configuration
+    that does not load is listed there already).
+    """
+    name, reasons, entry = info.name, [], result["entry_point"]
+    for refusal in verdict.refusals:
+        if refusal.kind == "config" and not valid:
+            reasons.append("wspool's configuration is invalid (see the problems)")
+            continue
+        reasons.append(refusal.reason if refusal.kind != "config" else f"{refusal.reason}: {refusal.cause}")
+        if refusal.problem is not None and refusal.problem not in problems:
+            problems.append(refusal.problem)
     if not entry["registered"]:
         found = f" (registered: {', '.join(entry['found'])})" if entry["found"] else ""
         reasons.append(f"wspool's entry point is not registered in {entry['group']}{found}")
@@ -289,20 +312,6 @@ def _why_inactive(info: EngineInfo, result: dict[str, Any], valid: bool, problem
             f"{entry['group']}{found}: install wspool into this environment (pip install --no-deps <wspool "
             f"checkout or wheel>)"
         )
-    switch = result["switch"]
-    if switch["on"] is None:
-        reasons.append(f"{switch['variable']} = {quote(switch['value'])} is not understood")
-    elif not switch["on"]:
-        reasons.append(f"{switch['variable']}={switch['value']} turns it off")
-    excludes = result["excluded_by"]
-    if excludes:
-        reasons.append(excludes)
-        if info.allowlist_var and info.allowlist_var in excludes:
-            problems.append(
-                f"{excludes}: {name} will not load wspool's plugin; add wspool to {info.allowlist_var} or unset it"
-            )
-    if not valid:
-        reasons.append("wspool's configuration is invalid (see the problems)")
     return reasons
 
 

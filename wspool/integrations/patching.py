@@ -2,12 +2,14 @@
 
 An integration is an :class:`EngineInfo` and an :class:`Integration` subclass
 declaring its target groups as data (:mod:`wspool.targets`).
-:meth:`Integration.load`, the plugin entry point, never raises: it reads the
-switch, validates the configuration and the engine version, locates every
-target and patches groups all or nothing; whatever stops it leaves the engine
-untouched and says why in one line. Load and unload take the patch set's lock
-for the attribute writes only; call them at start-up, before serving. Nothing
-here imports torch or an engine at import.
+:meth:`Integration.load`, the plugin entry point, never raises: it runs
+:meth:`Integration.preflight` (the switch, the engine's plugin selection, its
+version, wspool's configuration and the engine's own checks), then locates
+every target and patches groups all or nothing; whatever stops it leaves the
+engine untouched and says why in one line. ``wspool doctor`` gives the same
+preflight's verdict, so the two cannot disagree. Load and unload take the
+patch set's lock for the attribute writes only; call them at start-up, before
+serving. Nothing here imports torch or an engine at import.
 """
 
 from __future__ import annotations
@@ -17,12 +19,26 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wspool.errors import ConfigError
+from wspool.errors import ConfigError, quote
 from wspool.targets import PartialUndoError, PatchPlan, PatchSet, TargetGroup
 
-__all__ = ["EngineInfo", "Integration", "Reporter", "describe_config", "parse_switch"]
+if TYPE_CHECKING:
+    import torch
+
+    from wspool.registry import PoolRegistry
+
+__all__ = [
+    "EngineInfo",
+    "Integration",
+    "Preflight",
+    "Refusal",
+    "Reporter",
+    "describe_config",
+    "device_variable",
+    "parse_switch",
+]
 
 _ON = ("", "1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
@@ -40,6 +56,28 @@ def parse_switch(var: str, environ: Mapping[str, str] | None = None) -> bool:
         f"invalid environment variable {var} = {raw[:80]!r}: expected 1 or 0 (true/false, on/off, yes/no); "
         f"unset it to keep wspool on"
     )
+
+
+def device_variable(var: str, environ: Mapping[str, str] | None = None) -> torch.device | None:
+    """Return the device the variable ``var`` names (``cpu``, ``cuda:1``), or ``None`` where it is unset.
+
+    Parses only: no CUDA context is made.
+
+    Raises:
+        ConfigError: It names no device.
+    """
+    raw = (os.environ if environ is None else environ).get(var, "").strip()
+    if not raw:
+        return None
+    import torch
+
+    try:
+        return torch.device(raw)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(
+            f"invalid environment variable {var} = {raw[:80]!r}: not a device (cpu, cuda, cuda:1...); "
+            f"set a device or unset it"
+        ) from None
 
 
 def _names(raw: str) -> list[str]:
@@ -117,6 +155,39 @@ def describe_config(environ: Mapping[str, str] | None = None) -> str:
 Reporter = Callable[[str, str, Callable[[], None]], None]
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """One reason :meth:`Integration.load` patches nothing, as :meth:`Integration.preflight` found it.
+
+    ``kind`` is ``"switch"``, ``"selection"`` (the engine's allowlist or denylist),
+    ``"version"`` or ``"config"`` (wspool's configuration or the engine's own checks).
+    ``reason`` says it in a few words; ``problem`` is the mistake with its fix
+    (``None`` where the refusal is the user's own choice, a switch at 0 or a
+    denylist naming wspool, or the engine is not installed); ``cause`` is the
+    error a ``"switch"`` or ``"config"`` refusal comes from.
+    """
+
+    kind: str
+    reason: str
+    problem: str | None = None
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What :meth:`Integration.preflight` found: the installed version and every refusal (none: load patches)."""
+
+    version: str | None
+    refusals: tuple[Refusal, ...]
+    #: How the configuration read, for the load line (empty where it was not read).
+    described: str = ""
+
+    @property
+    def cleared(self) -> bool:
+        """Whether nothing refuses: :meth:`Integration.load` goes on to locate and patch the targets."""
+        return not self.refusals
+
+
 class Integration:
     """One engine's integration: its targets as data over one patch set; load, unload, report.
 
@@ -138,9 +209,16 @@ class Integration:
         """Return the target groups, in the order they are patched."""
         raise NotImplementedError
 
-    def prepare(self) -> str:
-        """Load and check wspool's configuration for this engine; return how it read, for the load line."""
-        return describe_config()
+    def check(self, registry: PoolRegistry, environ: Mapping[str, str]) -> str:
+        """Check the configuration for this engine in ``registry`` (declaring its pools there) and its own variables.
+
+        Part of :meth:`preflight`; changes nothing of the engine. Return how the
+        configuration read, for the load line.
+
+        Raises:
+            ConfigError: What keeps the integration from serving the engine, naming the setting to change.
+        """
+        return describe_config(environ)
 
     def activate(self) -> list[str]:
         """Point the replacements at the engine's runtime (called before patching); return what is missing."""
@@ -151,29 +229,80 @@ class Integration:
 
     # -- the lifecycle ----------------------------------------------------------
 
+    def preflight(
+        self, environ: Mapping[str, str] | None = None, registry: Callable[[], PoolRegistry] | None = None
+    ) -> Preflight:
+        """Decide whether :meth:`load` patches, changing nothing of the engine (``wspool doctor`` shows this verdict).
+
+        Reads the switch and the engine's plugin selection, then (unless the
+        switch is off) the configuration and the engine's own checks
+        (:meth:`check`), then the installed engine's version. Every refusal is
+        listed, in that order. Imports no engine; a command or start-up step,
+        not thread-safe.
+
+        Args:
+            environ: The environment (default ``os.environ``).
+            registry: Returns the registry the configuration is checked in (default
+                :func:`~wspool.get_registry`); may raise :class:`ConfigError`.
+        """
+        env = os.environ if environ is None else environ
+        info, name = self.info, self.info.name
+        refusals: list[Refusal] = []
+        on = False
+        try:
+            on = parse_switch(info.switch_var, env)
+        except ConfigError as exc:
+            reason = f"{info.switch_var} = {quote(env.get(info.switch_var))} is not understood"
+            refusals.append(Refusal("switch", reason, str(exc), str(exc)))
+        else:
+            if not on:
+                refusals.append(Refusal("switch", f"{info.switch_var}={env.get(info.switch_var)} turns it off"))
+        excluded = info.selection(env)
+        if excluded:
+            allowlist = info.allowlist_var is not None and info.allowlist_var in excluded
+            fix = f"{excluded}: {name} will not load wspool's plugin; add wspool to {info.allowlist_var} or unset it"
+            refusals.append(Refusal("selection", excluded, fix if allowlist else None))
+        version = info.installed_version()
+        described = ""
+        if on:
+            try:
+                if registry is None:
+                    from wspool.registry import get_registry
+
+                    registry = get_registry
+                described = self.check(registry(), env)
+            except ConfigError as exc:
+                stays = f"{name}: its plugin patches nothing, {name}'s own workspaces stay in use"
+                refusals.append(Refusal("config", "wspool's configuration is refused", f"{stays}: {exc}", str(exc)))
+        if version is None:
+            refusals.append(Refusal("version", f"{name} is not installed"))
+        elif not info.supports(version):
+            refusals.append(
+                Refusal(
+                    "version",
+                    f"{name} {version} is not a version wspool supports ({info.supported})",
+                    f"{name} {version} is installed, but wspool supports {info.supported}: its plugin patches "
+                    f"nothing; install a supported {name}, or set {info.switch_var}=0",
+                )
+            )
+        return Preflight(version, tuple(refusals), described)
+
     def load(self, reporter: Reporter | None = None) -> bool:
-        """Apply wspool to the engine (its plugin entry point), idempotently; never raises. Return whether active."""
+        """Apply wspool to the engine (its plugin entry point), idempotently; never raises. Return whether active.
+
+        Patches nothing where :meth:`preflight` refuses, saying its first refusal in one line.
+        """
         name = self.info.name
         if self.patches:
             self.logger.debug("wspool: the %s integration is already loaded", name)
             return True
         try:
-            if not parse_switch(self.info.switch_var):
-                self.logger.info("wspool: %s=0: %s's own workspaces stay in use", self.info.switch_var, name)
-                return False
-            described = self.prepare()
-            version = self.info.installed_version()
-            if version is None or not self.info.supports(version):
-                found = "is not installed" if version is None else f"{version} is not supported"
-                self.logger.warning(
-                    "wspool: %s %s (wspool supports %s); nothing patched, %s's own workspaces stay in use",
-                    name, found, self.info.supported, name,
-                )  # fmt: skip
+            verdict = self.preflight()
+            if not verdict.cleared:
+                self._say_refused(verdict)
                 return False
             plan = self.patches.plan(self.groups())
-            return self._apply(plan, f"{name} {version}", described, reporter)
-        except ConfigError as exc:
-            self.logger.error("wspool: %s: nothing patched, %s's own workspaces stay in use: %s", name, name, exc)
+            return self._apply(plan, f"{name} {verdict.version}", verdict.described, reporter)
         except PartialUndoError as exc:
             self.logger.error("wspool: the %s integration failed to load: %s", name, exc, exc_info=exc.__cause__)
         except Exception:  # never break the engine's start-up: nothing stays patched
@@ -182,6 +311,22 @@ class Integration:
                 name, name,
             )  # fmt: skip
         return False
+
+    def _say_refused(self, verdict: Preflight) -> None:
+        """Log the first refusal in one line: at info for the user's own choice, else at warning or error."""
+        info, first = self.info, verdict.refusals[0]
+        stays = f"{info.name}'s own workspaces stay in use"
+        if first.cause:
+            self.logger.error("wspool: %s: nothing patched, %s: %s", info.name, stays, first.cause)
+        elif first.kind == "version":
+            found = "is not installed" if verdict.version is None else f"{verdict.version} is not supported"
+            self.logger.warning(
+                "wspool: %s %s (wspool supports %s); nothing patched, %s", info.name, found, info.supported, stays
+            )
+        elif first.kind == "switch":
+            self.logger.info("wspool: %s=%s: %s", info.switch_var, os.environ.get(info.switch_var), stays)
+        else:
+            self.logger.warning("wspool: %s: nothing patched, %s", first.reason, stays)
 
     def _apply(self, plan: PatchPlan, engine: str, described: str, reporter: Reporter | None) -> bool:
         if not plan.located:

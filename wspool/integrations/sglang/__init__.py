@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from wspool.integrations import SGLANG
@@ -35,7 +35,7 @@ from wspool.integrations.sglang.buffers import (
     configure,
     serve,
 )
-from wspool.registry import get_registry
+from wspool.registry import PoolRegistry
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
@@ -137,18 +137,17 @@ class SglangIntegration(Integration):
         """Return :data:`GROUPS`."""
         return GROUPS
 
-    def prepare(self) -> str:
-        """Check the device override, load the configuration and declare the pools (nothing is patched on error)."""
-        self._device = buffers.device_override()
-        registry = get_registry()
+    def check(self, registry: PoolRegistry, environ: Mapping[str, str]) -> str:
+        """Check :data:`DEVICE_ENV_VAR`, declare the pools and check those SGLang zeroes own their buffers."""
+        buffers.device_override(environ)
         buffers.SglangPools.of(registry)
-        return f"{describe_config()}; profile {registry.settings.profile}"
+        return f"{describe_config(environ)}; profile {registry.settings.profile}"
 
     def activate(self) -> list[str]:
         """Point the replacements at SGLang's runtime context."""
         context = importlib.import_module("sglang.srt.runtime_context")
         buffers.configure(
-            device=self._device,
+            device=buffers.device_override(),
             deterministic=_read_deterministic(context.get_exec),
             parallel=context.get_parallel,
             spec=context.get_spec,

@@ -23,7 +23,6 @@ import functools
 import inspect
 import itertools
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch
 import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
 from wspool.handles import WorkspaceHandle
+from wspool.integrations.patching import device_variable
 from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang import wrappers as sglang_wrappers
 from wspool.units import format_size
@@ -455,18 +455,10 @@ def forget_globals() -> None:
     _said.clear()
 
 
-def device_override() -> torch.device | None:
-    """Return the device :data:`DEVICE_ENV_VAR` names, or ``None`` where it is unset.
+def device_override(environ: Mapping[str, str] | None = None) -> torch.device | None:
+    """Return the device :data:`DEVICE_ENV_VAR` names in ``environ`` (default ``os.environ``), or ``None`` if unset.
 
     Raises:
         ConfigError: It names no device.
     """
-    raw = os.environ.get(DEVICE_ENV_VAR, "").strip()
-    if not raw:
-        return None
-    try:
-        return torch.device(raw)
-    except (RuntimeError, TypeError):
-        raise ConfigError(
-            f"invalid environment variable {DEVICE_ENV_VAR} = {raw[:80]!r}: not a device (cpu, cuda, cuda:1...)"
-        ) from None
+    return device_variable(DEVICE_ENV_VAR, environ)

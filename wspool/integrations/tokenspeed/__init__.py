@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from wspool.integrations import TOKENSPEED
 from wspool.integrations.patching import Integration, Reporter, describe_config
 from wspool.integrations.tokenspeed import buffers
 from wspool.integrations.tokenspeed.buffers import TOKENSPEED_POOLS, WORKSPACES
-from wspool.registry import get_registry
+from wspool.registry import PoolRegistry
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
@@ -112,11 +112,10 @@ class TokenspeedIntegration(Integration):
         """Return :data:`GROUPS`."""
         return GROUPS
 
-    def prepare(self) -> str:
-        """Load the configuration and declare and check the pools (nothing is patched on error)."""
-        registry = get_registry()
+    def check(self, registry: PoolRegistry, environ: Mapping[str, str]) -> str:
+        """Declare the pools and check those TokenSpeed zeroes, and FlashMLA's, own their buffers."""
         buffers.TokenspeedPools.of(registry)
-        return f"{describe_config()}; profile {registry.settings.profile}"
+        return f"{describe_config(environ)}; profile {registry.settings.profile}"
 
     def deactivate(self) -> None:
         """Forget what was said once."""

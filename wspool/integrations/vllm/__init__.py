@@ -23,14 +23,14 @@ current CUDA device at each call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from wspool.devices import DeviceLike
 from wspool.integrations import VLLM
-from wspool.integrations.patching import Integration, describe_config
+from wspool.integrations.patching import Integration, describe_config, device_variable
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm import internals, wrappers
 from wspool.integrations.vllm.getters import DEVICE_ENV_VAR
@@ -320,11 +320,11 @@ class VllmIntegration(Integration):
         """Return :data:`GROUPS`."""
         return GROUPS
 
-    def prepare(self) -> str:
-        """Load the configuration and declare the plugin's pools (a broken configuration patches nothing)."""
-        registry = get_registry()
+    def check(self, registry: PoolRegistry, environ: Mapping[str, str]) -> str:
+        """Check :data:`DEVICE_ENV_VAR`, declare the plugin's pools and check those that own their buffers."""
+        device_variable(DEVICE_ENV_VAR, environ)
         ws.VllmPools.of(registry)
-        return f"{describe_config()}; profile {registry.settings.profile}"
+        return f"{describe_config(environ)}; profile {registry.settings.profile}"
 
     def activate(self) -> list[str]:
         """Point the replacements at vLLM's configuration, lanes and batch-invariant flag; return what is missing."""
