@@ -490,13 +490,16 @@ def plan_reservation(
     devices: Iterable[DeviceLike] = (None,),
     lanes: Iterable[str] = (DEFAULT_LANE,),
     facts: Mapping[str, int] | None = None,
+    rules: Mapping[str, Iterable[str]] | None = None,
 ) -> Reservation:
     """Bound every rule of ``pools`` (``None``: all) on each of ``devices`` and ``lanes``; allocates nothing.
 
     Pool instances are created (without buffers) to read each device's profile
-    and facts; ``facts`` fix further facts over those defaults. A rule that
-    cannot be bounded is a row with its ``refusal``.
+    and facts; ``facts`` fix further facts over those defaults. ``rules`` names,
+    for a pool in it, the only rules to bound (those an engine's calls use). A
+    rule that cannot be bounded is a row with its ``refusal``.
     """
+    chosen = {pool: set(names) for pool, names in (rules or {}).items()}
     checked = to_limits(limits)
     rows: list[PlannedRule] = []
     buffers: dict[tuple[str, str, str], int] = {}
@@ -508,7 +511,7 @@ def plan_reservation(
                 spec = instance.spec
                 key = (spec.name, str(instance.device), lane)
                 for rule, compiled in spec.rules.items():
-                    if spec.rule_pools.get(rule, spec.name) != name:
+                    if spec.rule_pools.get(rule, spec.name) != name or rule not in chosen.get(name, (rule,)):
                         continue
                     try:
                         defaults = {**instance.default_facts(rule), **(facts or {})}

@@ -428,6 +428,7 @@ class PoolRegistry:
         pools: Iterable[str] | None = None,
         devices: Iterable[DeviceLike] = (None,),
         lanes: Iterable[str] | None = None,
+        rules: Mapping[str, Iterable[str]] | None = None,
         strict: bool = True,
     ) -> Reservation:
         """Grow each buffer of ``pools`` (``None``: every pool) to its rules' bound over ``limits``; return the plan.
@@ -435,7 +436,8 @@ class PoolRegistry:
         ``limits`` maps a fact to its largest value, a ``range`` or a set of values
         (:mod:`wspool.bounds`); other facts are fixed at their defaults. Each rule is
         bounded on each of ``devices`` and ``lanes`` (default: the current lane); a
-        shared buffer is reserved at the largest of its rules. :meth:`freeze` after
+        shared buffer is reserved at the largest of its rules. ``rules`` limits a
+        pool to the rules named there (those the engine's calls use). :meth:`freeze` after
         it: no call within the limits grows, and a call beyond them is refused
         with the error naming the fact, its limit and where to raise it.
 
@@ -443,7 +445,9 @@ class PoolRegistry:
             RuleError: With ``strict``, a rule cannot be bounded (named); nothing is allocated.
             WorkspaceLimitError: A buffer cannot be allocated.
         """
-        plan = plan_reservation(self, limits, pools=pools, devices=devices, lanes=lanes or (current_lane(),))
+        plan = plan_reservation(
+            self, limits, pools=pools, devices=devices, lanes=lanes or (current_lane(),), rules=rules
+        )
         if strict and plan.refusals:
             raise RuleError(str(plan.refusals[0].refusal), path=("pools", plan.refusals[0].pool))
         apply_reservation(self, plan)

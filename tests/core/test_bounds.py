@@ -310,3 +310,13 @@ class ReservedRegistry(RuleBasedStateMachine):
 
 TestReservedRegistry = ReservedRegistry.TestCase
 TestReservedRegistry.settings = settings(max_examples=50, stateful_step_count=20, deadline=None)
+
+
+def test_reserve_for_rules_bounds_only_the_named_rules() -> None:
+    """rules= limits a pool to the rules its engine calls: the others neither size nor refuse the reservation."""
+    registry = make_registry(POOLS)
+    plan = registry.reserve_for(
+        LIMITS, pools=["mla", "other"], devices=["cpu"], rules={"mla": ["default"], "other": []}
+    )
+    assert [(row.pool, row.rule) for row in plan.rows] == [("mla", "default")]
+    assert dict(plan.buffers) == {("mla", "cpu", "main"): 2**20}

@@ -23,20 +23,25 @@ current CUDA device at each call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from wspool.bounds import Reservation
 from wspool.devices import DeviceLike
+from wspool.errors import WspoolError
 from wspool.integrations import VLLM
 from wspool.integrations.patching import Integration, describe_config, device_variable
+from wspool.integrations.reserving import RESERVE_ENV_VAR, reserve_for_engine, write_snapshot
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm import internals, wrappers
+from wspool.integrations.vllm.facts import limits_from_config
 from wspool.integrations.vllm.getters import DEVICE_ENV_VAR
 from wspool.registry import PoolRegistry, get_registry
 from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
 from wspool.targets import Target, TargetGroup
+from wspool.units import parse_size
 
 __all__ = [
     "DEVICE_ENV_VAR",
@@ -51,6 +56,9 @@ __all__ = [
     "get_workspace_buffer",
     "patched",
     "register",
+    "reservation_lanes",
+    "reservation_rules",
+    "reserve_before_kv_cache",
     "unregister",
 ]
 
@@ -69,6 +77,7 @@ _DSV41 = "vllm.models.deepseek_v41.nvidia.flashinfer_sparse"
 _DSV41_SPARSE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.sparse_mla"
 _DASH = "vllm.v1.attention.ops.dash_attention"
 _MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_GPU_WORKER = "vllm.v1.worker.gpu_worker"
 _FOLLOWS_LANE = "also sets wspool's lane"
 
 
@@ -90,6 +99,7 @@ def _locking(original: Callable[..., Any], frozen: bool) -> Callable[..., Any]:
         registry = get_registry()
         if frozen:
             registry.freeze()
+            write_snapshot("captured", registry)
         else:
             registry.unfreeze()
 
@@ -97,6 +107,89 @@ def _locking(original: Callable[..., Any], frozen: bool) -> Callable[..., Any]:
     wrapper.__qualname__ = getattr(original, "__qualname__", original.__name__)
     wrapper.__doc__ = original.__doc__
     return wrapper
+
+
+#: vLLM's own sizes of the buffers a reservation covers, by (pool, rule): the log line compares them.
+_VLLM_CONSTANTS: dict[tuple[str, str], int] = {
+    (ws.POOL_MLA, "default"): VLLM_FIXED_MLA_WORKSPACE_BYTES["default"],
+    (ws.POOL_MLA, "lse"): VLLM_FIXED_MLA_WORKSPACE_BYTES["lse"],
+    **{
+        (pool, rule): parse_size(size)
+        for pool in (ws.POOL_PAGED, ws.POOL_SPARSE)
+        for rule, size in ws.VLLM_POOLS[pool].items()
+    },
+}
+
+
+def reservation_rules(config: Any, backends: Iterable[str], batch_invariant: bool = False) -> dict[str, list[str]]:
+    """Return the pools and rules the attention ``backends`` (vLLM's names) call under ``config``.
+
+    FlashInfer MLA calls rule ``lse`` where DCP spans several ranks (its decode returns
+    the LSE), else ``default``; FlashInfer's paged backend calls ``vllm`` (batch-invariant:
+    ``vllm_batch_invariant``); sparse FlashInfer MLA calls ``default``.
+    """
+    cp_world = getattr(getattr(config, "parallel_config", None), "decode_context_parallel_size", 1) or 1
+    found = set(backends)
+    rules: dict[str, list[str]] = {}
+    if "FLASHINFER_MLA" in found:
+        rules[ws.POOL_MLA] = ["lse" if cp_world > 1 else "default"]
+    if "FLASHINFER" in found:
+        rules[ws.POOL_PAGED] = ["vllm_batch_invariant" if batch_invariant else "vllm"]
+    if "FLASHINFER_MLA_SPARSE" in found:
+        rules[ws.POOL_SPARSE] = ["default"]
+    return rules
+
+
+def reservation_lanes(config: Any) -> list[str]:
+    """Return the wspool lanes ``config``'s micro-batches and draft workspace lane use (:mod:`.getters` names them)."""
+    parallel = getattr(config, "parallel_config", None)
+    ubatches = getattr(parallel, "num_ubatches", 1) if getattr(parallel, "use_ubatching", False) else 1
+    speculative = getattr(config, "speculative_config", None)
+    use_dspark = getattr(speculative, "use_dspark", None)
+    workspace_lanes = 2 if callable(use_dspark) and use_dspark() else 1
+    names = []
+    for ubatch in range(max(1, int(ubatches))):
+        for lane in range(workspace_lanes):
+            names.append(ws.current_lane() if (ubatch, lane) == (0, 0) else f"vllm-u{ubatch}-l{lane}")
+    return names
+
+
+def reserve_before_kv_cache(worker: Any) -> Reservation | None:
+    """Reserve the pools the worker's attention backends call, at their bounds over its configuration's limits.
+
+    Called by ``Worker.determine_available_memory`` before vLLM measures memory
+    for the KV cache, so the cache is sized with wspool's buffers counted. Never
+    raises (:func:`wspool.integrations.reserving.reserve_for_engine`).
+    """
+    config = getattr(worker, "vllm_config", None)
+    registry = get_registry()
+    try:
+        ws.VllmPools.of(registry)
+    except WspoolError as exc:
+        logger.warning("wspool: vLLM's pools not reserved: %s", exc)
+        return None
+    rules = reservation_rules(config, internals.attention_backends(config) or (), ws.batch_invariant_mode())
+    device = ws.served_device() or getattr(worker, "device", None) or "cuda"
+    return reserve_for_engine(
+        "vLLM",
+        limits_from_config(config),
+        rules,
+        device=device,
+        lanes=reservation_lanes(config),
+        engine_bytes=sum(_VLLM_CONSTANTS.get((pool, rule), 0) for pool, names in rules.items() for rule in names),
+        registry=registry,
+    )
+
+
+def _reserving(original: Callable[..., Any]) -> Callable[..., Any]:
+    def determine_available_memory(self: Any) -> Any:
+        reserve_before_kv_cache(self)
+        return original(self)
+
+    determine_available_memory.__name__ = original.__name__
+    determine_available_memory.__qualname__ = getattr(original, "__qualname__", original.__name__)
+    determine_available_memory.__doc__ = original.__doc__
+    return determine_available_memory
 
 
 def _replace_with(replacement: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -274,6 +367,18 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _replace_with(ws.get_dash_workspace),
                 "pool flashinfer_dash",
                 optional=True,
+            ),
+        ),
+    ),
+    TargetGroup(
+        "the reservation before KV-cache sizing",
+        (
+            Target(
+                _GPU_WORKER,
+                "Worker.determine_available_memory",
+                ("self",),
+                _reserving,  # before the lanes: importing the worker imports the model runner's copy
+                f"first reserves wspool's pools for the configuration's limits ({RESERVE_ENV_VAR}=0: off)",
             ),
         ),
     ),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from wspool.bounds import FactLimit
 from wspool.units import ceil_div, positive_int
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "facts_from_config",
     "folded_kernel_shape",
     "kernel_facts",
+    "limits_from_config",
     "set_call_facts",
     "widest_facts",
 ]
@@ -99,6 +101,59 @@ def facts_from_config(config: Any) -> dict[str, int]:
     if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
         facts["q_len"] = 1 + tokens
     return {name: value for name, value in facts.items() if value is not None}
+
+
+def _draft_heads(config: Any) -> int | None:
+    speculative = getattr(config, "speculative_config", None)
+    draft = getattr(speculative, "draft_model_config", None)
+    parallel = getattr(speculative, "draft_parallel_config", None) or getattr(config, "parallel_config", None)
+    get_heads = getattr(draft, "get_num_attention_heads", None)
+    if get_heads is None or parallel is None:
+        return None
+    try:
+        return positive_int(get_heads(parallel))
+    except Exception:  # a draft without an HF config behind it: the target's heads bound it
+        return None
+
+
+def limits_from_config(config: Any) -> dict[str, FactLimit]:
+    """Return the limits a ``VllmConfig`` puts on the facts its kernel calls pass (for the reservation).
+
+    ``batch_size`` goes up to either layout's most rows (:func:`widest_facts`),
+    ``q_len`` to one plus the speculative tokens, ``num_heads`` to the heads per
+    rank (the draft model's too), ``q_heads`` to those heads times the DCP world;
+    the DCP world, the batched tokens, the KV element size and ``kv_lora_rank``
+    are fixed. A fact the configuration does not give has no limit.
+    """
+    facts = facts_from_config(config)
+    widest = widest_facts(facts)
+    limits: dict[str, FactLimit] = {}
+
+    def up_to(name: str, high: int | None, source: str) -> None:
+        if high is not None and high >= 1:
+            limits[name] = FactLimit(1, high, None, source)
+
+    def fixed(name: str, value: int | None, source: str) -> None:
+        if value is not None:
+            limits[name] = FactLimit(value, value, (value,), source)
+
+    up_to(
+        "batch_size",
+        widest.get("batch_size"),
+        "vLLM's max_num_seqs / max_num_batched_tokens (--max-num-seqs, --max-num-batched-tokens)",
+    )
+    up_to("q_len", facts.get("q_len", 1), "vLLM's num_speculative_tokens + 1 (--speculative-config)")
+    heads = max((h for h in (facts.get("num_heads"), _draft_heads(config)) if h is not None), default=None)
+    cp_world = facts.get("cp_world", 1)
+    up_to("num_heads", heads, "vLLM's attention heads per rank (the model, --tensor-parallel-size)")
+    up_to("q_heads", None if heads is None else heads * cp_world, "heads per rank x --decode-context-parallel-size")
+    fixed("cp_world", cp_world, "vLLM's --decode-context-parallel-size")
+    fixed("batch_tokens", facts.get("batch_tokens"), "vLLM's --max-num-batched-tokens")
+    fixed("kv_dtype_size", facts.get("kv_dtype_size"), "vLLM's --kv-cache-dtype")
+    model = getattr(config, "model_config", None)
+    rank = positive_int(getattr(getattr(model, "hf_text_config", None), "kv_lora_rank", None))
+    fixed("kv_lora_rank", rank, "the model's kv_lora_rank")
+    return limits
 
 
 @dataclass(frozen=True)

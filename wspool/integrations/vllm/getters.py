@@ -56,6 +56,7 @@ __all__ = [
     "POOL_SPARSE",
     "VLLM_POOLS",
     "VllmPools",
+    "batch_invariant_mode",
     "configure",
     "current_lane",
     "get_dash_workspace",
@@ -66,6 +67,7 @@ __all__ = [
     "get_paged_workspace_buffer",
     "get_sparse_workspace_buffer",
     "mla_reads_call_facts",
+    "served_device",
     "wrap_folded_decode",
     "wrap_forward_mqa",
     "wrap_use_workspace_lane",
@@ -136,6 +138,16 @@ def _env_batch_invariant() -> bool:
 
 
 _hooks = _Hooks()
+
+
+def served_device() -> str | None:
+    """Return the device every getter serves on where one is set (:data:`DEVICE_ENV_VAR`), else ``None``."""
+    return _hooks.device
+
+
+def batch_invariant_mode() -> bool:
+    """Return whether vLLM runs in batch-invariant mode (the paged pool's rule ``vllm_batch_invariant``)."""
+    return bool(_hooks.batch_invariant())
 
 
 class VllmPools:

@@ -14,13 +14,22 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
-__all__ = ["ACCESSORS", "READ_FROM", "VllmLanes", "builder_workspace", "lanes", "set_builder_workspace"]
+__all__ = [
+    "ACCESSORS",
+    "READ_FROM",
+    "VllmLanes",
+    "attention_backends",
+    "builder_workspace",
+    "lanes",
+    "set_builder_workspace",
+]
 
 #: The vLLM versions every name below was read from.
 READ_FROM = "vLLM 0.33.0 and 0.34.0"
 
 _WORKSPACE = "vllm.v1.worker.workspace"
 _UBATCHING = "vllm.v1.worker.ubatching"
+_LAYER_BASE = "vllm.model_executor.layers.attention_layer_base"
 
 
 def _module_attr(module: str, name: str) -> Any:
@@ -59,6 +68,25 @@ def lanes() -> VllmLanes | None:
     return VllmLanes(contexts, lane_var.get, ubatch_id)
 
 
+def attention_backends(config: Any) -> set[str] | None:
+    """Return the names of the attention backends the loaded model's layers use (``"FLASHINFER_MLA"``...).
+
+    Reads ``vllm.config.get_layers_from_vllm_config`` over ``AttentionLayerBase``
+    and each layer's ``get_attn_backend().get_name()`` (vLLM 0.33.0 and 0.34.0);
+    ``None`` where those are absent or the model is not loaded yet.
+    """
+    get_layers = _module_attr("vllm.config", "get_layers_from_vllm_config")
+    base = _module_attr(_LAYER_BASE, "AttentionLayerBase")
+    if not callable(get_layers) or not isinstance(base, type):
+        return None
+    try:
+        layers = get_layers(config, base)
+        names = {layer.get_attn_backend().get_name() for layer in layers.values()}
+    except Exception:  # a layer without a backend yet, or a configuration without a forward context
+        return None
+    return {name for name in names if isinstance(name, str)} or None
+
+
 def builder_workspace(builder: Any) -> Any:
     """Return ``FlashInferMetadataBuilder._workspace_buffer``, ``None`` before the first call (vLLM 0.33/0.34)."""
     return getattr(builder, "_workspace_buffer", None)
@@ -74,4 +102,6 @@ ACCESSORS: dict[str, tuple[str, str]] = {
     "lanes": (_WORKSPACE, "_workspace_lane"),
     "lanes (micro-batches)": (_UBATCHING, "_THREAD_ID_TO_CONTEXT"),
     "builder_workspace": ("vllm.v1.attention.backends.flashinfer", "FlashInferMetadataBuilder"),
+    "attention_backends": ("vllm.config", "get_layers_from_vllm_config"),
+    "attention_backends (layers)": (_LAYER_BASE, "AttentionLayerBase"),
 }
