@@ -1,11 +1,14 @@
-"""Tests for wspool.freeze: torch's private stream functions the capture probe calls, read through one accessor."""
+"""Tests for wspool.freeze: the freeze and its epoch, counted blocks, the growth allowance, and the capture probe."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from wspool.freeze import TORCH_NAMES_READ_FROM, cuda_capture_probe, cuda_stream_functions
+from wspool import freeze
+from wspool.freeze import TORCH_NAMES_READ_FROM, FreezeState, cuda_capture_probe, cuda_stream_functions
 
 
 @pytest.mark.skipif(torch.version.cuda is None, reason="a CPU build of torch has no CUDA stream functions")
@@ -25,3 +28,108 @@ def test_a_cpu_build_gets_torchs_public_probe() -> None:
     if cuda_stream_functions() != (None, None):
         pytest.skip("this torch has the C functions (a CUDA build)")
     assert cuda_capture_probe(torch.device("cuda", 0)) is torch.cuda.is_current_stream_capturing
+
+
+def test_the_freeze_epoch_moves_once_per_freeze_not_per_call() -> None:
+    """Freezing an unfrozen state moves the epoch by one; freezing again, or opening a block inside, does not."""
+    state = FreezeState()
+    assert (state.epoch, state.frozen, state.refuses_growth()) == (0, False, False)
+    state.frozen = True
+    state.frozen = True
+    token = state.enter()
+    assert (state.epoch, state.frozen, state.refuses_growth()) == (1, True, True)
+    state.leave(token)
+    state.frozen = False
+    assert (state.epoch, state.frozen) == (1, False)
+    token = state.enter()
+    assert (state.epoch, state.frozen) == (2, True)
+    state.leave(token)
+    assert (state.epoch, state.frozen, state.refuses_growth()) == (2, False, False)
+
+
+def test_blocks_are_counted_and_clear_ends_them_all() -> None:
+    """Two open blocks keep the freeze until both leave; clear() unfreezes, and a block's late leave changes nothing."""
+    state = FreezeState()
+    first, second = state.enter(), state.enter()
+    state.leave(first)
+    assert state.frozen
+    state.leave(second)
+    assert not state.frozen
+    stale = state.enter()
+    state.frozen = True
+    state.clear()
+    assert not state.frozen and not state.refuses_growth()
+    fresh = state.enter()
+    state.leave(stale)  # opened before clear(): must not close the block opened after it
+    assert state.frozen
+    state.leave(fresh)
+    assert not state.frozen
+
+
+def test_the_growth_allowance_holds_inside_its_block_in_its_own_thread_only() -> None:
+    """Inside allowing_growth() a frozen state lets the calling thread grow; another thread, or after it, may not."""
+    state = FreezeState()
+    state.frozen = True
+    seen: list[bool] = []
+    with state.allowing_growth():
+        assert not state.refuses_growth() and state.frozen
+        other = threading.Thread(target=lambda: seen.append(state.refuses_growth()))
+        other.start()
+        other.join()
+        with state.allowing_growth():
+            pass
+        assert not state.refuses_growth()  # a nested block's end leaves the outer one's allowance
+    assert seen == [True] and state.refuses_growth()
+
+
+def _fake_stream_functions(streams: dict[int, int], capturing: list[bool]) -> tuple[object, object]:
+    def raw_stream(index: int) -> int:
+        return streams.get(index, 0)
+
+    def is_capturing() -> bool:
+        return capturing[0]
+
+    return raw_stream, is_capturing
+
+
+@pytest.mark.parametrize(("device", "index"), [(torch.device("cuda", 2), 2), (torch.device("cuda"), 0)])
+def test_the_capture_probe_asks_the_devices_stream_and_never_the_legacy_default_stream(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device, index: int
+) -> None:
+    """The probe says capturing only where the device's current stream is not the legacy default one (0)."""
+    streams: dict[int, int] = {}
+    capturing = [False]
+    raw_stream, is_capturing = _fake_stream_functions(streams, capturing)
+    monkeypatch.setattr(freeze, "cuda_stream_functions", lambda: (raw_stream, is_capturing))
+    probe = cuda_capture_probe(device)
+    assert getattr(probe, "cuda_parts", None) == (raw_stream, index, is_capturing)
+    assert probe() is False
+    capturing[0] = True
+    assert not probe()  # the legacy default stream never captures
+    streams[index] = 7
+    assert probe() is True
+    capturing[0] = False
+    assert probe() is False
+    streams[index + 1] = 9
+    assert cuda_capture_probe(torch.device("cuda", index + 1))() is False
+
+
+def test_the_capture_probe_falls_back_to_what_torch_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the raw-stream function the probe is the capture check itself; without either, torch's public one."""
+    capturing = [True]
+    _, is_capturing = _fake_stream_functions({}, capturing)
+    monkeypatch.setattr(freeze, "cuda_stream_functions", lambda: (None, is_capturing))
+    assert cuda_capture_probe(torch.device("cuda", 1)) is is_capturing
+    monkeypatch.setattr(freeze, "cuda_stream_functions", lambda: (None, None))
+    assert cuda_capture_probe(torch.device("cuda", 1)) is torch.cuda.is_current_stream_capturing
+
+
+def test_the_stream_functions_are_taken_only_where_torch_has_the_c_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built-in functions are returned as they are; a Python placeholder or a missing name gives None."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", abs, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", callable, raising=False)
+    assert cuda_stream_functions() == (abs, callable)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
+    assert cuda_stream_functions() == (None, callable)
+    monkeypatch.delattr(torch._C, "_cuda_isCurrentStreamCapturing")
+    assert cuda_stream_functions() == (None, None)

@@ -132,3 +132,135 @@ def test_the_steady_tuple_holds_the_buffer_only_while_the_epoch_stands() -> None
     reading.sized(facts)
     reading.sized(facts)
     assert reading.steady[1] is None  # a rule that reads the call's facts has no fact-free steady state
+
+
+def test_steady_state_calls_of_get_fetch_and_sized_each_count_as_a_request() -> None:
+    """Every call a handle serves counts once in requests_by_rule, through get(), fetch() and sized() alike."""
+    reg = make_registry({"p": {"rules": {"default": "1MiB", "rows": "rows * 1KiB"}}})
+    plain = reg.handle("p", device=CPU)
+    asked: list[int] = []
+
+    def facts_of() -> dict[str, object]:
+        asked.append(1)
+        return {}
+
+    for _ in range(3):
+        plain.get()
+        plain.fetch(facts_of)
+    reading = reg.handle("p", "rows", device=CPU, call_facts=("rows",))
+    facts = {"rows": 4}
+    for _ in range(4):
+        reading.sized(facts)
+    counts = reg.stats("p", CPU).requests_by_rule
+    assert (counts["default"], counts["rows"], asked) == (6, 4, [])
+    assert reg.stats("p", CPU).request_count == 10
+
+
+def test_fetch_asks_for_the_facts_only_where_the_rule_reads_them() -> None:
+    """fetch() sizes a fact-reading rule by what facts_of() returns, each call, and counts each call."""
+    reg = make_registry({"p": {"rules": {"rows": "rows * 1MiB"}}})
+    handle = reg.handle("p", "rows", device=CPU, call_facts=("rows",))
+    assert handle.fetch(lambda: {"rows": 1}).numel() == MiB
+    assert handle.fetch(lambda: {"rows": 3}).numel() == 3 * MiB
+    assert handle.fetch(lambda: {"rows": 2}).numel() == 3 * MiB
+    assert reg.stats("p", CPU).requests_by_rule["rows"] == 3
+
+
+def test_every_call_path_serves_the_grown_buffer_after_another_rule_grew_the_pool() -> None:
+    """After growth by another rule, get(), fetch() and sized() each return the pool's new buffer, never the old."""
+    reg = make_registry({"p": {"rules": {"small": "1MiB", "big": "2MiB", "rows": "rows * 1KiB"}}})
+    plain = reg.handle("p", "small", device=CPU)
+    reading = reg.handle("p", "rows", device=CPU, call_facts=("rows",))
+    facts = {"rows": 8}
+    for _ in range(2):
+        plain.get(), plain.fetch(dict), reading.sized(facts)
+    grown = reg.workspace("p", CPU, rule="big")
+    assert plain.fetch(dict) is grown and plain.get() is grown and reading.sized(facts) is grown
+    assert reg.stats("p", CPU).capacity_bytes == 2 * MiB
+
+
+def test_a_handle_serves_the_size_a_redeclared_pool_gives_after_a_reset() -> None:
+    """A handle whose pool was reset and declared again with a larger rule serves the new size on every path."""
+    reg = make_registry({})
+    reg.declare_pool("q", {"default": "1MiB"})
+    handle = reg.handle("q", device=CPU)
+    assert handle.get().numel() == MiB and handle.fetch(dict).numel() == MiB
+    reg.reset()
+    reg.declare_pool("q", {"default": "2MiB"})
+    assert handle.fetch(dict).numel() == 2 * MiB and handle.get().numel() == 2 * MiB
+    assert reg.stats("q", CPU).requests_by_rule["default"] == 2
+
+
+def test_a_handle_whose_rule_left_its_pool_is_refused_at_its_next_call() -> None:
+    """A rule no longer the pool's own after a reset and a new declaration raises the error naming the setting."""
+    reg = make_registry({})
+    reg.declare_pool("q", {"gone": "1MiB"})
+    handle = reg.handle("q", "gone", device=CPU)
+    handle.get()
+    reg.reset()
+    reg.declare_pool("q", {"default": "2MiB"})
+    with pytest.raises(RuleError, match=r"pools\.q\.rules"):
+        handle.get()
+
+
+class _StreamProbe:
+    """A capture probe with CUDA's parts (raw stream per device index, capture check), driven by the test."""
+
+    def __init__(self, index: int) -> None:
+        self.streams: dict[int, int] = {}
+        self.capturing = False
+        self.cuda_parts = (self.raw_stream, index, self.is_capturing)
+
+    def raw_stream(self, index: int) -> int:
+        return self.streams.get(index, 0)
+
+    def is_capturing(self) -> bool:
+        return self.capturing
+
+    def __call__(self) -> bool:
+        return self.raw_stream(self.cuda_parts[1]) != 0 and self.capturing
+
+
+@pytest.mark.parametrize("path", ["get", "fetch", "sized"])
+def test_a_steady_state_call_on_a_capturing_stream_retires_the_buffer(path: str) -> None:
+    """Through the probe's parts, a steady-state call on the device's capturing stream marks its buffer captured."""
+    probe = _StreamProbe(index=3)
+    spec = PoolSpec("p", {"small": "rows * 1KiB", "big": "2MiB"}, facts={"rows": 1024})
+    pool = WorkspacePool(spec, CPU, capture_probe=probe)
+    handle = WorkspaceHandle(lambda: pool, "small", call_facts=("rows",) if path == "sized" else ())
+    facts = {"rows": 1024}
+
+    def call() -> torch.Tensor:
+        return {"get": handle.get, "fetch": lambda: handle.fetch(dict), "sized": lambda: handle.sized(facts)}[path]()
+
+    call()
+    call()  # the steady state
+    probe.capturing = True
+    call()  # on the legacy default stream: no capture
+    probe.streams[2] = 5  # another device's stream
+    call()
+    assert pool.stats().retired_bytes == 0
+    probe.capturing = False
+    pool.workspace("big", {})
+    assert pool.stats().retired_bytes == 0  # nothing captured the old buffer: dropped
+    call(), call()
+    probe.streams[3], probe.capturing = 9, True
+    call()
+    probe.capturing = False
+    pool.request(4 * MiB)
+    assert pool.stats().retired_bytes == 2 * MiB
+
+
+def test_the_steady_tuple_names_the_probes_stream_function_and_device_index() -> None:
+    """A handle on a pool whose probe has CUDA's parts publishes them in ``steady`` for call sites to check."""
+    probe = _StreamProbe(index=5)
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, capture_probe=probe)
+    handle = WorkspaceHandle(lambda: pool, "default")
+    handle.get()
+    buffer = handle.get()
+    assert handle.steady == (EPOCH[0], buffer, probe.raw_stream, 5)
+    plain = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, capture_probe=lambda: False)
+    other = WorkspaceHandle(lambda: plain, "default")
+    other.get()
+    other.get()
+    assert other.steady[1] is None  # a probe without parts: every call asks it, so no steady tuple

@@ -6,10 +6,13 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from wspool.errors import RuleError, WorkspaceFrozenError, WorkspaceLimitError
 from wspool.freeze import FreezeState
 from wspool.pool import PoolSpec, WorkspacePool
+from wspool.units import MAX_SIZE_BYTES
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -408,3 +411,99 @@ def test_a_request_reason_named_like_a_rule_counts_under_that_rule() -> None:
     assert dict(stats.requests_by_rule) == {"big": 3}
     assert stats.capacity_bytes == 3 * 1024 * 1024  # the rule's size, grown by the workspace() call
     assert pool.resolve("big", {}) == 3 * 1024 * 1024
+
+
+def _smallest_power_of_two_at_least(nbytes: int) -> int:
+    power = 1
+    while power < nbytes:
+        power *= 2
+    return power
+
+
+@given(
+    nbytes=st.one_of(st.integers(1, 1 << 40), st.integers(0, 40).map(lambda k: (1 << k) + 1)),
+    growth=st.sampled_from(["exact", "power_of_two", "4KiB", "3MiB"]),
+    cap_offset=st.one_of(st.none(), st.integers(-3, 5 * MiB)),
+)
+def test_capacity_for_holds_the_request_is_minimal_and_keeps_under_a_cap_it_fits(
+    nbytes: int, growth: str, cap_offset: int | None
+) -> None:
+    """capacity_for(n) is the smallest capacity of its policy that holds n, lowered to max_bytes where n fits it."""
+    cap = None if cap_offset is None else max(1, nbytes + cap_offset)
+    spec = PoolSpec("p", {"default": "1MiB"}, growth=growth, max_bytes=cap)
+    granularity = {"4KiB": 4096, "3MiB": 3 * MiB}.get(growth, 1)
+    if growth == "power_of_two":
+        rounded = _smallest_power_of_two_at_least(nbytes)
+    else:
+        rounded = (nbytes + granularity - 1) // granularity * granularity
+    expected = cap if cap is not None and rounded > cap >= nbytes else rounded
+    assert spec.capacity_for(nbytes) == expected
+    assert spec.capacity_for(nbytes) >= nbytes
+
+
+@pytest.mark.parametrize("k", [0, 1, 10, 20])
+def test_power_of_two_growth_gives_one_byte_past_a_power_the_next_power(k: int) -> None:
+    """A request of 2**k + 1 bytes gets a buffer of 2**(k+1) bytes under power_of_two growth, never 2**k."""
+    pool = _pool(growth="power_of_two")
+    buffer = pool.request((1 << k) + 1)
+    assert buffer.numel() == pool.capacity_bytes == 1 << (k + 1)
+
+
+@pytest.mark.parametrize("path", ["workspace", "request"])
+def test_a_buffer_served_during_a_capture_is_retired_not_freed_when_the_pool_grows(path: str) -> None:
+    """A request that fits, served while the probe says a graph captures, keeps that buffer alive past growth."""
+    capturing = [False]
+    spec = PoolSpec("p", {"default": "1MiB", "big": "2MiB"})
+    pool = WorkspacePool(spec, CPU, capture_probe=lambda: capturing[0])
+
+    def serve() -> torch.Tensor:
+        return pool.workspace("default", {}) if path == "workspace" else pool.request(MiB)
+
+    serve()
+    capturing[0] = True
+    captured = serve()
+    capturing[0] = False
+    pool.request(2 * MiB)
+    assert pool.stats().retired_bytes == MiB and captured.numel() == MiB
+    assert pool.release_retired() == MiB and pool.stats().retired_bytes == 0
+
+
+@pytest.mark.parametrize("path", ["workspace", "request"])
+def test_a_buffer_never_captured_nor_frozen_is_not_retired_on_growth(path: str) -> None:
+    """Without a capture or a freeze, growth drops the old buffer: nothing is retired, nothing to release."""
+    pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, capture_probe=lambda: False)
+    pool.workspace("default", {}) if path == "workspace" else pool.request(MiB)
+    pool.request(2 * MiB)
+    assert pool.stats().retired_bytes == 0 and pool.release_retired() == 0
+
+
+def test_the_peak_request_is_the_largest_served_even_when_it_fits() -> None:
+    """peak_request_bytes is the largest request served, whether it grew the buffer or fit one grown ahead."""
+    pool = _pool()
+    pool.ensure("big", {})  # grows without counting a request
+    assert pool.stats().peak_request_bytes == 0
+    pool.workspace("default", {})
+    assert pool.stats().peak_request_bytes == MiB
+    pool.request(2 * MiB)
+    assert pool.stats().peak_request_bytes == 2 * MiB
+    pool.workspace("expr", {"x": 2560})
+    assert pool.stats().peak_request_bytes == 2560 * 1024
+    pool.request(MiB)
+    pool.workspace("default", {})
+    stats = pool.stats()
+    assert (stats.peak_request_bytes, stats.capacity_bytes, stats.grow_count) == (2560 * 1024, 3 * MiB, 1)
+
+
+def test_a_request_of_exactly_a_limit_is_served() -> None:
+    """max_bytes and wspool's size limit are inclusive: a request of exactly either grows the buffer to it."""
+    capped = _pool(max_bytes=2 * MiB)
+    assert capped.request(2 * MiB).numel() == 2 * MiB
+    with pytest.raises(WorkspaceLimitError, match="above max_bytes"):
+        capped.request(2 * MiB + 1)
+    meta = WorkspacePool(
+        PoolSpec("p", {"default": "1MiB"}), CPU, allocator=lambda n, _: torch.empty(n, dtype=torch.uint8, device="meta")
+    )
+    assert meta.request(MAX_SIZE_BYTES).numel() == MAX_SIZE_BYTES
+    with pytest.raises(WorkspaceLimitError, match="above wspool's size limit"):
+        meta.request(MAX_SIZE_BYTES + 1)
+    assert meta.stats().refused_count == 1

@@ -117,3 +117,29 @@ def test_growth_is_charged_for_the_region_it_moves_to_not_the_one_it_leaves(monk
     regions.bind(b, device=cpu, nbytes=8000, kind="x", lane="other", group="g")
     with pytest.raises(WorkspaceLimitError, match=r"on cpu lane other would hold 58000 bytes, over max_bytes 57344"):
         regions.bind(a, device=cpu, nbytes=50000, kind="x", lane="other", group="g")  # b stays on the old one
+
+
+def test_pinned_copies_off_cuda_are_counted_byte_for_byte() -> None:
+    """Off CUDA a pinned copy is plain host memory of the region's size: pinned and chunk bytes count it exactly."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    cpu = torch.device("cpu")
+    a, b, c = _Wrapper(), _Wrapper(), _Wrapper()
+    first = regions.bind(a, device=cpu, nbytes=100, kind="x", lane="main", pinned=True)
+    second = regions.bind(b, device=cpu, nbytes=1000, kind="y", lane="main", pinned=True)
+    regions.bind(c, device=cpu, nbytes=50, kind="x", lane="main")
+    assert first.pinned is not None and first.pinned.numel() == first.region.nbytes == 112
+    assert second.pinned is not None and second.pinned.numel() == 1008
+    ((stats,),) = [regions.stats()]
+    assert (stats["pinned_bytes"], stats["pinned_chunk_bytes"]) == (1120, 1120)
+    assert (stats["wrappers"], stats["regions"], stats["region_bytes"]) == (3, 3, 1184)
+    assert stats["kinds"] == {"x": 2, "y": 1}
+
+
+def test_a_region_is_at_least_the_alignment_and_a_multiple_of_it() -> None:
+    """Each region is rounded up to 16 bytes, and a request of 0 or 1 byte still gets 16."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    cpu = torch.device("cpu")
+    keep = [_Wrapper() for _ in range(4)]
+    sizes = [regions.bind(w, device=cpu, nbytes=n, kind="x", lane="main").region.nbytes
+             for w, n in zip(keep, (0, 1, 16, 17), strict=True)]  # fmt: skip
+    assert sizes == [16, 16, 16, 32]

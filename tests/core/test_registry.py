@@ -336,3 +336,52 @@ def test_declare_pool_with_rules_that_are_not_a_mapping_says_what_they_must_be(r
         reg.declare_pool("p", rules)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown pool 'p'"):
         reg.spec("p")
+
+
+def test_a_declaration_reaches_profiles_first_used_after_it() -> None:
+    """A pool declared before any GPU was seen is declared, with its cap and growth, under each later profile."""
+    from tests.helpers.devices_fake import B200, H200, meta_allocator
+
+    kinds = {"cpu": H200, "meta": B200}
+    reg = wspool.PoolRegistry(describe_device=lambda device: kinds.get(device.type), allocator=meta_allocator)
+    reg.declare_pool("extra", {"default": "sm_count * 1KiB"}, growth="power_of_two", max_bytes="1MiB")
+    assert reg.resolve("extra", device="cpu") == 132 * 1024
+    assert reg.resolve("extra", device="meta") == 148 * 1024
+    for device in ("cpu", "meta"):
+        spec = reg.spec("extra", device)
+        assert (spec.growth, spec.max_bytes) == ("power_of_two", MiB)
+    assert reg.workspace("extra", "meta").numel() == 256 * 1024
+
+
+def test_allowing_growth_lets_only_its_block_grow_a_frozen_registry_and_retires_what_it_replaces() -> None:
+    """Inside allowing_growth() a frozen registry grows, retiring the buffer current at the freeze; outside it
+    refuses, and release_retired() frees the retired bytes of every pool."""
+    reg = wspool.PoolRegistry()
+    reg.declare_pool("a", {"small": "1MiB", "big": "2MiB"})
+    reg.declare_pool("b", {"small": "1MiB", "big": "3MiB"})
+    for pool in ("a", "b"):
+        reg.workspace(pool, "cpu", rule="small")
+    reg.freeze()
+    with reg.allowing_growth():
+        assert reg.is_frozen
+        assert reg.workspace("a", "cpu", rule="big").numel() == 2 * MiB
+    with pytest.raises(WorkspaceFrozenError, match=r"pools\.b\.rules\.big"):
+        reg.workspace("b", "cpu", rule="big")
+    reg.unfreeze()
+    assert not reg.is_frozen
+    reg.workspace("b", "cpu", rule="big")
+    assert [(s.pool, s.retired_bytes) for s in reg.all_stats()] == [("a", MiB), ("b", MiB)]
+    assert reg.release_retired() == 2 * MiB and reg.release_retired() == 0
+
+
+def test_reset_unfreezes_and_drops_pools_and_state() -> None:
+    """reset() ends a freeze and an open frozen() block, and forgets pools and state objects."""
+    reg = wspool.PoolRegistry()
+    reg.workspace("flashinfer_mla", device="cpu")
+    made = reg.state(dict)
+    reg.freeze()
+    with reg.frozen():
+        reg.reset()
+        assert not reg.is_frozen
+    assert reg.all_stats() == [] and reg.peek_state(dict) is None and reg.state(dict) is not made
+    assert reg.workspace("flashinfer_mla", device="cpu", rule="lse").numel() == 256 * MiB
