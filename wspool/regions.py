@@ -101,10 +101,12 @@ def binding_of(wrapper: Any) -> WrapperBinding | None:
 def _remember(wrapper: Any, binding: WrapperBinding) -> None:
     key = id(wrapper)
 
-    def forget(ref: weakref.ref[Any]) -> None:
-        found = _BOUND.get(key)
+    # The table is bound here, not looked up as a global: a wrapper may die at interpreter exit
+    # after this module's globals were cleared, and its callback must still find the table.
+    def forget(ref: weakref.ref[Any], bound: dict[int, tuple[weakref.ref[Any], WrapperBinding]] = _BOUND) -> None:
+        found = bound.get(key)
         if found is not None and found[0] is ref:  # not a later wrapper's entry under a reused id
-            _BOUND.pop(key, None)
+            bound.pop(key, None)
 
     _BOUND[key] = (weakref.ref(wrapper, forget), binding)
 

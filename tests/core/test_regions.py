@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import wspool
+from tests.helpers.paths import REPO_ROOT
 from wspool.errors import WorkspaceLimitError
 from wspool.flashinfer import wrapper_buffers
 from wspool.regions import binding_of, wrapper_regions
@@ -143,3 +148,38 @@ def test_a_region_is_at_least_the_alignment_and_a_multiple_of_it() -> None:
     sizes = [regions.bind(w, device=cpu, nbytes=n, kind="x", lane="main").region.nbytes
              for w, n in zip(keep, (0, 1, 16, 17), strict=True)]  # fmt: skip
     assert sizes == [16, 16, 16, 32]
+
+
+_EXIT_SCRIPT = """
+import holder
+import threading
+import torch
+import wspool
+import wspool.regions
+from wspool.regions import wrapper_regions
+
+class Wrapper:
+    pass
+
+wrapper = Wrapper()
+wrapper_regions(wspool.PoolRegistry()).bind(wrapper, device=torch.device("cpu"), nbytes=64, kind="x", lane="main")
+holder.held.append(wrapper)  # a module imported before wspool's keeps the wrapper: its globals are cleared last
+del wrapper
+
+def park(held, event=threading.Event()):
+    event.wait()
+
+# A thread still running at exit holds both modules and the table, so both outlive the final collection.
+threading.Thread(target=park, args=((holder, wspool.regions, wspool.regions.__dict__["_BOUND"]),), daemon=True).start()
+"""
+
+
+def test_a_wrapper_that_dies_at_interpreter_exit_prints_nothing(tmp_path: Path) -> None:
+    """A wrapper freed after wspool.regions' globals were cleared at exit forgets its binding without an error."""
+    (tmp_path / "holder.py").write_text("held = []\n")
+    (tmp_path / "main.py").write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "main.py")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert (out.returncode, out.stderr) == (0, "")
