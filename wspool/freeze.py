@@ -17,11 +17,25 @@ import torch
 __all__ = ["TORCH_NAMES_READ_FROM", "FreezeState", "cuda_capture_probe", "cuda_stream_functions"]
 
 
+class _Allowance:
+    """One :meth:`FreezeState.allowing_growth` block: open until the block ends, then closed for good.
+
+    A context copied inside the block (an asyncio task, ``contextvars.copy_context``)
+    carries this object, so it sees the block end instead of keeping a copied ``True``.
+    """
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = True
+
+
 class FreezeState:
     """Shared by a registry's pools: growth is refused while ``frozen`` (held, or inside counted blocks).
 
     ``epoch`` counts freezes, so a pool can tell whether its buffer may be in a
-    graph. A context inside :meth:`allowing_growth` may grow pools while frozen.
+    graph (:meth:`stamp`). A context inside :meth:`allowing_growth` may grow pools
+    while frozen, only while that block is open.
     """
 
     __slots__ = ("_allowed", "_blocks", "_held", "_lock", "_resets", "epoch")
@@ -31,21 +45,43 @@ class FreezeState:
         self._blocks = 0
         self._resets = 0
         self._lock = threading.Lock()
-        self._allowed: contextvars.ContextVar[bool] = contextvars.ContextVar("wspool_growth_allowed", default=False)
+        self._allowed: contextvars.ContextVar[_Allowance | None] = contextvars.ContextVar(
+            "wspool_growth_allowed", default=None
+        )
         self.epoch = 0
 
     def refuses_growth(self) -> bool:
-        """Whether growth is refused to the calling context now: frozen, and not inside :meth:`allowing_growth`."""
-        return (self._held or self._blocks > 0) and not self._allowed.get()
+        """Whether growth is refused to the calling context now: frozen, and outside an open :meth:`allowing_growth`."""
+        if not (self._held or self._blocks > 0):
+            return False
+        allowance = self._allowed.get()
+        return allowance is None or not allowance.open
 
     @contextlib.contextmanager
     def allowing_growth(self) -> Iterator[None]:
-        """Let the calling thread or task grow pools inside the block, even while frozen (never while capturing)."""
-        token = self._allowed.set(True)
+        """Let the calling thread or task grow pools inside the block, even while frozen (never while capturing).
+
+        A thread started inside has no allowance; a task or ``asyncio.to_thread`` call made
+        inside has it while the block is open, and none once it has ended (an exception too).
+        """
+        allowance = _Allowance()
+        token = self._allowed.set(allowance)
         try:
             yield
         finally:
+            allowance.open = False
             self._allowed.reset(token)
+
+    def stamp(self) -> int:
+        """Return the epoch a buffer installed now belongs to: ``-1`` while frozen, which no later epoch equals.
+
+        A pool retires, rather than frees, a replaced buffer whose stamp differs from
+        :attr:`epoch`: one current when a freeze began, or installed while frozen (under
+        :meth:`allowing_growth`). Freezing sets the flag before moving the epoch, so a
+        stamp taken meanwhile is either ``-1`` or an epoch the freeze moves past.
+        """
+        epoch = self.epoch
+        return -1 if self._held or self._blocks > 0 else epoch
 
     @property
     def frozen(self) -> bool:
@@ -55,16 +91,18 @@ class FreezeState:
     @frozen.setter
     def frozen(self, value: bool) -> None:
         with self._lock:
-            if value and not self.frozen:
-                self.epoch += 1
+            starts = bool(value) and not self.frozen
             self._held = bool(value)
+            if starts:
+                self.epoch += 1
 
     def enter(self) -> int:
         """Open a frozen block; returns the token that :meth:`leave` takes."""
         with self._lock:
-            if not self.frozen:
-                self.epoch += 1
+            starts = not self.frozen
             self._blocks += 1
+            if starts:
+                self.epoch += 1
             return self._resets
 
     def leave(self, token: int) -> None:

@@ -19,6 +19,7 @@ lanes holds a handle per lane.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from wspool.pool import WorkspacePool
 
-__all__ = ["EPOCH", "WorkspaceHandle", "bump_epoch"]
+__all__ = ["EPOCH", "HitCount", "WorkspaceHandle", "bump_epoch"]
 
 #: The process's workspace epoch, in a one-item list every handle reads per call: a call site may
 #: cache what it derived from handles while ``EPOCH[0]`` is unchanged. Read it; only
@@ -35,7 +36,24 @@ __all__ = ["EPOCH", "WorkspaceHandle", "bump_epoch"]
 EPOCH = [0]
 _EPOCH = EPOCH
 _epoch_lock = threading.Lock()
-_UNSTEADY: tuple[int, None, None, int] = (-1, None, None, 0)
+_UNSTEADY: tuple[int, None, None, int, None] = (-1, None, None, 0, None)
+
+
+class HitCount:
+    """The steady-state calls one handle made on one pool: a cell the pool owns and counts in its statistics.
+
+    A pool hands a handle a fresh cell each time the handle binds to it; the handle adds
+    one per steady-state call. A handle that dies or binds elsewhere leaves the cell, and
+    its count, with the pool that served those calls. Written without a lock by the
+    handle's call sites (a count may miss a call two threads make at the same instant).
+    """
+
+    __slots__ = ("count", "handle", "rule")
+
+    def __init__(self, rule: str, handle: WorkspaceHandle) -> None:
+        self.count = 0
+        self.rule = rule
+        self.handle = weakref.ref(handle)  # dead: no call can add to the count any more
 
 
 def bump_epoch() -> None:
@@ -62,8 +80,10 @@ def _view(pool: WorkspacePool, buffer: torch.Tensor, dtype: torch.dtype) -> torc
 class WorkspaceHandle:
     """One pool rule bound on one device and lane; create through :meth:`wspool.PoolRegistry.handle`.
 
-    Its steady-state calls count as requests of the rule in the pool's
-    statistics (a count may miss a call two threads make at the same instant).
+    Its steady-state calls count as requests of the rule in the statistics of
+    the pool that served them, in a :class:`HitCount` that pool owns: the counts
+    stay when the handle dies or binds elsewhere (a count may miss a call two
+    threads make at the same instant).
 
     Args:
         bind: Returns the pool instance that serves the rule now (the registry's).
@@ -83,6 +103,7 @@ class WorkspaceHandle:
         "_buffer",
         "_call_facts",
         "_capturing",
+        "_cell",
         "_dtype",
         "_last_facts",
         "_pool",
@@ -92,7 +113,6 @@ class WorkspaceHandle:
         "_stream_index",
         "_valid",
         "_valid_facts",
-        "hits",
         "reads_call_facts",
         "rule",
         "steady",
@@ -125,16 +145,15 @@ class WorkspaceHandle:
         self._stream_index = 0
         self._capturing: Callable[[], bool] = bool
         self._last_facts: object = None
-        #: Steady-state calls since the pool last took them into its statistics.
-        self.hits = 0
+        self._cell: HitCount | None = None  # the count, owned by the pool bound now, of this handle's calls there
         #: Whether the rule reads any fact the call site passes (decided at binding).
         self.reads_call_facts = False
-        #: ``(epoch, buffer, raw_stream, stream_index)``: the steady state of :meth:`get` for a call site
-        #: that writes it out. While ``epoch == EPOCH[0]`` and ``raw_stream`` is ``None`` or
+        #: ``(epoch, buffer, raw_stream, stream_index, hits)``: the steady state of :meth:`get` for a
+        #: call site that writes it out. While ``epoch == EPOCH[0]`` and ``raw_stream`` is ``None`` or
         #: ``raw_stream(stream_index) == 0`` (CUDA's legacy default stream, which cannot capture),
-        #: ``buffer`` is what :meth:`get` returns, and the call site adds one to :attr:`hits`;
-        #: otherwise it calls :meth:`get`.
-        self.steady: tuple[int, torch.Tensor | None, Callable[[int], int] | None, int] = _UNSTEADY
+        #: ``buffer`` is what :meth:`get` returns, and the call site adds one to ``hits.count`` (a
+        #: :class:`HitCount` of the pool serving it); otherwise it calls :meth:`get`.
+        self.steady: tuple[int, torch.Tensor | None, Callable[[int], int] | None, int, HitCount | None] = _UNSTEADY
         self._rebind()
 
     def get(self) -> torch.Tensor:
@@ -155,7 +174,7 @@ class WorkspaceHandle:
                     self._pool.note_captured()  # type: ignore[union-attr]
             elif self._probe is not None and self._probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
-            self.hits += 1
+            self._cell.count += 1  # type: ignore[union-attr]
             return buffer
         return self._serve(self._bound_facts, plain=True)
 
@@ -178,7 +197,7 @@ class WorkspaceHandle:
                     self._pool.note_captured()  # type: ignore[union-attr]
             elif self._probe is not None and self._probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
-            self.hits += 1
+            self._cell.count += 1  # type: ignore[union-attr]
             return buffer
         if self.current_reads_call_facts():
             return self.sized(facts_of())
@@ -202,7 +221,7 @@ class WorkspaceHandle:
                     self._pool.note_captured()  # type: ignore[union-attr]
             elif self._probe is not None and self._probe():
                 self._pool.note_captured()  # type: ignore[union-attr]
-            self.hits += 1
+            self._cell.count += 1  # type: ignore[union-attr]
             return buffer
         if not self.current_reads_call_facts():
             return self.get()
@@ -244,7 +263,7 @@ class WorkspaceHandle:
             if plain and not self.reads_call_facts:
                 self._valid = epoch
                 if self._probe is None or self._raw_stream is not None:
-                    self.steady = (epoch, view, self._raw_stream, self._stream_index)
+                    self.steady = (epoch, view, self._raw_stream, self._stream_index, self._cell)
             elif not plain:
                 self._valid_facts = epoch
         return view
@@ -253,15 +272,17 @@ class WorkspaceHandle:
         epoch = _EPOCH[0]
         old = self._pool
         pool = self._bind()
-        if old is not None and self.hits:
-            old.take_hits(self)  # the calls made on the old binding stay in its statistics
+        if pool is not old:
+            # Counts made on the old pool stay in its cell; this handle counts in a new cell of the new one.
+            if old is not None:
+                old.detach(self)
+            self._cell = pool.attach(self)
         compiled = pool.spec.rules.get(self.rule)
         self._probe = pool.capture_probe
         parts = getattr(self._probe, "cuda_parts", None)
         self._raw_stream, self._stream_index, self._capturing = parts if parts is not None else (None, 0, bool)
         unbound = self._call_facts.difference(self._bound_facts)
         self.reads_call_facts = compiled is not None and bool(unbound.intersection(compiled.names))
-        pool.attach(self)
         self._pool = pool
         self._valid = self._valid_facts = -1
         self.steady = _UNSTEADY

@@ -38,7 +38,7 @@ from wspool.errors import (
     unknown_rule,
 )
 from wspool.freeze import FreezeState, cuda_capture_probe
-from wspool.handles import bump_epoch
+from wspool.handles import HitCount, bump_epoch
 from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.units import MAX_SIZE_BYTES, format_size, positive_int
 
@@ -304,14 +304,16 @@ class WorkspacePool:
         self._refused = 0
         self._last_reason: str | None = None
         self._captured = False
-        self._buffer_epoch = 0  # the freeze epoch when the current buffer was allocated
+        self._buffer_epoch = 0  # FreezeState.stamp() when the current buffer was installed
         self._retired: list[torch.Tensor] = []
         self._slots: dict[str, _RuleSlot] = _rule_slots(spec, device_facts)
         self.generation = 0  # increments each time the buffer is replaced
         # Objects built on the current buffer (kernel wrappers), emptied whenever the buffer is replaced.
         self.buffer_cache: dict[Hashable, Any] = {}
-        # Bound handles whose calls count as requests, and the counts of those that bound elsewhere.
+        # Bound handles (they let go of a replaced buffer), the count cells this pool gave them
+        # (counted in stats() whatever became of the handle), and the counts of dead handles' cells.
         self._handles: weakref.WeakSet[WorkspaceHandle] = weakref.WeakSet()
+        self._cells: list[HitCount] = []
         self._taken: dict[str, int] = {}
         # Set by a reservation (wspool.bounds): turns a refused growth into the error naming the limit
         # the call's facts exceed. Read only on the growth path.
@@ -498,7 +500,7 @@ class WorkspacePool:
                 self.buffer_cache = {}  # before the new state: a reader that sees the new buffer sees the new cache
                 self._state = (buffer, capacity)
                 self._captured = False
-                self._buffer_epoch = self._freeze.epoch
+                self._buffer_epoch = self._freeze.stamp()  # -1 while frozen: retired when replaced
                 self._grows += 1
                 self.generation += 1
                 bump_epoch()
@@ -526,10 +528,28 @@ class WorkspacePool:
         """Record that a graph captured the current buffer, so it is retired, not freed, when replaced."""
         self._captured = True
 
-    def attach(self, handle: WorkspaceHandle) -> None:
-        """Count ``handle``'s steady-state calls (its ``hits``) as requests of its rule in :meth:`stats`."""
+    def attach(self, handle: WorkspaceHandle) -> HitCount:
+        """Bind ``handle`` here: return the new cell its steady-state calls count in, a request of its rule each.
+
+        The cell stays this pool's: :meth:`stats` counts it after the handle died or bound elsewhere.
+        """
+        cell = HitCount(handle.rule, handle)
         with self._lock:
+            live = []
+            for held in self._cells:  # a dead handle's cell is final: fold it into the totals
+                if held.handle() is None:
+                    self._taken[held.rule] = self._taken.get(held.rule, 0) + held.count
+                else:
+                    live.append(held)
+            live.append(cell)
+            self._cells = live
             self._handles.add(handle)
+        return cell
+
+    def detach(self, handle: WorkspaceHandle) -> None:
+        """Stop telling ``handle`` of buffer replacements (it binds elsewhere); its counts here stay."""
+        with self._lock:
+            self._handles.discard(handle)
 
     def _forget_in_handles(self) -> None:
         """Make every attached handle let go of the buffer it holds (called with the lock held)."""
@@ -540,13 +560,6 @@ class WorkspacePool:
         """Make every attached handle let go of this pool's buffer (the registry drops the pool)."""
         with self._lock:
             self._forget_in_handles()
-
-    def take_hits(self, handle: WorkspaceHandle) -> None:
-        """Move ``handle``'s hits into this pool's counts (it binds elsewhere) and stop counting it."""
-        with self._lock:
-            hits, handle.hits = handle.hits, 0
-            self._handles.discard(handle)
-            self._taken[handle.rule] = self._taken.get(handle.rule, 0) + hits
 
     # -- inspection and maintenance -----------------------------------------
 
@@ -566,8 +579,8 @@ class WorkspacePool:
             counts = {name: slot.read_count() for name, slot in self._slots.items()}
             for rule, taken in self._taken.items():
                 counts[rule] = counts.get(rule, 0) + taken
-            for handle in list(self._handles):
-                counts[handle.rule] = counts.get(handle.rule, 0) + handle.hits
+            for cell in self._cells:
+                counts[cell.rule] = counts.get(cell.rule, 0) + cell.count
             by_rule = {name: count for name, count in counts.items() if count}
             return PoolStats(
                 pool=self.spec.name,

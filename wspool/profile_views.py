@@ -15,6 +15,7 @@ from wspool.errors import ConfigError, describe_setting, unknown_pool, unknown_r
 from wspool.pool import PoolSpec
 from wspool.rules import LiteralRule
 from wspool.settings.schema import WspoolSettings, check_shared_pools, validate_pool
+from wspool.units import format_size
 
 __all__ = ["Declaration", "ProfileView", "check_rule_facts"]
 
@@ -76,15 +77,39 @@ def _build_declaration(
         name, validated.rules, validated.growth, validated.max_bytes, facts=configured.facts if configured else None
     )
     host = hosts.get(name, name)
+    if host != name and (declared.get("max_bytes") is not None or declared.get("growth", "exact") != "exact"):
+        raise ConfigError(
+            f"declare_pool({name!r}): pool {name!r} draws from {host!r}'s buffer (pools.{name}.shared_with), "
+            f"whose cap and growth are {describe_setting(('pools', host, 'max_bytes'))} and "
+            f"{describe_setting(('pools', host, 'growth'))}; declare them there",
+            path=("pools", name, "max_bytes"),
+        )
     current = specs.get(name)
     if not replay and current is not None and host_in_use(host):
-        if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
-            raise ConfigError(f"pool {name!r} is in use; declare it before its first request")
+        _check_unchanged(name, current, spec)
         return Declaration(current, None, host, None)
     new_specs = {**specs, name: spec}
     # May raise: nothing is set yet.
     linked = _linked_spec(host, new_specs, hosts, spec_of) if host in shared_hosts else None
+    if linked is not None:
+        _check_guest_literals(linked)  # the check a YAML file gets at load
     return Declaration(spec, new_specs, host, linked)
+
+
+def _check_unchanged(name: str, current: PoolSpec, spec: PoolSpec) -> None:
+    """Refuse a declaration of a pool in use that changes its rules, cap or growth (its buffers keep those in force)."""
+    if {k: r.source for k, r in current.rules.items()} != {k: r.source for k, r in spec.rules.items()}:
+        raise ConfigError(f"pool {name!r} is in use; declare it before its first request", path=("pools", name))
+    for key in ("max_bytes", "growth"):
+        was, given = getattr(current, key), getattr(spec, key)
+        if was != given:
+            shown = [("none" if v is None else format_size(v)) if key == "max_bytes" else v for v in (was, given)]
+            raise ConfigError(
+                f"pool {name!r} is in use: this declaration would change {describe_setting(('pools', name, key))} "
+                f"from {shown[0]} to {shown[1]}, and its buffers keep the {key} in force; declare the pool before "
+                f"its first request, set the key in the configuration, or reset() the registry first",
+                path=("pools", name, key),
+            )
 
 
 def _linked_spec(

@@ -198,9 +198,9 @@ class PoolRegistry:
         if facts:
             return found[0].workspace(rule, facts)
         handle = found[1]
-        epoch, buffer, raw_stream, index = handle.steady  # WorkspaceHandle.get's steady state, written out
+        epoch, buffer, raw_stream, index, hits = handle.steady  # WorkspaceHandle.get's steady state, written out
         if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-            handle.hits += 1
+            hits.count += 1  # type: ignore[union-attr]
             return buffer  # type: ignore[return-value]
         return handle.get()
 
@@ -241,15 +241,26 @@ class PoolRegistry:
         The handle skips the lookup while nothing changed and binds again through
         :meth:`workspace`'s checks after growth, :meth:`reset`, a declaration or
         :func:`set_registry` (:mod:`wspool.handles`). A rule that reads none of
-        ``call_facts`` is resolved once per binding.
+        ``call_facts`` is resolved once per binding. A handle made from the
+        process-wide registry (:func:`get_registry`) serves the process-wide registry
+        in force at each binding, so :func:`set_registry` moves it, freeze included;
+        one made from any other registry serves that registry.
         """
         resolved = resolve_device(device)
         bound_lane = current_lane() if lane is None else lane
         self.pool(pool, resolved, lane=bound_lane)
         self._own_rule(pool, rule, resolved)
-        return WorkspaceHandle(
-            lambda: self.serving_pool(pool, rule, resolved, bound_lane), rule, call_facts=call_facts, dtype=dtype
-        )
+        if self is _default:
+
+            def bind() -> WorkspacePool:
+                return get_registry().serving_pool(pool, rule, resolved, bound_lane)
+
+        else:
+
+            def bind() -> WorkspacePool:
+                return self.serving_pool(pool, rule, resolved, bound_lane)
+
+        return WorkspaceHandle(bind, rule, call_facts=call_facts, dtype=dtype)
 
     def _own_rule(self, pool: str, rule: str, device: DeviceLike) -> None:
         """Raise the error naming the setting unless ``rule`` is ``pool``'s own under ``device``'s profile."""
@@ -309,7 +320,13 @@ class PoolRegistry:
     ) -> PoolSpec:
         """Declare a backend's pool with default rules, under every profile; configured values override it rule by rule.
 
-        An invalid declaration raises :class:`ConfigError` and changes no profile.
+        Declaring again is harmless while nothing changes. Once the pool (or the buffer it
+        shares) is in use, its buffers keep the rules, ``max_bytes`` and ``growth`` in force:
+        a declaration that would change any of them raises (declare before the first
+        request, or :meth:`reset` first), so a cap is never dropped. A fixed rule that can
+        never fit the cap of its buffer (its own, or the ``shared_with`` host's, however
+        configured) raises, as it would in YAML. An invalid declaration raises
+        :class:`ConfigError` naming the setting and changes no profile.
         """
         if not isinstance(rules, Mapping) or not rules:
             raise ConfigError(

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import threading
+import weakref
+from typing import Any
 
 import pytest
 import torch
 
 from wspool import freeze
+from wspool.errors import WorkspaceFrozenError
 from wspool.freeze import TORCH_NAMES_READ_FROM, FreezeState, cuda_capture_probe, cuda_stream_functions
 
 
@@ -133,3 +138,110 @@ def test_the_stream_functions_are_taken_only_where_torch_has_the_c_functions(mon
     assert cuda_stream_functions() == (None, callable)
     monkeypatch.delattr(torch._C, "_cuda_isCurrentStreamCapturing")
     assert cuda_stream_functions() == (None, None)
+
+
+# -- the freeze's guarantees: buffers current while frozen are retired, the allowance ends with its block ----
+
+
+def _frozen_registry() -> tuple[Any, torch.device]:
+    from tests.helpers.registry import make_registry
+
+    reg = make_registry({"p": {"rules": {"small": "1KiB", "mid": "2KiB", "big": "4KiB"}}})
+    return reg, torch.device("cpu")
+
+
+def test_a_buffer_grown_under_the_allowance_while_frozen_is_retired_not_freed() -> None:
+    """A buffer grown inside allowing_growth() while frozen was current while frozen: replaced later, it is retired."""
+    reg, cpu = _frozen_registry()
+    reg.workspace("p", cpu, rule="small")
+    reg.freeze()
+    with reg.allowing_growth():
+        grown = reg.workspace("p", cpu, rule="mid")
+    held = weakref.ref(grown)
+    del grown
+    reg.unfreeze()
+    reg.workspace("p", cpu, rule="big")
+    gc.collect()
+    assert held() is not None, "a buffer current while frozen was freed on the next growth"
+    assert reg.stats("p", cpu).retired_bytes == 1024 + 2048
+    assert reg.release_retired() == 1024 + 2048
+    gc.collect()
+    assert held() is None
+
+
+def test_a_buffer_grown_while_unfrozen_after_a_freeze_is_freed_on_growth() -> None:
+    """A buffer first current after the freeze ended, never captured, is dropped (not retired) when replaced."""
+    reg, cpu = _frozen_registry()
+    with reg.frozen():
+        pass
+    held = weakref.ref(reg.workspace("p", cpu, rule="small"))
+    reg.workspace("p", cpu, rule="big")
+    gc.collect()
+    assert held() is None and reg.stats("p", cpu).retired_bytes == 0
+
+
+def test_a_task_created_inside_the_allowance_loses_it_when_the_block_ends() -> None:
+    """An asyncio task made inside allowing_growth() copies the context, yet cannot grow once the block closed."""
+    reg, cpu = _frozen_registry()
+    reg.freeze()
+
+    async def grow() -> None:
+        reg.workspace("p", cpu, rule="big")
+
+    async def main() -> None:
+        with reg.allowing_growth():
+            task = asyncio.get_running_loop().create_task(grow())
+        with pytest.raises(WorkspaceFrozenError, match="while the registry is frozen"):
+            await task
+
+    asyncio.run(main())
+    assert reg.stats("p", cpu).capacity_bytes == 0
+
+
+def test_a_task_awaited_inside_the_allowance_may_grow() -> None:
+    """A task made and awaited inside allowing_growth() runs while the block is open: it grows the frozen pool."""
+    reg, cpu = _frozen_registry()
+    reg.freeze()
+
+    async def main() -> None:
+        with reg.allowing_growth():
+            await asyncio.get_running_loop().create_task(asyncio.to_thread(reg.workspace, "p", cpu, rule="mid"))
+            await asyncio.to_thread(reg.workspace, "p", cpu, rule="big")
+
+    asyncio.run(main())
+    assert reg.stats("p", cpu).capacity_bytes == 4096
+
+
+def test_a_thread_started_inside_the_allowance_has_none() -> None:
+    """A thread started inside allowing_growth() starts with a fresh context: its growth is refused."""
+    reg, cpu = _frozen_registry()
+    reg.freeze()
+    errors: list[BaseException] = []
+
+    def grow() -> None:
+        try:
+            reg.workspace("p", cpu, rule="big")
+        except WorkspaceFrozenError as exc:
+            errors.append(exc)
+
+    with reg.allowing_growth():
+        thread = threading.Thread(target=grow)
+        thread.start()
+        thread.join()
+    assert len(errors) == 1 and reg.stats("p", cpu).capacity_bytes == 0
+
+
+def test_the_allowance_ends_when_its_block_raises_and_nests() -> None:
+    """An exception inside allowing_growth() closes it; a nested block's end leaves the outer one open."""
+    reg, cpu = _frozen_registry()
+    reg.freeze()
+    with pytest.raises(KeyError), reg.allowing_growth():
+        raise KeyError("inside")
+    with pytest.raises(WorkspaceFrozenError):
+        reg.workspace("p", cpu, rule="small")
+    with reg.allowing_growth():
+        with reg.allowing_growth():
+            reg.workspace("p", cpu, rule="small")
+        reg.workspace("p", cpu, rule="mid")
+    with pytest.raises(WorkspaceFrozenError):
+        reg.workspace("p", cpu, rule="big")

@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 
+import wspool
 from tests.helpers.registry import make_registry
 from wspool.errors import RuleError, WorkspaceFrozenError
 from wspool.handles import EPOCH, WorkspaceHandle
@@ -113,14 +114,18 @@ def test_a_dtype_view_is_shared_by_every_handle_of_the_pool() -> None:
 
 
 def test_the_steady_tuple_holds_the_buffer_only_while_the_epoch_stands() -> None:
-    """``steady`` is what get() returns while its epoch is current; growth, reset and a fact-reading rule clear it."""
+    """``steady`` holds get()'s buffer and the count call sites add to while its epoch stands; growth, reset end it."""
     reg = make_registry({"p": {"rules": {"small": "1MiB", "big": "2MiB", "rows": "rows * 1MiB"}}})
     handle = reg.handle("p", "small", device=CPU)
     assert handle.steady[1] is None
     buffer = handle.get()  # grows, which moves the epoch: the next call serves again and holds it
     assert handle.get() is buffer
-    epoch, held, raw_stream, _ = handle.steady
+    epoch, held, raw_stream, _, hits = handle.steady
     assert held is buffer and epoch == EPOCH[0] and raw_stream is None  # on the CPU: no stream to ask
+    assert hits is not None
+    before = reg.stats("p", CPU).requests_by_rule["small"]
+    hits.count += 1  # what a call site that writes the steady state out does per call
+    assert reg.stats("p", CPU).requests_by_rule["small"] == before + 1
     reg.workspace("p", CPU, rule="big")
     assert handle.steady[0] != EPOCH[0] or handle.steady[1] is None
     grown = handle.get()
@@ -258,9 +263,75 @@ def test_the_steady_tuple_names_the_probes_stream_function_and_device_index() ->
     handle = WorkspaceHandle(lambda: pool, "default")
     handle.get()
     buffer = handle.get()
-    assert handle.steady == (EPOCH[0], buffer, probe.raw_stream, 5)
+    assert handle.steady[:4] == (EPOCH[0], buffer, probe.raw_stream, 5)
     plain = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, capture_probe=lambda: False)
     other = WorkspaceHandle(lambda: plain, "default")
     other.get()
     other.get()
     assert other.steady[1] is None  # a probe without parts: every call asks it, so no steady tuple
+
+
+# -- counts stay with the pool that served them; process-wide handles follow the process-wide registry --------
+
+
+def test_a_dead_handle_leaves_its_steady_state_calls_counted() -> None:
+    """Calls a handle served stay in the pool's counts after the handle is garbage-collected."""
+    reg = make_registry({"p": {"rules": {"default": "1KiB"}}})
+    handle = reg.handle("p", device=CPU)
+    for _ in range(12):
+        handle.get()
+    assert reg.stats("p", CPU).requests_by_rule["default"] == 12
+    del handle
+    gc.collect()
+    assert reg.stats("p", CPU).requests_by_rule["default"] == 12
+
+
+def test_a_handle_that_rebinds_before_any_hit_leaves_its_old_pool() -> None:
+    """After reset() a handle's calls count in the new pool only; the old pool keeps what it served."""
+    reg = make_registry({"p": {"rules": {"default": "1KiB"}}})
+    handle = reg.handle("p", device=CPU)
+    handle.get()
+    old = reg.pool("p", CPU)
+    assert old.stats().request_count == 1
+    reg.reset()
+    for _ in range(3):
+        handle.get()
+    assert reg.pool("p", CPU).stats().request_count == 3
+    assert old.stats().request_count == 1
+
+
+def test_a_handle_that_rebinds_after_hits_leaves_them_with_its_old_pool() -> None:
+    """Steady-state calls made before reset() stay counted in the old pool; later ones count in the new pool."""
+    reg = make_registry({"p": {"rules": {"default": "1KiB"}}})
+    handle = reg.handle("p", device=CPU)
+    for _ in range(4):
+        handle.get()
+    old = reg.pool("p", CPU)
+    reg.reset()
+    for _ in range(5):
+        handle.get()
+    assert (old.stats().request_count, reg.pool("p", CPU).stats().request_count) == (4, 5)
+
+
+def test_a_process_wide_handle_follows_set_registry() -> None:
+    """A handle made from get_registry() serves the registry set later: its sizes and its freeze."""
+    first = make_registry({"p": {"rules": {"default": "1KiB"}}})
+    wspool.set_registry(first)
+    handle = wspool.get_registry().handle("p", device=CPU)
+    assert handle.get().numel() == 1024
+    second = make_registry({"p": {"rules": {"default": "2KiB"}}})
+    wspool.set_registry(second)
+    assert handle.get().numel() == 2048 and handle.pool is second.pool("p", CPU)
+    third = make_registry({"p": {"rules": {"default": "4KiB"}}})
+    third.freeze()
+    wspool.set_registry(third)
+    with pytest.raises(WorkspaceFrozenError, match=r"pool 'p' on cpu"):
+        handle.get()
+
+
+def test_a_handle_of_a_registry_held_by_reference_stays_with_it() -> None:
+    """A handle made from a registry that is not the process-wide one keeps serving that registry."""
+    mine = make_registry({"p": {"rules": {"default": "1KiB"}}})
+    handle = mine.handle("p", device=CPU)
+    wspool.set_registry(make_registry({"p": {"rules": {"default": "2KiB"}}}))
+    assert handle.get().numel() == 1024 and handle.pool is mine.pool("p", CPU)

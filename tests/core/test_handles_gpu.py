@@ -62,7 +62,7 @@ def test_calls_on_the_legacy_default_stream_keep_the_steady_state_and_retire_not
     handle.get()
     buffer = handle.get()
     raw_stream, _ = cuda_stream_functions()
-    epoch, held, stream_function, index = handle.steady
+    epoch, held, stream_function, index, _ = handle.steady
     assert epoch == EPOCH[0]
     assert held is buffer and index == device.index and stream_function is raw_stream
     for _ in range(5):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import wspool
-from wspool.errors import ConfigError, WorkspaceFrozenError
+from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError
 
 MiB = 2**20
 
@@ -385,3 +385,50 @@ def test_reset_unfreezes_and_drops_pools_and_state() -> None:
         assert not reg.is_frozen
     assert reg.all_stats() == [] and reg.peek_state(dict) is None and reg.state(dict) is not made
     assert reg.workspace("flashinfer_mla", device="cpu", rule="lse").numel() == 256 * MiB
+
+
+def test_redeclaring_a_pool_in_use_with_another_cap_or_growth_is_refused() -> None:
+    """A pool in use keeps the cap in force: a re-declaration that changes max_bytes or growth raises, naming it."""
+    reg = wspool.PoolRegistry.from_config(None)
+    reg.declare_pool("d", {"default": "1KiB", "n": "n"}, max_bytes="2KiB")
+    reg.workspace("d", "cpu")
+    reg.declare_pool("d", {"default": "1KiB", "n": "n"}, max_bytes=2048)  # the same declaration: accepted
+    for change in ({"max_bytes": None}, {"max_bytes": "1MiB"}, {"growth": "power_of_two", "max_bytes": "2KiB"}):
+        with pytest.raises(ConfigError, match=r"pool 'd' is in use: .*pools\.d\.(max_bytes|growth)"):
+            reg.declare_pool("d", {"default": "1KiB", "n": "n"}, **change)  # type: ignore[arg-type]
+    with pytest.raises(WorkspaceLimitError, match=r"raise pools\.d\.max_bytes"):
+        reg.workspace("d", "cpu", rule="n", n=1 << 20)
+    assert reg.stats("d", "cpu").capacity_bytes == 1024 and reg.spec("d").max_bytes == 2048
+
+
+def test_redeclaring_a_pool_in_use_never_drops_a_configured_cap() -> None:
+    """A configured max_bytes wins over a re-declaration without one: the same pool, accepted, still capped."""
+    reg = wspool.PoolRegistry.from_config(None, pools={"d": {"rules": {"n": "n"}, "max_bytes": "2KiB"}})
+    reg.workspace("d", "cpu", rule="n", n=1024)
+    reg.declare_pool("d", {"n": "n"})
+    with pytest.raises(WorkspaceLimitError, match=r"pools\.d\.max_bytes"):
+        reg.workspace("d", "cpu", rule="n", n=1 << 20)
+
+
+def test_declaring_a_rule_above_the_cap_of_the_buffer_it_shares_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A declared fixed rule on a shared buffer above its max_bytes is refused as YAML refuses it, naming both keys."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES", "256MiB")
+    reg = wspool.PoolRegistry()
+    with pytest.raises(
+        ConfigError,
+        match=r"pools\.flashinfer\.rules\.vllm / WSPOOL_POOLS__FLASHINFER__RULES__VLLM = '394MiB' is above "
+        r"pools\.flashinfer_mla\.max_bytes / WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES = 268435456",
+    ):
+        reg.declare_pool("flashinfer", {"vllm": "394MiB"})
+    with pytest.raises(ConfigError, match="has no rule 'vllm'"):
+        reg.resolve("flashinfer", "vllm")
+    reg.declare_pool("flashinfer", {"vllm": "200MiB"})
+    assert reg.resolve("flashinfer", "vllm") == 200 << 20
+    monkeypatch.delenv("WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES")
+    reg = wspool.PoolRegistry()
+    reg.declare_pool("flashinfer", {"vllm": "394MiB"})
+    with pytest.raises(
+        ConfigError, match=r"pools\.flashinfer\.rules\.vllm .* is above pools\.flashinfer_mla\.max_bytes"
+    ):
+        reg.declare_pool("flashinfer_mla", {"default": "128MiB"}, max_bytes="300MiB")
+    assert reg.spec("flashinfer_mla").max_bytes is None

@@ -844,6 +844,21 @@ def test_a_broken_configuration_patches_nothing_and_says_why_in_one_line(
     assert "targets patched" not in warnings_seen.text
 
 
+def test_a_cap_that_a_declared_rule_can_never_fit_patches_nothing_and_says_why_in_one_line(
+    load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
+) -> None:
+    """A flashinfer_mla cap below the plugin's 394MiB rule on that shared buffer: one error line, nothing patched."""
+    monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES", "256MiB")
+    wspool.reset_registry()
+    mla, workspace = _module(MLA), _module(WORKSPACE)
+    before = (mla._get_workspace_buffer, workspace.WorkspaceManager.lock)
+    load()
+    assert (mla._get_workspace_buffer, workspace.WorkspaceManager.lock) == before and plugin.patched() == []
+    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    assert "\n" not in error and "nothing patched" in error
+    assert "pools.flashinfer.rules.vllm" in error and "WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES" in error
+
+
 def test_the_third_of_three_targets_failing_restores_the_first_two(
     load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture
 ) -> None:

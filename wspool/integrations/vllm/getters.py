@@ -368,9 +368,9 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
     in_main = not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
     handle = _main_mla[return_lse] if in_main else None
     if handle is not None:
-        epoch, buffer, raw_stream, index = handle.steady
+        epoch, buffer, raw_stream, index, hits = handle.steady
         if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-            handle.hits += 1
+            hits.count += 1  # type: ignore[union-attr]
             return buffer  # type: ignore[return-value]
     else:
         handle = _mla_handle(return_lse)
@@ -394,9 +394,9 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
         found = _COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
-            epoch, buffer, raw_stream, index = handle.steady  # WorkspaceHandle.get's steady state
+            epoch, buffer, raw_stream, index, hits = handle.steady  # WorkspaceHandle.get's steady state
             if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-                handle.hits += 1
+                hits.count += 1  # type: ignore[union-attr]
                 return buffer  # type: ignore[return-value]
             return handle.get()
     return _counters(_COUNTERS, min_bytes, device)
@@ -408,9 +408,9 @@ def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device)
         found = _PAGED_COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
-            epoch, buffer, raw_stream, index = handle.steady
+            epoch, buffer, raw_stream, index, hits = handle.steady
             if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-                handle.hits += 1
+                hits.count += 1  # type: ignore[union-attr]
                 return buffer  # type: ignore[return-value]
             return handle.get()
     return _counters(_PAGED_COUNTERS, min_bytes, device)
@@ -446,13 +446,13 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
     in_main = not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
     if in_main and found is not None and found[1] == device:
         handle = found[0]
-        epoch, buffer, raw_stream, index = handle.steady
+        epoch, buffer, raw_stream, index, hits = handle.steady
         if (
             epoch == EPOCH[0]
             and (min_bytes is None or min_bytes <= buffer.numel())  # type: ignore[union-attr]
             and (raw_stream is None or not raw_stream(index))
         ):
-            handle.hits += 1
+            hits.count += 1  # type: ignore[union-attr]
             return buffer  # type: ignore[return-value]
     else:
         handle = _device_handle(_SPARSE, _SPARSE_MAIN, device)
@@ -509,13 +509,13 @@ def _device_getter(
         found = main[0]
         if found is not None and found[1] == device and not _contexts:
             handle = found[0]
-            epoch, buffer, raw_stream, index = handle.steady
+            epoch, buffer, raw_stream, index, hits = handle.steady
             if (
                 epoch == EPOCH[0]
                 and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
                 and (raw_stream is None or not raw_stream(index))
             ):
-                handle.hits += 1
+                hits.count += 1  # type: ignore[union-attr]
                 return buffer  # type: ignore[return-value]
         return _device_handle(table, main, device).get()
 
