@@ -542,12 +542,13 @@ def apply_reservation(registry: _Registry, plan: Reservation) -> None:
 def _beyond_limits(
     limits: Mapping[str, FactLimit],
     pool: WorkspacePool,
-    rule: SizeRule,
+    reason: str,
+    names: tuple[str, ...],
     facts: Mapping[str, object],
     error: WorkspaceFrozenError,
 ) -> WorkspaceFrozenError:
-    """The error for a frozen, reserved pool asked to grow: it names each fact beyond its limit, if any."""
-    beyond = facts_beyond(rule.names, facts, limits)
+    """The error for a frozen, reserved pool asked to grow: it names each fact of ``names`` beyond its limit, if any."""
+    beyond = facts_beyond(names, facts, limits)
     if not beyond:
         return error
     named = "; ".join(
@@ -556,6 +557,6 @@ def _beyond_limits(
     )
     return WorkspaceFrozenError(
         f"pool {pool.spec.name!r} on {pool.device} (lane {pool.lane}) was reserved for its limits and is frozen: "
-        f"rule {rule.setting[-1] if rule.setting else rule.source} asks for more for this call: {named}. "
-        f"Nothing grows after the reservation; the call is refused and the buffer is kept"
+        f"{reason} asks for more for this call: {named}. Nothing grows after the reservation; the call is refused "
+        f"and the buffer is kept"
     )

@@ -60,7 +60,8 @@ __all__ = [
 _T = TypeVar("_T")
 
 #: Builds the error for a refused growth of a reserved pool: (pool, rule, the call's facts, the refusal).
-LimitsRefusal = Callable[["WorkspacePool", SizeRule, Mapping[str, object], WorkspaceFrozenError], Exception]
+#: (pool, why it grows, the facts to check, the call's facts, the refusal).
+LimitsRefusal = Callable[["WorkspacePool", str, tuple[str, ...], Mapping[str, object], WorkspaceFrozenError], Exception]
 #: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
 Allocator = Callable[[int, torch.device], torch.Tensor]
 
@@ -354,7 +355,8 @@ class WorkspacePool:
     def ensure(self, rule: str, facts: Mapping[str, object]) -> torch.Tensor:
         """Grow to what ``rule`` resolves to, without counting a request; raises as :meth:`workspace`."""
         slot, compiled = self._rule_slot(rule)
-        return self.grow_to(compiled.resolve(facts, slot.defaults), slot.label, slot.setting)
+        nbytes = compiled.resolve(facts, slot.defaults)
+        return self.grow_to(nbytes, slot.label, slot.setting, {**slot.defaults, **facts}, compiled.names)
 
     def resolve(self, rule: str, facts: Mapping[str, object]) -> int:
         """Return the bytes ``rule`` resolves to for ``facts`` (missing ones from the defaults); allocates nothing."""
@@ -409,7 +411,8 @@ class WorkspacePool:
         except WorkspaceFrozenError as exc:
             if self.limits_refusal is None or slot.rule is None or facts is None:
                 raise
-            raise self.limits_refusal(self, slot.rule, {**slot.defaults, **facts}, exc) from exc
+            merged = {**slot.defaults, **facts}
+            raise self.limits_refusal(self, slot.label, slot.rule.names, merged, exc) from exc
         next(slot.counter)
         if nbytes > self._peak:
             self._note_peak(nbytes)
@@ -417,9 +420,25 @@ class WorkspacePool:
 
     # -- growth ------------------------------------------------------------
 
-    def grow_to(self, nbytes: int, reason: str, setting: str | None = None) -> torch.Tensor:
-        """Grow to hold at least ``nbytes`` for ``reason``; ``setting`` is the key errors name (overflow recovery)."""
-        return self._grow(nbytes, reason, setting)
+    def grow_to(
+        self,
+        nbytes: int,
+        reason: str,
+        setting: str | None = None,
+        facts: Mapping[str, object] | None = None,
+        names: tuple[str, ...] | None = None,
+    ) -> torch.Tensor:
+        """Grow to hold at least ``nbytes`` for ``reason``; ``setting`` is the key errors name (overflow recovery).
+
+        ``facts`` (those of ``names``, default all) are the call's: a reserved pool's
+        refusal names any of them beyond its limit.
+        """
+        if facts is None or self.limits_refusal is None:
+            return self._grow(nbytes, reason, setting)
+        try:
+            return self._grow(nbytes, reason, setting)
+        except WorkspaceFrozenError as exc:
+            raise self.limits_refusal(self, reason, tuple(facts) if names is None else names, facts, exc) from exc
 
     def _grow(self, nbytes: int, reason: str, setting: str | None) -> torch.Tensor:
         """Grow to ``nbytes`` unless it fits; one thread allocates (outside the lock), the others wait for it."""

@@ -269,7 +269,7 @@ class MLADecodePlan:
                     self._setting,
                 )
         reason = f"rule {self.rule}" if self._nbytes == rule_bytes else f"the {self.path} kernel path"
-        self._pool.grow_to(self._nbytes, reason, self._setting)
+        self._pool.grow_to(self._nbytes, reason, self._setting, self.facts)
 
     def _prepare_path(self, lane: str | None) -> None:
         """Check the Blackwell kernel's keywords and take its counters, or plan the wrapper."""
@@ -529,7 +529,7 @@ class MLADecodePlan:
             # on the buffer it was built on (which held this plan's size then, and still does).
             if wrapper is None or workspace is not self._planned_workspace or record.owner is not self._token:
                 if workspace is None or self._pool.capacity_bytes < self._nbytes:
-                    workspace = self._pool.grow_to(self._nbytes, f"rule {self.rule}", self._setting)
+                    workspace = self._pool.grow_to(self._nbytes, f"rule {self.rule}", self._setting, self.facts)
                 generation = self._pool.generation
                 wrapper = self._acquire_wrapper(workspace, generation)
                 record = kernels.ownership(wrapper)
