@@ -459,3 +459,19 @@ def wspool_reset() -> None:
     import wspool
 
     wspool.reset_registry()
+
+
+@pytest.mark.parametrize(("value", "shown"), [(None, "yes (WSPOOL_RESERVE: unset)"), ("0", "no (WSPOOL_RESERVE: '0')")])
+def test_doctor_names_the_reserve_switch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str | None, shown: str
+) -> None:
+    """Doctor says, per installed engine, whether it reserves its pools before sizing its KV cache, and the switch."""
+    monkeypatch.setattr(EngineInfo, "installed_version", lambda self: SUPPORTED[self.key])
+    if value is not None:
+        monkeypatch.setenv("WSPOOL_RESERVE", value)
+    main(["doctor"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count(f"reserves its pools before sizing its KV cache: {shown}") == len(ENGINES)
+    main(["doctor", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert {e["key"]: e["reserve"]["on"] for e in data["engines"]} == {e.key: value is None for e in ENGINES}

@@ -24,7 +24,7 @@ from typing import Any
 from wspool import __version__
 from wspool.cli import wrap
 from wspool.errors import ConfigError, printable
-from wspool.integrations import ENGINES, integration
+from wspool.integrations import ENGINES, RESERVE_ENV_VAR, integration
 from wspool.integrations.patching import EngineInfo, Preflight, parse_switch
 from wspool.settings.profiles import ProfileChoice, choose_profile
 from wspool.settings.schema import (
@@ -222,6 +222,14 @@ def _entry_point(info: EngineInfo) -> dict[str, Any]:
     }
 
 
+def _switch(variable: str, env: Mapping[str, str]) -> bool | None:
+    """Whether a switch variable is on; ``None`` where its value is not understood."""
+    try:
+        return parse_switch(variable, env)
+    except ConfigError:
+        return None
+
+
 def _engine(
     info: EngineInfo,
     env: Mapping[str, str],
@@ -246,6 +254,11 @@ def _engine(
         "supported": info.supports(version) if version is not None else None,
         "entry_point": entry,
         "switch": {"variable": info.switch_var, "value": env.get(info.switch_var), "on": switch_on},
+        "reserve": {
+            "variable": RESERVE_ENV_VAR,
+            "value": env.get(RESERVE_ENV_VAR),
+            "on": _switch(RESERVE_ENV_VAR, env),
+        },
         "plugin_selection": {
             name: {"variable": var, "value": env.get(var)}
             for name, var in (("allowlist", info.allowlist_var), ("denylist", info.denylist_var))
@@ -413,6 +426,12 @@ def format_report(report: Mapping[str, Any]) -> str:
     return "\n".join(wrap(printable(line), " " * (len(line) - len(line.lstrip()) + 4)) for line in lines)
 
 
+def _reserve_text(reserve: Mapping[str, Any]) -> str:
+    value = "unset" if reserve["value"] is None else repr(reserve["value"])
+    state = {True: "yes", False: "no", None: "not understood (read as yes)"}[reserve["on"]]
+    return f"{state} ({reserve['variable']}: {value})"
+
+
 def _engine_lines(engine: Mapping[str, Any]) -> list[str]:
     name = engine["name"]
     entry, switch = engine["entry_point"], engine["switch"]
@@ -430,6 +449,7 @@ def _engine_lines(engine: Mapping[str, Any]) -> list[str]:
         f"  {name} {engine['version']}: installed, {supported}, {active}",
         f"    entry point {entry['expected']} in {entry['group']}: {registered}; {switch['variable']}: "
         f"{switch_text}{selection}",
+        f"    reserves its pools before sizing its KV cache: {_reserve_text(engine['reserve'])}",
     ]
     for variable in engine["engine_variables"]:
         if variable["value"] is None:

@@ -13,7 +13,19 @@ import importlib
 from wspool.integrations.patching import EngineInfo, Integration
 from wspool.targets import TargetGroup
 
-__all__ = ["ENGINES", "SGLANG", "TOKENSPEED", "VLLM", "integration", "patched_in_process", "targets_of"]
+__all__ = [
+    "ENGINES",
+    "RESERVE_ENV_VAR",
+    "SGLANG",
+    "TOKENSPEED",
+    "VLLM",
+    "integration",
+    "patched_in_process",
+    "targets_of",
+]
+
+#: ``0`` (false, off, no): no engine reserves wspool's pools before sizing its KV cache (they grow on first use).
+RESERVE_ENV_VAR = "WSPOOL_RESERVE"
 
 VLLM = EngineInfo(
     key="vllm",

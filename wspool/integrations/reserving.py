@@ -28,6 +28,7 @@ from typing import Any
 from wspool.bounds import FactLimit, Reservation, apply_reservation, plan_reservation
 from wspool.devices import DeviceLike
 from wspool.errors import WspoolError
+from wspool.integrations import RESERVE_ENV_VAR
 from wspool.integrations.patching import parse_switch
 from wspool.registry import PoolRegistry, get_registry
 from wspool.units import format_size
@@ -41,8 +42,6 @@ __all__ = [
     "write_snapshot",
 ]
 
-#: ``0`` (false, off, no) leaves every pool to grow on first use; unset or ``1``: reserve.
-RESERVE_ENV_VAR = "WSPOOL_RESERVE"
 #: A folder: each rank writes ``wspool-rank<R>.json`` there (after reserving, after capture, at exit).
 STATS_DIR_ENV_VAR = "WSPOOL_STATS_DIR"
 
