@@ -192,7 +192,7 @@ class Integration:
     """One engine's integration: its targets as data over one patch set; load, unload, report.
 
     Subclasses set :attr:`info` and :attr:`all_or_nothing`, implement :meth:`groups`,
-    and override :meth:`prepare`, :meth:`activate` and :meth:`deactivate` as needed.
+    and override :meth:`check`, :meth:`activate` and :meth:`deactivate` as needed.
     """
 
     info: EngineInfo
@@ -325,6 +325,8 @@ class Integration:
             )
         elif first.kind == "switch":
             self.logger.info("wspool: %s=%s: %s", info.switch_var, os.environ.get(info.switch_var), stays)
+        elif first.problem is None:  # the engine's denylist names wspool: the user's choice
+            self.logger.info("wspool: %s: %s", first.reason, stays)
         else:
             self.logger.warning("wspool: %s: nothing patched, %s", first.reason, stays)
 
