@@ -245,3 +245,14 @@ def test_the_allowance_ends_when_its_block_raises_and_nests() -> None:
         reg.workspace("p", cpu, rule="mid")
     with pytest.raises(WorkspaceFrozenError):
         reg.workspace("p", cpu, rule="big")
+
+
+def test_a_leave_without_its_enter_changes_nothing() -> None:
+    """Leaving a block twice does not count below zero: the next block still freezes."""
+    state = FreezeState()
+    token = state.enter()
+    state.leave(token)
+    state.leave(token)
+    assert not state.frozen
+    state.enter()
+    assert state.frozen and state.refuses_growth()

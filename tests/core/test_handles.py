@@ -335,3 +335,33 @@ def test_a_handle_of_a_registry_held_by_reference_stays_with_it() -> None:
     handle = mine.handle("p", device=CPU)
     wspool.set_registry(make_registry({"p": {"rules": {"default": "2KiB"}}}))
     assert handle.get().numel() == 1024 and handle.pool is mine.pool("p", CPU)
+
+
+@pytest.mark.parametrize("path", ["get", "fetch", "sized", "int8"])
+def test_steady_state_calls_return_the_held_buffer_without_the_pools_full_path(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a call was served in the epoch, later calls return the held buffer and never call pool.workspace()."""
+    pool = WorkspacePool(PoolSpec("p", {"rows": "rows * 1KiB"}, facts={"rows": 1024}), CPU)
+    handle = WorkspaceHandle(
+        lambda: pool,
+        "rows",
+        call_facts=("rows",) if path == "sized" else (),
+        dtype=torch.int8 if path == "int8" else None,
+    )
+    facts = {"rows": 1024}
+    call = {
+        "get": handle.get,
+        "int8": handle.get,
+        "fetch": lambda: handle.fetch(dict),
+        "sized": lambda: handle.sized(facts),
+    }[path]
+    first = call()  # grows, which moves the epoch
+    second = call()  # served again, now held
+    full_path: list[str] = []
+    served = pool.workspace
+    monkeypatch.setattr(pool, "workspace", lambda rule, f: full_path.append(rule) or served(rule, f))
+    held = [call() for _ in range(3)]
+    assert full_path == [] and all(b is second for b in held)
+    assert second.data_ptr() == first.data_ptr() and second.dtype == (torch.int8 if path == "int8" else torch.uint8)
+    assert pool.stats().requests_by_rule["rows"] == 5

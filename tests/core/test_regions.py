@@ -6,6 +6,7 @@ import gc
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import wspool
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import WorkspaceLimitError
 from wspool.flashinfer import wrapper_buffers
-from wspool.regions import binding_of, wrapper_regions
+from wspool.regions import WrapperRegions, binding_of, wrapper_regions
 
 
 class _Wrapper:
@@ -183,3 +184,53 @@ def test_a_wrapper_that_dies_at_interpreter_exit_prints_nothing(tmp_path: Path) 
         [sys.executable, str(tmp_path / "main.py")], capture_output=True, text=True, env=env, timeout=120
     )
     assert (out.returncode, out.stderr) == (0, "")
+
+
+def test_a_group_member_needing_exactly_the_regions_size_shares_it() -> None:
+    """A wrapper whose need equals the group region's size joins that region instead of allocating another."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    cpu = torch.device("cpu")
+    a, b = _Wrapper(), _Wrapper()
+    first = regions.bind(a, device=cpu, nbytes=100, kind="x", lane="main", group="g").region
+    assert regions.bind(b, device=cpu, nbytes=first.nbytes, kind="x", lane="main", group="g").region is first
+    ((stats,),) = [regions.stats()]
+    assert (stats["regions"], stats["wrappers"], stats["region_bytes"]) == (1, 2, 112)
+
+
+def test_a_dead_wrappers_region_is_freed_and_its_binding_forgotten() -> None:
+    """When the last wrapper of a region dies, binding_of forgets it and the region's memory is released."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    wrapper = _Wrapper()
+    binding = regions.bind(wrapper, device=torch.device("cpu"), nbytes=4096, kind="x", lane="main", pinned=True)
+    region, tensor = weakref.ref(binding.region), weakref.ref(binding.region.tensor)
+    assert binding_of(wrapper) is binding
+    del binding, wrapper
+    gc.collect()
+    assert region() is None and tensor() is None and regions.stats() == []
+
+
+def test_regions_and_copies_bound_under_inference_mode_are_normal_tensors() -> None:
+    """A wrapper bound under torch.inference_mode gets a region and copy it may write in place outside it."""
+    regions = wrapper_regions(wspool.PoolRegistry())
+    wrapper = _Wrapper()
+    with torch.inference_mode():
+        binding = regions.bind(wrapper, device=torch.device("cpu"), nbytes=64, kind="x", lane="main", pinned=True)
+    assert binding.pinned is not None
+    assert not binding.region.tensor.is_inference() and not binding.pinned.is_inference()
+    binding.region.tensor.fill_(1)
+    binding.pinned.copy_(binding.region.tensor)
+    assert int(binding.pinned.sum()) == 64
+
+
+def test_an_allocation_failure_is_a_limit_error_and_binds_nothing() -> None:
+    """An allocator out of memory makes bind() raise WorkspaceLimitError naming the region; nothing is bound."""
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        raise torch.OutOfMemoryError("out of memory (injected)")
+
+    regions = WrapperRegions("flashinfer_int", lambda device: None, allocator=allocator)
+    wrapper = _Wrapper()
+    with pytest.raises(WorkspaceLimitError, match=r"out of memory allocating a 1KiB int workspace region") as info:
+        regions.bind(wrapper, device=torch.device("cpu"), nbytes=1024, kind="x", lane="main")
+    assert isinstance(info.value, MemoryError)
+    assert regions.binding(wrapper) is None and binding_of(wrapper) is None and regions.stats() == []
