@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
 from wspool.errors import RuleError, SizeError, describe_setting, readable_int
-from wspool.units import MAX_SIZE_BYTES, UNIT_BYTES, ceil_div, format_size, parse_size, round_up
+from wspool.units import MAX_SIZE_BYTES, UNIT_BYTES, ceil_div, format_size, parse_size, round_up, size_spelling_hint
 
 __all__ = [
     "FUNCTIONS",
@@ -172,6 +172,9 @@ def compile_expression(source: str, setting: tuple[str, ...]) -> tuple[Evaluator
     except SizeError as exc:
         raise compiler.fail(str(exc)) from None
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        hint = size_spelling_hint(source)  # 512M, 1Gi: a size spelled as Kubernetes or Docker spell one
+        if hint is not None:
+            raise compiler.fail(hint) from None
         detail = exc.msg if isinstance(exc, SyntaxError) else type(exc).__name__
         raise compiler.fail(f"not a valid expression ({detail})") from None
     evaluate = compiler.build(tree.body)

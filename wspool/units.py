@@ -26,6 +26,7 @@ __all__ = [
     "parse_size",
     "positive_int",
     "round_up",
+    "size_spelling_hint",
 ]
 
 KiB = 1 << 10
@@ -53,6 +54,35 @@ UNIT_BYTES: dict[str, int] = {
 # ASCII only: \d and str.isdigit would take fullwidth and Arabic-Indic digits.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
 _BINARY_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+_UNITS = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+
+
+# A number with a unit as Kubernetes quantities and Docker write it: 512M, 1G, 512Mi, 64k, 2g.
+_FOREIGN_SIZE_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*([kmgt]i?)(?![\w.])", re.IGNORECASE | re.ASCII)
+
+
+def _spelling_fix(text: str) -> tuple[str, str] | None:
+    """Return a size in ``text`` spelled the Kubernetes or Docker way, and how wspool spells it, else None."""
+    match = _FOREIGN_SIZE_RE.search(text)
+    if match is None:
+        return None
+    number, unit = match.groups()
+    prefix = unit[0].upper()
+    if unit.lower().endswith("i"):  # Kubernetes' binary suffixes: Mi is MiB
+        return match.group(0).strip(), f"write {number}{prefix}iB"
+    return match.group(0).strip(), f"write {number}{prefix}iB (powers of 1024) or {number}{prefix}B (powers of 1000)"
+
+
+def size_spelling_hint(text: str) -> str | None:
+    """Say how to write a size ``text`` spells as Kubernetes or Docker do (``512M``, ``1Gi``); None if it has none.
+
+    ``"'512M' is not a size wspool reads: write 512MiB (powers of 1024) or 512MB (powers of 1000);
+    the units are B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"``.
+    """
+    found = _spelling_fix(text)
+    if found is None:
+        return None
+    return f"{found[0]!r} is not a size wspool reads: {found[1]}; the units are {_UNITS}"
 
 
 def ceil_div(value: int, divisor: int) -> int:
@@ -109,8 +139,10 @@ def parse_size(value: object, *, setting: Sequence[str] | None = None) -> int:
         number, unit = match.groups()
         scale = UNIT_BYTES.get(unit.lower())
         if scale is None:
+            found = _spelling_fix(value)
             raise _fail(
-                f"invalid size {value!r}: unknown unit {unit!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)",
+                f"invalid size {value!r}: unknown unit {unit!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
+                + (f"; {found[1]}" if found else ""),
                 setting,
             )
         try:

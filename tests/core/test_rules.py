@@ -255,3 +255,11 @@ def test_a_huge_fact_is_a_rule_error_naming_its_magnitude() -> None:
     rule = compile_rule("x * 2", ("pools", "p", "rules", "r"))
     with pytest.raises(RuleError, match=r"fact 'x' = 1e\+5000 is out of range"):
         rule.resolve({"x": 10**5000})
+
+
+@pytest.mark.parametrize("source", ["512M", "1G", "512Mi", "2 * 512M + 1MiB"])
+def test_a_rule_with_a_kubernetes_size_lists_the_units(source: str) -> None:
+    """A rule written with 512M or 1G is refused with wspool's spelling and units, not 'invalid decimal literal'."""
+    with pytest.raises(RuleError, match=r"is not a size wspool reads: write \d+[MG]iB.*the units are B, KB") as info:
+        compile_rule(source, ("pools", "p", "rules", "r"))
+    assert "invalid decimal literal" not in str(info.value) and "pools.p.rules.r" in str(info.value)

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wspool.errors import SizeError
-from wspool.units import MAX_SIZE_BYTES, format_size, parse_size, positive_int
+from wspool.units import MAX_SIZE_BYTES, format_size, parse_size, positive_int, size_spelling_hint
 
 
 @pytest.mark.parametrize(
@@ -132,3 +132,33 @@ def test_positive_int_takes_positive_ints_only() -> None:
     """positive_int returns a positive int unchanged and None for zero, negatives, bools and other types."""
     assert positive_int(3) == 3
     assert [positive_int(v) for v in (0, -1, True, 2.0, "4", None)] == [None] * 6
+
+
+@pytest.mark.parametrize(
+    ("text", "fix"),
+    [
+        ("512M", "write 512MiB (powers of 1024) or 512MB (powers of 1000)"),
+        ("1G", "write 1GiB (powers of 1024) or 1GB (powers of 1000)"),
+        ("512Mi", "write 512MiB"),
+        ("64k", "write 64KiB (powers of 1024) or 64KB (powers of 1000)"),
+        ("2 * 1.5g + 1", "write 1.5GiB (powers of 1024) or 1.5GB (powers of 1000)"),
+    ],
+)
+def test_a_kubernetes_or_docker_size_gets_wspools_spelling(text: str, fix: str) -> None:
+    """A size written as Kubernetes or Docker write one is answered with wspool's spelling and its units."""
+    hint = size_spelling_hint(text)
+    assert hint is not None and fix in hint and hint.endswith("the units are B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+
+
+@pytest.mark.parametrize("text", ["512MiB", "batch_size * 4", "round_up(q_len, 256)", "8 * num_heads"])
+def test_a_size_or_expression_wspool_takes_gets_no_spelling_hint(text: str) -> None:
+    """Sizes and expressions wspool reads are not mistaken for a foreign spelling."""
+    assert size_spelling_hint(text) is None
+
+
+def test_parse_size_suggests_the_spelling_of_a_kubernetes_size() -> None:
+    """parse_size('512Mi') lists the units and says to write 512MiB."""
+    with pytest.raises(
+        SizeError, match=r"unknown unit 'Mi' \(use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB\); write 512MiB"
+    ):
+        parse_size("512Mi")

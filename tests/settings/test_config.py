@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -578,3 +579,20 @@ def test_an_unknown_name_lists_the_shipped_ones(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("WSPOOL_CONFIG", "vlm")
     with pytest.raises(ConfigError, match=rf"config file vlm \(named by WSPOOL_CONFIG\) does not exist.*{shipped}"):
         load_settings()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fix"),
+    [
+        ("rules", {"lse": "512M"}, "write 512MiB (powers of 1024) or 512MB (powers of 1000)"),
+        ("max_bytes", "2Gi", "write 2GiB"),
+        ("growth", "32M", "write 32MiB (powers of 1024) or 32MB (powers of 1000)"),
+    ],
+)
+def test_a_kubernetes_size_in_the_configuration_names_wspools_spelling(
+    tmp_path: Path, key: str, value: object, fix: str
+) -> None:
+    """512M, 2Gi or 32M in a rule, max_bytes or growth is refused with wspool's spelling and the setting to change."""
+    path = _write(tmp_path, yaml.safe_dump({"pools": {"flashinfer_mla": {key: value}}}))
+    with pytest.raises(ConfigError, match=rf"{re.escape(fix)}.*set pools\.flashinfer_mla\.{key}"):
+        load_settings(path)

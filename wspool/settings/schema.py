@@ -56,7 +56,7 @@ from wspool.settings.sources import (
     engine_knob_settings,
     read_sources,
 )
-from wspool.units import MiB, format_size, parse_size
+from wspool.units import MiB, format_size, parse_size, size_spelling_hint
 
 __all__ = [
     "BUILTIN_DEFAULTS",
@@ -113,8 +113,10 @@ def _growth_value(value: object) -> str:
     try:
         granularity = parse_size(value)
     except ValueError:
+        hint = size_spelling_hint(value) if isinstance(value, str) else None
         raise ValueError(
             f"expected 'exact', 'power_of_two' or a granularity size such as '32MiB', got {value!r}"
+            + (f"; {hint}" if hint else "")
         ) from None
     if granularity <= 0:
         raise ValueError("a growth granularity must be positive")
