@@ -294,9 +294,12 @@ def dry_run(registry: PoolSource, facts: Mapping[str, int], device: str = "meta"
     largest: dict[str, int] = {}
     requests = []
     for name in registry.pool_names():
-        for rule in sorted(registry.spec(name).rules):
+        for rule, compiled in sorted(registry.spec(name).rules.items()):
+            # The facts this rule reads: resolve() refuses a fact no rule of the pool reads, and
+            # ``facts`` serve every pool (the caller checks that each is read by some rule).
+            read = {fact: facts[fact] for fact in compiled.names if fact in facts}
             try:
-                nbytes = registry.resolve(name, rule, device=device, **facts)
+                nbytes = registry.resolve(name, rule, device=device, **read)
             except RuleError as exc:
                 skipped[f"{name}.{rule}"] = " ".join(str(exc).split())
                 continue

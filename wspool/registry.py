@@ -10,6 +10,7 @@ all growth (README's CUDA-graph rules).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -29,19 +30,75 @@ from wspool.devices import (
     resolve_device,
 )
 from wspool.devices import describe_device as describe_any_device
-from wspool.errors import ConfigError, RuleError, unknown_rule
+from wspool.errors import ConfigError, RuleError, describe_setting, unknown_rule
 from wspool.freeze import FreezeState
 from wspool.handles import EPOCH, WorkspaceHandle, bump_epoch
 from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, WorkspacePool
 from wspool.profile_views import ProfileView, check_rule_facts
 from wspool.regions import WrapperRegions, existing_regions
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
-from wspool.settings.schema import WspoolSettings, load_settings, profile_settings
+from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS, WspoolSettings, load_settings, profile_settings
 
-__all__ = ["PoolRegistry", "get_registry", "reset_registry", "set_registry"]
+__all__ = ["PoolRegistry", "check_given_facts", "get_registry", "reset_registry", "set_registry", "unknown_facts_text"]
 
 
 _PoolKey = tuple[str, torch.device, str]
+
+
+def _refuse_negative_facts(pool: str, facts: Mapping[str, object]) -> None:
+    """Refuse a negative fact given to :meth:`PoolRegistry.resolve`, as a default fact in YAML or ``WSPOOL_*`` is."""
+    for name, value in facts.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise RuleError(
+                f"fact {name!r} = {value} is negative: a fact is a non-negative integer (as "
+                f"{describe_setting(('pools', pool, 'facts', name))} is)",
+                path=("pools", pool, "facts", name),
+            )
+
+
+def check_given_facts(spec: PoolSpec, rule: str, facts: Mapping[str, object]) -> None:
+    """Refuse a fact given to :meth:`PoolRegistry.resolve` or ``wspool resolve`` that nothing would read.
+
+    Known names: those any rule of the pool reads, its default facts, the facts wspool's ops
+    pass (:data:`SHAPE_FACTS`) and the device's (:data:`DEVICE_FACTS`).
+
+    Raises:
+        RuleError: Naming the unknown facts, those ``rule`` reads and the close spellings.
+    """
+    known = {*SHAPE_FACTS, *DEVICE_FACTS, *spec.facts}
+    for other in spec.rules.values():
+        known.update(other.names)
+    for defaults in spec.rule_facts.values():
+        known.update(defaults)
+    unknown = sorted(name for name in facts if name not in known)
+    if unknown:
+        raise RuleError(
+            unknown_facts_text(unknown, spec.name, rule, sorted(spec.rules[rule].names), known),
+            path=("pools", spec.name, "rules", rule),
+        )
+
+
+def unknown_facts_text(unknown: Iterable[str], pool: str, rule: str, read: Iterable[str], known: Iterable[str]) -> str:
+    """Say which given facts pool ``pool`` does not read, what rule ``rule`` reads, and the close spellings.
+
+    ``"fact 'batchsize' is read by no rule of pool 'flashinfer_mla', so it would be ignored
+    (rule lse reads batch_size, num_heads, q_len); did you mean 'batch_size'?"``
+    """
+    names = list(unknown)
+    candidates = sorted({*read, *known})
+    matches = {name: difflib.get_close_matches(name, candidates, n=1, cutoff=0.75) for name in names}
+    shown = ", ".join(repr(name) for name in names)
+    verb, noun = ("is", "it") if len(names) == 1 else ("are", "they")
+    text = (
+        f"fact{'s' * (len(names) > 1)} {shown} {verb} read by no rule of pool {pool!r}, so {noun} would be "
+        f"ignored (rule {rule} reads {', '.join(read) or 'no fact'})"
+    )
+    guesses = [f"{found[0]!r}" for found in matches.values() if found]
+    if guesses:
+        text += f"; did you mean {' and '.join(guesses)}?"
+    return text
+
+
 _State = TypeVar("_State")
 #: Describes a device for its facts and profile; ``None`` for a device that is not a GPU.
 DeviceDescriber = Callable[[torch.device], DeviceDescription | None]
@@ -269,13 +326,27 @@ class PoolRegistry:
             raise unknown_rule(pool, rule, spec.rules)
 
     def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int:
-        """Return the bytes a call on ``device`` would get from ``rule``, default facts filled in; allocates nothing."""
+        """Return the bytes a call on ``device`` would get from ``rule``, default facts filled in; allocates nothing.
+
+        Unlike the per-call :meth:`workspace`, it checks the facts it is given once the rule
+        resolved: a negative value, or a name that no rule of the pool reads and that neither
+        wspool's ops, the device nor the default facts supply (a typo such as ``batchsize``),
+        is refused, as the configuration's default facts are.
+
+        Raises:
+            ConfigError: Unknown pool; :class:`RuleError` for an unknown rule, such a fact, or
+                a rule that cannot be resolved for these facts.
+        """
         view, _, device_facts = self._device_entry(resolve_device(device))
         spec = view.spec(pool)
         compiled = spec.rules.get(rule)
         if compiled is None:
             raise unknown_rule(pool, rule, spec.rules)
-        return compiled.resolve(facts, {**device_facts, **spec.facts})
+        nbytes = compiled.resolve(facts, {**device_facts, **spec.facts})
+        if facts:  # after the rule's own errors (a missing fact, a size out of range), which say more
+            _refuse_negative_facts(spec.name, facts)
+            check_given_facts(spec, rule, facts)
+        return nbytes
 
     # -- pools -------------------------------------------------------------
 

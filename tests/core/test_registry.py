@@ -432,3 +432,30 @@ def test_declaring_a_rule_above_the_cap_of_the_buffer_it_shares_is_refused(monke
     ):
         reg.declare_pool("flashinfer_mla", {"default": "128MiB"}, max_bytes="300MiB")
     assert reg.spec("flashinfer_mla").max_bytes is None
+
+
+def test_resolve_refuses_a_fact_no_rule_reads() -> None:
+    """registry.resolve(..., batchsize=8) raises, naming the fact, what the rule reads and the close spelling."""
+    reg = wspool.PoolRegistry.from_config("kimi_dcp")
+    with pytest.raises(
+        wspool.RuleError,
+        match=r"fact 'batchsize' is read by no rule of pool 'flashinfer_mla', so it would be ignored \(rule lse reads "
+        r"batch_size, cp_world, num_heads, q_len\); did you mean 'batch_size'\?",
+    ):
+        reg.resolve("flashinfer_mla", "lse", device="cpu", batchsize=8)
+    # Facts wspool's ops pass, or that another rule of the pool reads, are accepted.
+    assert reg.resolve("flashinfer_mla", "default", device="cpu", batch_size=8, num_heads=128) == 128 * MiB
+
+
+def test_resolve_refuses_a_negative_fact() -> None:
+    """registry.resolve(..., batch_size=-1) raises naming the default-fact key, as YAML and WSPOOL_* refuse -1."""
+    reg = wspool.PoolRegistry.from_config("kimi_dcp")
+    with pytest.raises(wspool.RuleError, match=r"fact 'batch_size' = -1 is negative.*pools\.flashinfer_mla\.facts"):
+        reg.resolve("flashinfer_mla", "lse", device="cpu", batch_size=-1)
+
+
+def test_the_per_call_path_takes_extra_facts_unchecked() -> None:
+    """workspace() takes facts no rule reads (an engine passes its own), as before: no check on the hot path."""
+    reg = wspool.PoolRegistry.from_config("kimi_dcp")
+    buffer = reg.workspace("flashinfer_mla", "cpu", rule="lse", batch_size=1, engine_step=3)
+    assert buffer.numel() >= reg.resolve("flashinfer_mla", "lse", device="cpu", batch_size=1)
