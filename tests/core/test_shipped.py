@@ -52,6 +52,7 @@ def test_the_wheel_holds_every_shipped_configuration_and_profile(tmp_path: Path)
         configs = {f"wspool/data/configs/{name}.yaml" for name in SHIPPED_CONFIGS}
         profiles = {f"wspool/data/profiles/{name}.yaml" for name in PROFILE_NAMES}
         assert set(held) == configs | profiles
+        assert "wspool/py.typed" in archive.namelist()  # PEP 561: a user's mypy checks calls to wspool
         for name in SHIPPED_CONFIGS:
             shipped = archive.read(f"wspool/data/configs/{name}.yaml").decode()
             assert shipped == (REPO_ROOT / "configs" / f"{name}.yaml").read_text(), name
@@ -100,3 +101,46 @@ def test_a_regular_install_finds_the_profiles_and_configs(tmp_path: Path) -> Non
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{SHIPPED_CONFIGS} True"
+
+
+def test_a_users_mypy_checks_calls_to_an_installed_wspool(tmp_path: Path) -> None:
+    """wspool installed in a venv's site-packages is typed for a user's mypy (py.typed): a wrong call is an error."""
+    pytest.importorskip("mypy", reason="needs mypy (the test extra)")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=60)
+    python = tmp_path / "venv" / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    (Path(site) / "wspool").symlink_to(REPO_ROOT / "wspool", target_is_directory=True)
+    user = tmp_path / "user.py"
+    user.write_text('import wspool\n\nsize: str = wspool.parse_size("1MiB")\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    command = [sys.executable, "-m", "mypy", "--no-incremental", "--cache-dir", os.devnull, "--python-executable"]
+    done = subprocess.run(
+        [*command, str(python), str(user)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "missing library stubs or py.typed marker" not in done.stdout, done.stdout
+    assert 'Incompatible types in assignment (expression has type "int", variable has type "str")' in done.stdout
+
+
+def test_no_message_names_a_checkout_path() -> None:
+    """No string wspool prints names configs/ (a checkout's folder): advice names what works after an install."""
+    import ast
+
+    found = []
+    for path in sorted((REPO_ROOT / "wspool").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            text = node.value if isinstance(node, ast.Constant) and id(node) not in docstrings else None
+            if isinstance(text, str) and "configs/" in text:
+                found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert not found, found

@@ -219,3 +219,22 @@ def test_every_shipped_configuration_and_profile_read_num_heads_as_heads_per_ran
             assert _lse_bytes(name, B200) in (slab + TRTLLM_HEADROOM["profile blackwell"], 256 * MiB), name
     # The issue's figure: the blackwell configuration and profile agree (129 MiB + 64 MiB here).
     assert _lse_bytes("blackwell", B200) == _lse_bytes(None, B200)
+
+
+def test_a_local_file_named_as_a_shipped_configuration_is_read_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file hopper in the working directory wins over the shipped hopper, and a warning says which was read."""
+    (tmp_path / "hopper").write_text("pools:\n  flashinfer_mla:\n    rules:\n      lse: 1MiB\n")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="wspool"):
+        settings = wspool.load_settings("hopper")
+    assert settings.pools["flashinfer_mla"].rules["lse"] == "1MiB"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"configuration 'hopper' is the file {tmp_path.resolve() / 'hopper'} in the working directory, not the "
+        "shipped configuration hopper"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="wspool"):
+        wspool.load_settings("./hopper")
+    assert caplog.records == []

@@ -135,7 +135,7 @@ def test_failed_section_is_reported() -> None:
 def test_plot_needs_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without matplotlib, --plot is a clear error with the install hint."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(BenchError, match=r"--plot needs matplotlib: pip install 'wspool\[plot\]'"):
+    with pytest.raises(BenchError, match=r"--plot needs matplotlib, which is not installed: pip install matplotlib$"):
         plot_memory(_gpu_figures(), tmp_path / "m.png")
 
 
@@ -158,7 +158,7 @@ def test_plot_from_json(tmp_path: Path) -> None:
             ["bench", "--plot-from", "/nonexistent.json", "--plot", "x.png"],
             "figures file /nonexistent.json does not exist or is not a file",
         ),
-        (["bench", "--repeats", "3", "--sections", "hot_path", "--plot", "x.png"], "no memory sweep to plot"),
+        (["bench", "--repeats", "3", "--sections", "hot_path", "--plot", "x.png"], "--plot "),
         (["bench", "--rules", "/nonexistent.yaml", "--repeats", "3"], "does not exist"),
         (["bench", "--shapes", "/nonexistent.yaml", "--repeats", "3"], "shapes file /nonexistent.yaml does not exist"),
     ],
@@ -248,3 +248,53 @@ def test_the_engine_path_without_engines_skips_each() -> None:
         "vLLM": {"skipped": "vLLM is not installed here"},
         "SGLang": {"skipped": "SGLang is not installed here"},
     }
+
+
+@pytest.mark.parametrize(
+    ("sections", "matplotlib", "blocker", "message"),
+    [
+        ("hot_path,memory", False, None, "--plot needs matplotlib, which is not installed: pip install matplotlib"),
+        ("hot_path", True, None, "--plot draws the memory sweep, and --sections hot_path leaves it out: add memory"),
+        ("memory", True, "no CUDA device", "--plot draws the memory sweep, which cannot run here (no CUDA device)"),
+    ],
+)
+def test_plot_is_checked_before_anything_is_measured(
+    sections: str,
+    matplotlib: bool,
+    blocker: str | None,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """bench --plot exits 2 with one line before measuring when it could not draw the plot."""
+    import importlib.util
+
+    from wspool.tools import bench
+
+    found = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return (found(name, *args) or object()) if name != "matplotlib" else (object() if matplotlib else None)
+
+    def measure(**kwargs: Any) -> dict[str, Any]:
+        raise AssertionError("measured before the plot was checked")
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(bench, "run_benchmarks", measure)
+    monkeypatch.setattr(bench, "memory_sweep_blocker", lambda: blocker)
+    assert main(["bench", "--sections", sections, "--plot", "x.png"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"wspool bench: error: {message}")
+
+
+def test_plot_from_figures_without_a_sweep_says_how_to_get_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot-from a CPU run's file names what it lacks and the command that writes it, not --plot-from again."""
+    saved = tmp_path / "cpu.json"
+    saved.write_text(json.dumps({"machine": {"gpu": None}, "memory": {"skipped": "no CUDA device"}}))
+    assert main(["bench", "--plot-from", str(saved), "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{saved} holds no memory sweep to plot (its memory section was skipped: no CUDA device" in err
+    assert "wspool bench --sections memory --json FILE` on a Hopper or Ampere GPU" in err
+    assert "run on a GPU or use --plot-from" not in err

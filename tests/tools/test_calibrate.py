@@ -300,7 +300,7 @@ def test_probe_refuses_blackwell(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backends, "device_arch", lambda device: (10, 0))
-    with pytest.raises(CalibrationError, match=r"cannot measure trtllm-gen.*configs/blackwell\.yaml"):
+    with pytest.raises(CalibrationError, match=r"cannot measure trtllm-gen.*--config blackwell"):
         MLAWorkspaceProbe(torch.device("cuda", 0))
 
 

@@ -20,11 +20,12 @@ from typing import Any, NoReturn
 
 from wspool import __version__
 from wspool.errors import WspoolError, printable
-from wspool.settings.profiles import shipped_config_names
+from wspool.settings.profiles import shadowed_shipped_name, shipped_config_names
 
 __all__ = [
     "BENCH_DEFAULT_SECTIONS",
     "BENCH_SECTIONS",
+    "CLOSED_PIPE_STATUS",
     "PACKAGE_LOGGER",
     "WIDTH",
     "Parser",
@@ -58,14 +59,30 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr and exit status 2."""
+    """An argument parser whose errors are one line on stderr and exit status 2, naming its own ``--help``.
+
+    Attributes:
+        commands: The subcommands' parsers by name (the top-level parser's), so that an
+            option a command does not take is reported against that command's help.
+    """
+
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Help that shows each option's default (where it has one worth showing) and keeps descriptions as written."""
+    """Help that shows each option's default (where it has one worth showing) and keeps descriptions' line breaks.
+
+    A description's long lines are wrapped to the terminal's width, as argparse wraps the options' help.
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(
+            textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent) if line.strip() else line
+            for line in text.splitlines()
+        )
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -89,7 +106,7 @@ def __getattr__(name: str) -> object:
 
 
 def fact_arg(text: str) -> tuple[str, int]:
-    """Parse ``--fact NAME=INTEGER``."""
+    """Parse ``--fact NAME=INTEGER`` (a negative one is refused where it is used, after the rule's own errors)."""
     from wspool.settings.schema import RESERVED_FACT_NAMES
 
     name, sep, value = text.partition("=")
@@ -103,9 +120,10 @@ def fact_arg(text: str) -> tuple[str, int]:
     try:
         if not value.isascii():
             raise ValueError
-        return name, int(value, 0)
+        number = int(value, 0)
     except ValueError:
         raise argparse.ArgumentTypeError(f"fact {name!r} must be an integer, got {value!r}") from None
+    return name, number
 
 
 def device_arg(text: str, *, allow_meta: bool = False) -> str:
@@ -176,8 +194,15 @@ def _handler(module: str, name: str) -> _Handler:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from wspool.tools.bench import SECTIONS, run_benchmarks
-    from wspool.tools.bench_report import failed_sections, format_report, load_figures, plot_memory, save_figures
+    from wspool.tools.bench import SECTIONS, memory_sweep_blocker, run_benchmarks
+    from wspool.tools.bench_report import (
+        check_plot,
+        failed_sections,
+        format_report,
+        load_figures,
+        plot_memory,
+        save_figures,
+    )
     from wspool.tools.sweep import DEFAULT_SHAPES, load_shapes
 
     if (args.runs is not None and args.runs < 1) or args.repeats < 1:
@@ -187,7 +212,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError("--plot-from needs --plot FILE.png")
         try:
             figures = load_figures(args.plot_from)
-            plot_memory(figures, args.plot)
+            plot_memory(figures, args.plot, source=args.plot_from)
         except (KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
             raise UsageError(f"--plot-from {args.plot_from}: malformed figures ({type(exc).__name__})") from None
         print(f"wrote {args.plot}")
@@ -197,6 +222,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         unknown = sorted(set(sections) - set(SECTIONS))
         if unknown or not sections:
             raise UsageError(f"--sections takes a subset of {','.join(SECTIONS)}; got {args.sections!r}")
+        if args.plot:  # what the plot needs, checked before a run that may take minutes
+            check_plot(sections, memory_sweep_blocker())
         figures = run_benchmarks(
             sections=sections,
             hot_device=args.device,
@@ -304,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("pool", help="a pool that `wspool show` lists, e.g. flashinfer_mla")
     resolve.add_argument("rule", nargs="?", default="default", help="the pool's rule (default: %(default)s)")
     resolve.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the call")
-    resolve.add_argument("--bytes", action="store_true", help="print only the integer")
-    resolve.add_argument("--json", action="store_true", help="machine-readable output")
+    output = resolve.add_mutually_exclusive_group()
+    output.add_argument("--bytes", action="store_true", help="print only the integer")
+    output.add_argument("--json", action="store_true", help="machine-readable output")
     resolve.add_argument(
         "--device", default=None, help="the device whose profile and facts apply (default: the current one)"
     )
@@ -391,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--granularity", type=int, default=1, help="search resolution in bytes (1: exact)")
     calibrate.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     calibrate.set_defaults(handler=_cmd_calibrate)
+    parser.commands = dict(commands.choices)
     return parser
 
 
@@ -425,7 +454,13 @@ def _error(command: str, message: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the command's own parser names them, and its help (`wspool stats --help`), as git and pip do
+            command = parser.commands.get(args.command, parser) if isinstance(parser, Parser) else parser
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+    except BrokenPipeError:  # --help or --version into a pipe closed early
+        return _closed_pipe()
     if args.command is None:  # a bare `wspool`: the usage, as git and uv give it
         with contextlib.suppress(OSError, ValueError):
             parser.print_help(sys.stderr)
@@ -436,17 +471,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "device", None) is not None:  # every command that takes --device: demo, resolve, ...
             device_arg(args.device, allow_meta=args.command == "bench")
+        _warn_shadowed(args)
         with _quiet_logger():
             status = handler(args)
             sys.stdout.flush()  # a closed pipe or a full disk surfaces here, not at exit
         return status
     except (WspoolError, UsageError, ValueError) as exc:
         return _error(args.command, str(exc))
-    except OSError as exc:  # stdout is a closed pipe or /dev/full
-        with contextlib.suppress(OSError, ValueError):
-            # Nothing more can reach stdout: point it at /dev/null so the interpreter's exit flush is silent.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # the reader left (`wspool show | head -1`): nothing is wrong, as for git
+        return _closed_pipe()
+    except OSError as exc:  # stdout is /dev/full, or another write failed
+        _silence_stdout()
         return _error(args.command, f"cannot write the output: {exc.strerror or exc}")
+
+
+def _warn_shadowed(args: argparse.Namespace) -> None:
+    """Say in one line on stderr that a file in the working directory is read instead of the shipped configuration."""
+    name = shadowed_shipped_name(getattr(args, "config", None))
+    if name is not None:
+        how = f"--config {name}" if getattr(args, "config", None) else f"WSPOOL_CONFIG={name}"
+        print(
+            f"wspool {args.command}: warning: {how} reads the file {name} in this directory, not the shipped "
+            f"configuration {name} (run from another directory, or rename the file, to take the shipped one)",
+            file=sys.stderr,
+        )
+
+
+#: The exit status of a command whose reader closed the pipe: 128 + SIGPIPE, as git's (a shell's $?).
+CLOSED_PIPE_STATUS = 141
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: nothing more can reach it, and the interpreter's exit flush must be silent."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _closed_pipe() -> int:
+    """End quietly after the reader of stdout went away: no message, status :data:`CLOSED_PIPE_STATUS`."""
+    _silence_stdout()
+    return CLOSED_PIPE_STATUS
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from wspool.cli import wrap
+from wspool.cli import UsageError, wrap
 from wspool.errors import describe_setting, printable, quote, setting_names
 from wspool.settings.schema import (
     OWN_POOLS,
@@ -98,7 +98,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     tables = {name: setting_rows(settings, prov) for name, (settings, prov) in profiles.items()}
     if args.json:
         data = {
-            "config_file": str(provenance.config_file or ""),
+            "config_file": str(provenance.config_file) if provenance.config_file is not None else None,
             "config_named": provenance.config_how,
             "shipped_config": provenance.shipped,
             "profile": {"value": given.profile, "source": provenance.source_of(("profile",))},
@@ -213,16 +213,20 @@ def _registry(config: str | None) -> tuple[PoolRegistry, WspoolSettings]:
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    """``wspool resolve``: the size a call would get, the rule that sizes it and where that rule came from."""
+    """``wspool resolve``: the size a call would get, its rule and each fact the rule read, with their origins."""
     from wspool.devices import resolve_device
+    from wspool.registry import check_given_facts
 
     registry, settings = _registry(args.config)
-    facts = dict(args.fact or [])
+    given = dict(args.fact or [])
     device = resolve_device(args.device)
-    nbytes = registry.resolve(args.pool, args.rule, device=device, **facts)
-    rule = registry.spec(args.pool, device).rules[args.rule]
     choice = registry.profile_of(device)
     _, provenance = profile_settings(settings, choice.profile)
+    rule = _rule_of(registry, args.pool, args.rule, device, provenance)
+    check_given_facts(registry.spec(args.pool, device), args.rule, given)  # a typo before a missing fact
+    facts = _facts_read(registry, args.pool, rule, device, given, provenance)
+    nbytes = registry.resolve(args.pool, args.rule, device=device, **given)
+    unread = {name: value for name, value in given.items() if name not in rule.names}
     origin = _rule_origin(provenance, (args.pool, args.rule))
     key, variable = setting_names(("pools", args.pool, "rules", args.rule))
     if args.json:
@@ -240,6 +244,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
                     "device": str(device),
                     "profile": choice.profile,
                     "facts": facts,
+                    "unread_facts": unread,
                 },
                 indent=2,
             )
@@ -249,8 +254,74 @@ def cmd_resolve(args: argparse.Namespace) -> int:
     else:
         print(f"{args.pool}.{args.rule} = {nbytes} bytes ({format_size(nbytes)})")
         print(wrap(f"  rule {printable(repr(rule.source))}, from {printable(origin)}"))
+        for name, fact in facts.items():
+            print(wrap(f"  fact {name} = {fact['value']} (from {printable(fact['source'])})"))
+        if not facts:
+            print("  facts: none (the rule is a fixed size)")
+        if unread:
+            shown = ", ".join(f"{name}={value}" for name, value in unread.items())
+            print(wrap(f"  given, but not read by this rule: {shown}"))
         print(wrap(f"  on {device}, profile {choice.profile}; set {key} / {variable}"))
     return 0
+
+
+def _rule_of(registry: PoolRegistry, pool: str, rule: str, device: Any, provenance: Provenance) -> Any:
+    """Return ``pool``'s compiled ``rule``; an unknown one names the shipped configuration that defines it."""
+    from wspool.errors import ConfigError, unknown_rule
+    from wspool.settings.profiles import shipped_configs_defining
+
+    try:
+        spec = registry.spec(pool, device)
+        found = spec.rules.get(rule)
+        if found is None:
+            raise unknown_rule(pool, rule, spec.rules)
+        return found
+    except ConfigError as exc:
+        asked = rule if pool in registry.pool_names() else None  # an unknown pool: a configuration that has it
+        shipped = [name for name in shipped_configs_defining(pool, asked) if name != provenance.shipped]
+        if not shipped:
+            raise
+        which = " or ".join(f"--config {name}" for name in shipped)
+        raise UsageError(f"{exc}; or take the shipped configuration that defines it: {which}") from None
+
+
+def _facts_read(
+    registry: PoolRegistry, pool: str, rule: Any, device: Any, given: dict[str, int], provenance: Provenance
+) -> dict[str, dict[str, Any]]:
+    """Each fact ``rule`` reads, with its value and where it came from: --fact, a default fact's source, the device.
+
+    A fact nothing supplies is a :class:`UsageError` naming ``--fact`` and the default fact that gives it.
+    """
+    spec = registry.spec(pool, device)
+    device_facts = registry.device_facts(device)
+    read: dict[str, dict[str, Any]] = {}
+    missing = []
+    for name in rule.names:
+        if name in given:
+            read[name] = {"value": given[name], "source": "--fact"}
+        elif name in spec.facts:
+            path = ("pools", pool, "facts", name)
+            source = provenance.explain(path) if provenance.givers(path) else "declared in code"
+            read[name] = {"value": spec.facts[name], "source": source}
+        elif name in device_facts:
+            read[name] = {"value": device_facts[name], "source": f"device {device}"}
+        else:
+            missing.append(name)
+    if missing:
+        from wspool.rules import rule_label
+        from wspool.settings.schema import DEVICE_FACTS
+
+        supplied = ", ".join(sorted({*given, *spec.facts, *device_facts})) or "none"
+        flags = " ".join(f"--fact {name}=VALUE" for name in missing)
+        defaults = " or ".join(describe_setting(("pools", pool, "facts", name)) for name in missing)
+        on_device = [name for name in missing if name in DEVICE_FACTS]
+        device_note = f" ({', '.join(on_device)}: a CUDA device gives it, {device} does not)" if on_device else ""
+        raise UsageError(
+            f"rule {rule_label(rule.setting, rule.source)} needs fact(s) {', '.join(missing)} that the call did not "
+            f"supply (supplied: {supplied}){device_note}; give {'it' if len(missing) == 1 else 'them'} with "
+            f"{flags}, or set a default fact: {defaults}"
+        )
+    return read
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -298,7 +369,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     registry = PoolRegistry(
         load_settings(args.config), describe_device=lambda d: describe_device(current if d.type == "meta" else d)
     )
-    data = dry_run(registry, dict(args.fact or []), device="meta")
+    facts = dict(args.fact or [])
+    _check_stats_facts(registry, facts)
+    data = dry_run(registry, facts, device="meta")
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -317,6 +390,25 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for key, why in data["skipped"].items():
         print(wrap(f"skipped {key} (give its facts with --fact NAME=VALUE): {why}"))
     return 0
+
+
+def _check_stats_facts(registry: PoolRegistry, facts: dict[str, int]) -> None:
+    """Refuse a ``--fact`` that no rule of any pool reads (a typo would otherwise be ignored), naming a close one."""
+    import difflib
+
+    from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS
+
+    read: set[str] = set()
+    for name in registry.pool_names():
+        spec = registry.spec(name, "meta")
+        read.update(spec.facts, *(rule.names for rule in spec.rules.values()))
+    for name in sorted(facts):
+        if name not in read and name not in SHAPE_FACTS and name not in DEVICE_FACTS:
+            close = difflib.get_close_matches(name, sorted({*read, *SHAPE_FACTS, *DEVICE_FACTS}), n=1, cutoff=0.75)
+            raise UsageError(
+                f"--fact {name}: no rule of any pool reads {name!r}, so it would be ignored (the rules read "
+                f"{', '.join(sorted(read)) or 'no fact'})" + (f"; did you mean {close[0]!r}?" if close else "")
+            )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ configurations are package data, so a name works wherever a file does
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wspool.errors import ConfigError
-from wspool.settings.sources import config_file_from, parse_yaml
+from wspool.settings.sources import CONFIG_ENV_VAR, config_file_from, parse_yaml
 
 if TYPE_CHECKING:  # wspool.devices imports torch; the settings load without it
     from wspool.devices import DeviceDescription
@@ -33,13 +34,16 @@ __all__ = [
     "choose_profile",
     "find_config_file",
     "load_profile",
+    "shadowed_shipped_name",
     "shipped_config",
     "shipped_config_names",
+    "shipped_configs_defining",
     "shipped_name_of",
     "shipped_text",
 ]
 
 
+_log = logging.getLogger(__name__)
 _PACKAGE = "wspool"
 _files = ExitStack()
 atexit.register(_files.close)
@@ -80,6 +84,36 @@ def shipped_name_of(path: Path) -> str | None:
         return None
 
 
+def shipped_configs_defining(pool: str, rule: str | None = None) -> list[str]:
+    """Return the shipped configurations that define pool ``pool`` (and its rule ``rule``, if given), sorted.
+
+    So an error about a pool or rule that exists only in an engine's configuration can
+    name the fix (``--config vllm``).
+    """
+    found = []
+    for name in shipped_config_names():
+        pools = parse_yaml(shipped_text("configs", name), f"shipped configuration {name}").get("pools") or {}
+        entry = pools.get(pool)
+        if isinstance(entry, Mapping) and (rule is None or rule in (entry.get("rules") or {})):
+            found.append(name)
+    return found
+
+
+def shadowed_shipped_name(config_file: str | os.PathLike[str] | None) -> str | None:
+    """Return the shipped configuration's name ``config_file`` also is, where a file of that name is read instead.
+
+    ``--config hopper`` in a directory holding a file ``hopper`` reads that file, not the
+    shipped configuration: the caller says so in one line.
+    """
+    raw = os.fspath(config_file) if config_file is not None else os.environ.get(CONFIG_ENV_VAR, "")
+    if raw not in shipped_config_names():  # "./hopper" names the file on purpose
+        return None
+    try:
+        return raw if Path(raw).is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def find_config_file(config_file: str | os.PathLike[str] | None) -> tuple[Path | None, str]:
     """Return the YAML file to read and how it was named: given in code, else by ``WSPOOL_CONFIG``.
 
@@ -93,6 +127,14 @@ def find_config_file(config_file: str | os.PathLike[str] | None) -> tuple[Path |
     except (OSError, ValueError):  # a name too long, a NUL: read_yaml names the problem
         return path, how
     if exists:
+        shadowed = shadowed_shipped_name(config_file)
+        if shadowed is not None:
+            _log.warning(
+                "configuration %r is the file %s in the working directory, not the shipped configuration %s",
+                shadowed,
+                path.resolve(),
+                shadowed,
+            )
         return path, how
     known = shipped_config_names()
     name = os.fspath(config_file) if config_file is not None else str(path)

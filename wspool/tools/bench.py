@@ -33,6 +33,7 @@ __all__ = [
     "default_rules_file",
     "machine_info",
     "measure_hot_path",
+    "memory_sweep_blocker",
     "run_benchmarks",
     "time_per_call_ns",
 ]
@@ -236,6 +237,11 @@ def run_benchmarks(
             except Exception as exc:
                 figures[name] = {"failed": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
     return figures
+
+
+def memory_sweep_blocker() -> str | None:
+    """Why the memory sweep (what ``--plot`` draws) cannot run on this machine's current GPU; ``None`` if it can."""
+    return _gpu_skip_reason(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
 
 
 def _gpu_skip_reason(gpu: torch.device | None) -> str | None:

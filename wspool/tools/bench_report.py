@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from wspool.units import MiB, format_size
 __all__ = [
     "MAX_FIGURES_BYTES",
     "BenchError",
+    "check_plot",
     "failed_sections",
     "format_report",
     "load_figures",
@@ -225,12 +227,48 @@ def load_figures(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def plot_memory(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Draw bytes reserved (fixed constant, measured rule) against the true minimum (needs matplotlib)."""
+#: How to get figures that hold a memory sweep, the one thing ``--plot`` draws.
+_SWEEP_HOWTO = (
+    "write one with `wspool bench --sections memory --json FILE` on a Hopper or Ampere GPU, then draw it "
+    "anywhere with `wspool bench --plot-from FILE --plot OUT.png`"
+)
+_NO_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip install matplotlib"
+
+
+def check_plot(sections: Sequence[str], memory_blocker: str | None) -> None:
+    """Refuse ``--plot`` before anything is measured, where the run could not draw it.
+
+    Args:
+        sections: The sections the run will measure; the plot draws ``memory``.
+        memory_blocker: Why the memory sweep cannot run on this machine, or ``None``.
+
+    Raises:
+        BenchError: matplotlib is missing, ``memory`` is not among ``sections``, or it cannot run here.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BenchError(_NO_MATPLOTLIB)
+    if "memory" not in sections:
+        raise BenchError(
+            f"--plot draws the memory sweep, and --sections {','.join(sections)} leaves it out: add memory"
+        )
+    if memory_blocker is not None:
+        raise BenchError(f"--plot draws the memory sweep, which cannot run here ({memory_blocker}); {_SWEEP_HOWTO}")
+
+
+def plot_memory(figures: Mapping[str, Any], path: str | os.PathLike[str], *, source: str | None = None) -> None:
+    """Draw bytes reserved (fixed constant, measured rule) against the true minimum (needs matplotlib).
+
+    ``source`` names the figures file (``--plot-from``) in the error where it holds no memory sweep.
+    """
     section = figures.get("memory")
     why = _skipped(section)
     if why is not None:
-        raise BenchError(f"no memory sweep to plot (memory section {why}); run on a GPU or use --plot-from")
+        if source is not None:
+            gpu = figures.get("machine", {}).get("gpu") or "no GPU"
+            raise BenchError(
+                f"{source} holds no memory sweep to plot (its memory section was {why}; machine: {gpu}); {_SWEEP_HOWTO}"
+            )
+        raise BenchError(f"no memory sweep to plot (memory section {why}); {_SWEEP_HOWTO}")
     assert section is not None
     try:
         import matplotlib
@@ -239,7 +277,7 @@ def plot_memory(figures: Mapping[str, Any], path: str | os.PathLike[str]) -> Non
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
-        raise BenchError("--plot needs matplotlib: pip install 'wspool[plot]' (or pip install matplotlib)") from None
+        raise BenchError(_NO_MATPLOTLIB) from None
     rows = section["rows"]
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(max(8.0, 0.42 * len(rows)), 5.0))

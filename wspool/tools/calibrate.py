@@ -35,7 +35,7 @@ __all__ = [
 
 NEEDS_GPU = (
     "needs a CUDA GPU to measure on (torch.cuda.is_available() is False here); run it on the GPU the "
-    "rules are for, or load a shipped rules file such as configs/hopper.yaml"
+    "rules are for, or take the shipped configuration measured on an H200: --config hopper (WSPOOL_CONFIG=hopper)"
 )
 
 

@@ -169,8 +169,8 @@ def _overflow_replay(registry: PoolRegistry, echo: Callable[[str], None]) -> boo
     own_size = compile_rule(own["rules"]["lse"], _LSE_RULE).resolve(call, {**defaults, **own.get("facts", {})})
     echo(
         f"  this configuration does not size MLA decode for Blackwell ({source} replaces the blackwell "
-        "profile's rule); on Blackwell, use configs/blackwell.yaml or leave pools.flashinfer_mla.rules to "
-        "the profile"
+        "profile's rule); on Blackwell, use --config blackwell (WSPOOL_CONFIG=blackwell) or leave "
+        "pools.flashinfer_mla.rules to the profile"
     )
     return _fits(own_size, heads, batch, scratch, "  the blackwell profile's rule", echo) and crashed
 

@@ -68,7 +68,8 @@ class MLAWorkspaceProbe:
             raise CalibrationError(
                 f"cannot measure {self.path} MLA decode (Blackwell): trtllm-gen's scratch is not bounds-checked "
                 "and cute-dsl's need comes from FlashInfer's own size function, so no probe is needed or possible; "
-                "use configs/blackwell.yaml (the launcher's formula with a margin)"
+                "use the shipped configuration blackwell, the launcher's formula with a margin (--config "
+                "blackwell, WSPOOL_CONFIG=blackwell)"
             )
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._fi = kernels.load_flashinfer_mla()
