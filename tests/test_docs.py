@@ -19,6 +19,8 @@ import importlib
 import os
 import re
 import shutil
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +166,33 @@ def test_readme_keeps_the_command_lines_ci_runs() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").split("\n")
     for pattern in (r"^python3 -m venv \.venv .*pytest", r"^python3 -m venv \.venv-vllm .*pytest"):
         assert len([line for line in lines if re.match(pattern, line)]) == 1, pattern
+
+
+def test_every_readme_command_line_makes_the_venv_it_uses() -> None:
+    """Each README command line that runs .venv/bin/..., or a backticked pip install into a venv, makes the venv
+    first, so it works pasted into a fresh clone."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = [line for b in fenced_blocks(ROOT / "README.md") if b.lang == "bash" for line in b.source.splitlines()]
+    lines += [span for span in re.findall(r"`([^`\n]+)`", text) if re.search(r"\.venv[\w-]*/bin/pip ", span)]
+    for line in lines:
+        for venv in set(re.findall(r"(\.venv[\w-]*)/bin/", line)):
+            assert line.startswith(f"python3 -m venv {venv} && "), line
+
+
+def test_a_plain_test_run_lists_no_skipped_tests(tmp_path: Path) -> None:
+    """pyproject's pytest options summarise failures and errors but count skips without a line each."""
+    (tmp_path / "test_one.py").write_text(
+        "import pytest\n\ndef test_skips():\n    pytest.skip('no CUDA device')\n\ndef test_fails():\n    assert False\n"
+    )
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
+    done = subprocess.run(
+        [*command, "--rootdir", str(tmp_path), str(tmp_path / "test_one.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "1 failed, 1 skipped" in done.stdout and "FAILED" in done.stdout
+    assert "SKIPPED" not in done.stdout
 
 
 def _cited(pattern: str) -> list[tuple[str, str]]:
