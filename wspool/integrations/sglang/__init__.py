@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
-from wspool.integrations import SGLANG
+import wspool
+from wspool.bounds import FactLimit, Reservation
+from wspool.integrations import RESERVE_ENV_VAR, SGLANG
 from wspool.integrations.patching import Integration, describe_config
+from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.sglang import buffers, wrappers
+from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang.buffers import (
     BUFFERS,
     CUTE_DSL_WORKSPACE,
@@ -35,7 +40,7 @@ from wspool.integrations.sglang.buffers import (
     configure,
     serve,
 )
-from wspool.registry import PoolRegistry
+from wspool.registry import PoolRegistry, get_registry
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
@@ -49,9 +54,12 @@ __all__ = [
     "TARGETS",
     "SglangIntegration",
     "configure",
+    "limits_from_server",
     "logger",
     "patched",
     "register",
+    "reservation_plan",
+    "reserve_before_kv_pool",
     "serve",
     "unregister",
 ]
@@ -60,6 +68,7 @@ __all__ = [
 logger = logging.getLogger("wspool.integrations.sglang")
 
 _RUNNER = "sglang.srt.model_executor.runner."
+_KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
 _FACTS = "the runner's facts"
 _CUTE = buffers.CUTE_DSL_WORKSPACE
 
@@ -111,6 +120,9 @@ TARGETS: tuple[Target, ...] = (
     Target(_RUNNER + "prefill_cuda_graph_runner", "PrefillCudaGraphRunner.capture", ("self",), buffers.wrap_capture,
            "freezes"),
     *wrappers.SEAMS,
+    # _reserving is defined below, beside what it calls.
+    Target(_KV_CONFIGURATOR, "KVCacheConfigurator._profile_available_bytes", ("self", "pre_model_load_memory"),
+           lambda f: _reserving(f), f"first reserves wspool's pools for the limits ({RESERVE_ENV_VAR}=0: off)"),
 )  # fmt: skip
 
 #: One group: SGLang's targets only work together.
@@ -125,6 +137,134 @@ def _read_deterministic(get_exec: Callable[[], Any]) -> Callable[[], bool]:
             return False
 
     return deterministic
+
+
+#: SGLang's FlashInfer workspace size, and the architectures its FlashInfer backend gives 512 MiB
+#: (``flashinfer_backend.py``); deterministic inference gives 2 GiB.
+_FLASHINFER_BYTES, _QWEN_BYTES, _DETERMINISTIC_BYTES = 384 << 20, 512 << 20, 2048 << 20
+_QWEN_ARCHITECTURES = frozenset(
+    ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM", "Qwen3VLForConditionalGeneration",
+     "Qwen3VLMoeForConditionalGeneration")
+)  # fmt: skip
+
+
+def _sglang_bytes(architectures: Iterable[str], backend: str, deterministic: bool) -> int:
+    """What SGLang's factory allocates for the FlashInfer workspace of ``backend`` (its own constants)."""
+    try:
+        from sglang.srt.environ import envs
+
+        configured = int(envs.SGLANG_FLASHINFER_WORKSPACE_SIZE.get())
+    except Exception:  # SGLang absent or changed: its documented default
+        configured = _FLASHINFER_BYTES
+    if backend == "flashinfer" and deterministic:
+        return _DETERMINISTIC_BYTES
+    if backend == "flashinfer" and _QWEN_ARCHITECTURES.intersection(architectures):
+        return _QWEN_BYTES
+    return configured
+
+
+def reservation_plan(
+    backends: Iterable[str | None], architectures: Iterable[str], deterministic: bool
+) -> tuple[dict[str, list[str]], int | None]:
+    """Return the pools and rules SGLang's FlashInfer ``backends`` call, and the size SGLang's factory gives them.
+
+    ``flashinfer`` -> pool ``flashinfer``, rule ``sglang`` (``sglang_deterministic``);
+    ``flashinfer_mla`` -> pool ``flashinfer_mla``, rule ``sglang_mla``. Other backends'
+    workspaces are not reserved (they grow on first use).
+    """
+    found = {b for b in backends if b}
+    archs = list(architectures)
+    rules: dict[str, list[str]] = {}
+    sizes = []
+    if "flashinfer" in found:
+        rules["flashinfer"] = ["sglang_deterministic" if deterministic else "sglang"]
+        sizes.append(_sglang_bytes(archs, "flashinfer", deterministic))
+    if "flashinfer_mla" in found:
+        rules["flashinfer_mla"] = ["sglang_mla"]
+        sizes.append(_sglang_bytes(archs, "flashinfer_mla", deterministic))
+    return rules, (max(sizes) if sizes else None)
+
+
+def limits_from_server(configurator: Any, sglang_bytes: int | None) -> dict[str, FactLimit]:
+    """Return the limits SGLang's configuration puts on the facts its workspaces' rules read.
+
+    ``sglang_bytes`` is SGLang's own size; the model's geometry per attention-TP
+    rank, page size and element sizes are fixed; ``batch_size`` goes up to
+    ``--max-running-requests`` (where set), ``q_len`` to the speculative draft tokens.
+    """
+    context = importlib.import_module("sglang.srt.runtime_context")
+    runner = SimpleNamespace(
+        model_config=getattr(configurator, "model_config", None),
+        page_size=getattr(configurator, "page_size", None),
+        kv_cache_dtype=getattr(configurator, "kv_cache_dtype", None),
+        dtype=getattr(configurator, "model_dtype", None),
+        max_running_requests=None,
+    )
+    facts = facts_of.facts_from_runner(runner, parallel=_context_value(context.get_parallel), spec=_spec(context))
+    limits = {name: FactLimit(v, v, (v,), f"SGLang's configuration ({name})") for name, v in facts.items()}
+    q_len = facts.get("q_len", 1)
+    limits["q_len"] = FactLimit(1, q_len, None, "SGLang's --speculative-num-draft-tokens")
+    schedule = _context_value(context.get_schedule)
+    requests = getattr(schedule, "max_running_requests", None)
+    if isinstance(requests, int) and requests > 0:
+        limits["batch_size"] = FactLimit(1, requests, None, "SGLang's --max-running-requests")
+    if sglang_bytes is not None:
+        limits["sglang_bytes"] = FactLimit(
+            sglang_bytes, sglang_bytes, (sglang_bytes,), "SGLANG_FLASHINFER_WORKSPACE_SIZE"
+        )
+    return limits
+
+
+def _context_value(get: Callable[[], Any]) -> Any:
+    try:
+        return get()
+    except Exception:  # not published (a bare process): the facts it gives are left out
+        return None
+
+
+def _spec(context: Any) -> Any:
+    return _context_value(context.get_spec)
+
+
+def reserve_before_kv_pool(configurator: Any) -> Reservation | None:
+    """Reserve the pools SGLang's attention backends call before it measures memory for its KV pool; never raises."""
+    if getattr(configurator, "is_draft_worker", False):
+        return None  # the target model's worker reserves; a draft worker shares its process's pools
+    try:
+        context = importlib.import_module("sglang.srt.runtime_context")
+        kernel = _context_value(context.get_exec)
+        names = [getattr(getattr(kernel, "kernel", None), key, None) for key in _BACKEND_KEYS]
+        deterministic = bool(getattr(getattr(kernel, "deterministic", None), "enable_deterministic_inference", False))
+        hf = getattr(getattr(configurator, "model_config", None), "hf_config", None)
+        rules, sglang_bytes = reservation_plan(names, getattr(hf, "architectures", None) or (), deterministic)
+        limits = limits_from_server(configurator, sglang_bytes)
+        registry = get_registry()
+        buffers.SglangPools.of(registry)
+    except Exception as exc:  # SGLang's configuration changed shape: leave its pools to grow on first use
+        logger.warning("wspool: SGLang's pools not reserved: %s: %s", type(exc).__name__, exc)
+        return None
+    override = buffers.device_override()
+    gpu = getattr(configurator, "gpu_id", 0)
+    device = override or (f"cuda:{gpu}" if str(getattr(configurator, "device", "cuda")) == "cuda" else "cpu")
+    engine = None if sglang_bytes is None else sglang_bytes * sum(len(r) for r in rules.values())
+    return reserve_for_engine(
+        "SGLang", limits, rules, device=device, lanes=[wspool.current_lane()], engine_bytes=engine, registry=registry
+    )
+
+
+_BACKEND_KEYS = ("attention_backend", "decode_attention_backend", "prefill_attention_backend")
+
+
+def _reserving(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> Any:
+        reserve_before_kv_pool(self)
+        return original(self, pre_model_load_memory)
+
+    _profile_available_bytes.__name__ = original.__name__
+    _profile_available_bytes.__qualname__ = getattr(original, "__qualname__", original.__name__)
+    _profile_available_bytes.__doc__ = original.__doc__
+    _profile_available_bytes.__wrapped__ = original  # type: ignore[attr-defined]
+    return _profile_available_bytes
 
 
 class SglangIntegration(Integration):
