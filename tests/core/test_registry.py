@@ -459,3 +459,48 @@ def test_the_per_call_path_takes_extra_facts_unchecked() -> None:
     reg = wspool.PoolRegistry.from_config("kimi_dcp")
     buffer = reg.workspace("flashinfer_mla", "cpu", rule="lse", batch_size=1, engine_step=3)
     assert buffer.numel() >= reg.resolve("flashinfer_mla", "lse", device="cpu", batch_size=1)
+
+
+def test_a_pool_in_use_cannot_be_declared_again_with_other_rules() -> None:
+    """Declaring a pool again after its first request, with other rules, is refused; the old rules keep serving."""
+    reg = wspool.PoolRegistry()
+    reg.declare_pool("mine", {"default": "1MiB"})
+    reg.declare_pool("mine", {"default": "2MiB"})  # before its first request: replaces the declaration
+    assert reg.workspace("mine", "cpu").numel() == 2 * MiB
+    with pytest.raises(ConfigError, match=r"pool 'mine' is in use"):
+        reg.declare_pool("mine", {"default": "4MiB"})
+    assert reg.resolve("mine") == 2 * MiB and reg.workspace("mine", "cpu").numel() == 2 * MiB
+
+
+def test_a_profile_first_used_while_a_declared_pool_is_in_use_takes_the_declaration() -> None:
+    """A GPU of a new profile, first seen after a declared pool served requests elsewhere, still gets the pool."""
+    from tests.helpers.devices_fake import B200, H200, meta_allocator
+
+    kinds = {"cpu": H200, "meta": B200}
+    reg = wspool.PoolRegistry(describe_device=lambda device: kinds.get(device.type), allocator=meta_allocator)
+    reg.declare_pool("extra", {"default": "sm_count * 1KiB"})
+    assert reg.workspace("extra", "cpu").numel() == 132 * 1024
+    assert reg.workspace("extra", "meta").numel() == 148 * 1024
+
+
+def test_registry_workspace_serves_repeated_calls_without_the_pools_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a call's first miss, registry.workspace() returns the held buffer without asking the pool again."""
+    reg = wspool.PoolRegistry()
+    reg.declare_pool("mine", {"default": "1MiB"})
+    first = reg.workspace("mine", "cpu")
+    reg.workspace("mine", "cpu")
+    pool = reg.pool("mine", "cpu")
+    asked: list[str] = []
+    served = pool.workspace
+    monkeypatch.setattr(pool, "workspace", lambda rule, facts: asked.append(rule) or served(rule, facts))
+    assert all(reg.workspace("mine", "cpu") is first for _ in range(3))
+    assert asked == [] and reg.stats("mine", "cpu").requests_by_rule["default"] == 5
+
+
+def test_warmup_over_no_shapes_allocates_nothing() -> None:
+    """warmup() with an empty list of shapes grows nothing and returns the capacity held (0 for a new pool)."""
+    reg = wspool.PoolRegistry()
+    reg.declare_pool("mine", {"default": "n * 1KiB"})
+    assert reg.warmup("mine", [], "cpu") == 0
+    assert reg.stats("mine", "cpu").grow_count == 0
+    assert reg.warmup("mine", [{"n": 3}, {"n": 5}, {"n": 4}], "cpu") == 5 * 1024

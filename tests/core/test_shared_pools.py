@@ -170,3 +170,16 @@ def test_agree_reserves_the_builtin_flashinfer_pool_on_flashinfer_mlas_buffer(tm
         assert (change.pool, change.new_bytes) == ("flashinfer_mla", 4 * MiB)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("pool", "rule"), [("a", "y"), ("b", "x")])
+def test_a_pool_is_never_served_another_pools_rule_on_its_shared_buffer(pool: str, rule: str) -> None:
+    """workspace() and handle() refuse a rule the named pool does not own, though the shared buffer has it."""
+    reg = make_registry({"a": {"rules": {"x": "1MiB"}}, "b": {"shared_with": "a", "rules": {"y": "2MiB"}}})
+    for _ in range(2):  # the first call and a call after the fast path was filled for the owned rules
+        with pytest.raises(RuleError, match=rf"pools\.{pool}\.rules"):
+            reg.workspace(pool, "cpu", rule=rule)
+        with pytest.raises(RuleError, match=rf"pools\.{pool}\.rules"):
+            reg.handle(pool, rule, device="cpu")
+        reg.workspace("a", "cpu", rule="x"), reg.workspace("b", "cpu", rule="y")
+    assert reg.stats("a", "cpu").request_count == 4

@@ -198,3 +198,53 @@ def test_a_by_name_copy_imported_after_apply_gets_its_original_back_at_undo(engi
         assert engine.one(1) == ("one", 1) and copy.one(1) == ("one", 1)
     finally:
         sys.modules.pop(copy_name, None)
+
+
+@pytest.fixture
+def importable(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Write modules named ``wspool_test_mod_*`` to a folder on the import path; forget them afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(source)
+        return name
+
+    yield write
+    for name in [n for n in sys.modules if n.startswith("wspool_test_mod_")]:
+        del sys.modules[name]
+
+
+def test_a_module_whose_own_import_fails_is_changed_not_absent(importable: Any) -> None:
+    """A module lacking a dependency, or raising at import, is TargetChanged naming the error; a missing
+    submodule of a missing package is TargetAbsent."""
+    lacking = importable("wspool_test_mod_lacking", "import wspool_test_no_such_dependency\n")
+    raising = importable("wspool_test_mod_raising", "raise RuntimeError('needs a GPU')\n")
+    with pytest.raises(TargetChanged, match=r"does not import \(ModuleNotFoundError: .*wspool_test_no_such_dependency"):
+        locate(Target(lacking, "f", ("a",), _wrap("f"), "x"))
+    with pytest.raises(TargetChanged, match=r"does not import \(RuntimeError: needs a GPU\)"):
+        locate(Target(raising, "f", ("a",), _wrap("f"), "x"))
+    with pytest.raises(TargetAbsent, match=r"module wspool_test_no_such_package\.sub does not exist here"):
+        locate(Target("wspool_test_no_such_package.sub", "f", ("a",), _wrap("f"), "x"))
+
+
+def test_a_global_or_an_uncallable_target_is_checked_as_such(engine: types.ModuleType) -> None:
+    """A missing global is absent; a called target whose value has no signature is changed."""
+    with pytest.raises(TargetAbsent, match=f"{MODULE}.nothing_here is missing"):
+        locate(_target("nothing_here", None))
+    engine.constant = 5  # type: ignore[attr-defined]
+    with pytest.raises(TargetChanged, match=f"{MODULE}.constant has no signature to check"):
+        locate(_target("constant"))
+
+
+def test_applied_lists_each_patch_with_its_original_and_replacement(engine: types.ModuleType) -> None:
+    """applied() returns the patches in place, in order, each naming what it replaced and with what."""
+    patches = PatchSet()
+    patches.apply(patches.plan((TargetGroup("g", (_target("one"), _target("two"))),)))
+    applied = patches.applied()
+    assert [(p.name, p.original, p.current()) for p in applied] == [
+        (f"{MODULE}.one", _one, engine.one),
+        (f"{MODULE}.two", _two, engine.two),
+    ]
+    assert all(p.replacement is p.current() for p in applied)
+    patches.undo()
+    assert patches.applied() == [] and not patches

@@ -232,3 +232,36 @@ def test_every_engines_switch_is_a_variable_the_settings_know() -> None:
     switches = [info.switch_var for info in ENGINES]
     assert switches == ["WSPOOL_VLLM", "WSPOOL_SGLANG", "WSPOOL_TOKENSPEED"]
     assert set(switches) <= set(EXTRA_ENV_VARS)
+
+
+def test_plugin_variables_that_are_unset_keep_wspool_on() -> None:
+    """An engine with an allowlist and a denylist variable, neither set, selects wspool; set but empty too."""
+    both = EngineInfo(**{**INFO.__dict__, "allowlist_var": "DEMO_PLUGINS"})
+    assert both.selection({}) is None and both.selection({"DEMO_DISABLE_PLUGINS": ""}) is None
+    assert both.selection({"DEMO_PLUGINS": "wspool"}) is None
+    assert both.selection({"DEMO_PLUGINS": ""}) == "DEMO_PLUGINS='' does not name wspool"
+    assert INFO.selection({"DEMO_DISABLE_PLUGINS": "other"}) is None
+
+
+def test_load_answers_true_or_false_for_every_outcome(
+    engine: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load() returns True when active and False (never another falsy value) whatever kept it from patching."""
+
+    class Old(_Demo):
+        info = EngineInfo(**{**INFO.__dict__, "supported": "<1"})
+
+    monkeypatch.setenv("WSPOOL_DEMO", "0")
+    assert _Demo(_targets()).load() is False
+    monkeypatch.delenv("WSPOOL_DEMO")
+    monkeypatch.setenv("DEMO_DISABLE_PLUGINS", "wspool")
+    assert _Demo(_targets()).load() is False
+    monkeypatch.delenv("DEMO_DISABLE_PLUGINS")
+    assert Old(_targets()).load() is False
+    changed = (Target(ENGINE, "one", ("a", "b"), _wrap, "one"),)
+    assert _Demo(changed).load() is False
+    assert engine.one is _f
+    demo = _Demo(_targets())
+    assert demo.load() is True and demo.load() is True
+    demo.unload()
+    assert engine.one is _f
