@@ -349,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pools with PoolRegistry.memory_summary() / memory_stats().",
     )
     stats.add_argument("--fact", action="append", type=fact_arg, metavar="NAME=VALUE", help="a fact of the calls")
+    stats.add_argument(
+        "--from",
+        dest="from_dir",
+        metavar="DIR",
+        help="show the snapshots a running engine's ranks wrote to DIR ($WSPOOL_STATS_DIR) instead of a dry run",
+    )
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     add_config_option(stats)
     stats.set_defaults(handler=_handler("wspool.cli.commands", "cmd_stats"))

@@ -358,7 +358,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    """``wspool stats``: what the pools would hold for given facts (a dry run on the meta device)."""
+    """``wspool stats``: what the pools would hold for given facts (a dry run on the meta device), or ``--from DIR``."""
+    if getattr(args, "from_dir", None):
+        return _stats_from(args.from_dir, args.json)
     from wspool.devices import describe_device, resolve_device
     from wspool.memory import dry_run, memory_summary
     from wspool.registry import PoolRegistry
@@ -389,6 +391,47 @@ def cmd_stats(args: argparse.Namespace) -> int:
     )
     for key, why in data["skipped"].items():
         print(wrap(f"skipped {key} (give its facts with --fact NAME=VALUE): {why}"))
+    return 0
+
+
+def _stats_from(folder: str, as_json: bool) -> int:
+    """``wspool stats --from DIR``: each rank's snapshots (after reserving, after capture, at exit), then totals."""
+    from wspool.integrations.reserving import read_snapshots
+
+    ranks = read_snapshots(folder)
+    latest = []
+    for rank in ranks:
+        events = rank["events"]
+        latest.append(events[max(events, key=lambda e: events[e].get("time", 0))] if events else {})
+    total = {
+        "capacity_bytes": sum(p["capacity_bytes"] for s in latest for p in s.get("pools", [])),
+        "grow_count": sum(p["grow_count"] for s in latest for p in s.get("pools", [])),
+        "refused_count": sum(p["refused_count"] for s in latest for p in s.get("pools", [])),
+        "ranks": len(ranks),
+    }
+    if as_json:
+        print(json.dumps({"ranks": ranks, "total": total}, indent=2))
+        return 0
+    for rank in ranks:
+        print(f"rank {rank.get('rank')} (pid {rank.get('pid')}):")
+        for event, snap in sorted(rank["events"].items(), key=lambda item: item[1].get("time", 0)):
+            pools = snap.get("pools", [])
+            held = sum(p["capacity_bytes"] for p in pools)
+            own = f"; the engine's constants: {format_size(snap['engine_bytes'])}" if "engine_bytes" in snap else ""
+            print(f"  {event}: {format_size(held)} held in {len(pools)} pool(s){own}")
+            for p in pools:
+                print(
+                    wrap(
+                        f"    {p['pool']} on {p['device']} lane {p['lane']}: {format_size(p['capacity_bytes'])}, "
+                        f"peak request {format_size(p['peak_request_bytes'])}, {p['request_count']} requests, "
+                        f"{p['grow_count']} grows, {p['refused_count']} refused",
+                        "      ",
+                    )
+                )
+    print(
+        f"total over {total['ranks']} rank(s), each at its latest snapshot: {format_size(total['capacity_bytes'])} "
+        f"held, {total['grow_count']} grows, {total['refused_count']} refused"
+    )
     return 0
 
 

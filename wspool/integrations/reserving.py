@@ -137,7 +137,10 @@ def write_snapshot(
     path = Path(folder) / f"wspool-rank{rank}.json"
     snapshot: dict[str, Any] = {
         "time": time.time(),
-        "pools": [dataclasses.asdict(s) | {"requests_by_rule": dict(s.requests_by_rule)} for s in registry.all_stats()],
+        "pools": [
+            {f.name: getattr(s, f.name) for f in dataclasses.fields(s)} | {"requests_by_rule": dict(s.requests_by_rule)}
+            for s in registry.all_stats()
+        ],
     }
     if plan is not None:
         snapshot["reservation"] = plan.as_dict()

@@ -390,7 +390,8 @@ LAYERS_KEYWORD = "_wspool_layers"
 #: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
 #: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
 #: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``; the SGLang integration
-#: ``WSPOOL_SGLANG`` and ``WSPOOL_SGLANG_DEVICE``.
+#: ``WSPOOL_SGLANG`` and ``WSPOOL_SGLANG_DEVICE``; every engine's reservation ``WSPOOL_RESERVE``
+#: and ``WSPOOL_STATS_DIR``.
 EXTRA_ENV_VARS: tuple[str, ...] = (
     CONFIG_ENV_VAR,
     "WSPOOL_VLLM",
@@ -398,6 +399,8 @@ EXTRA_ENV_VARS: tuple[str, ...] = (
     "WSPOOL_SGLANG",
     "WSPOOL_SGLANG_DEVICE",
     "WSPOOL_TOKENSPEED",
+    "WSPOOL_RESERVE",
+    "WSPOOL_STATS_DIR",
 )
 
 #: vLLM's fixed sizes (its FlashInfer MLA backend after PR #47074): 128 MiB for plain MLA
