@@ -667,12 +667,14 @@ def test_resolve_names_each_fact_it_read_and_its_source() -> None:
     assert (
         "fact q_len = 2 (from --fact)" in lines and "fact cp_world = 8 (from shipped configuration kimi_dcp)" in lines
     )
+    assert "on cpu (--device), profile fixed (auto: no GPU description" in text.stdout
     data = json.loads(_run(*args, "--json", env=env).stdout)
     assert data["facts"]["batch_size"] == {
         "value": 64,
         "source": "environment variable WSPOOL_POOLS__FLASHINFER_MLA__FACTS__BATCH_SIZE",
     }
     assert data["facts"]["q_len"] == {"value": 2, "source": "--fact"}
+    assert data["profile_reason"].startswith("auto: no GPU description")
     assert data["bytes"] == 8 * 8 * 8 * 64 * 256 + 33 * 2**20
 
 

@@ -243,6 +243,7 @@ def cmd_resolve(args: argparse.Namespace) -> int:
                     "variable": variable,
                     "device": str(device),
                     "profile": choice.profile,
+                    "profile_reason": choice.reason,
                     "facts": facts,
                     "unread_facts": unread,
                 },
@@ -261,7 +262,9 @@ def cmd_resolve(args: argparse.Namespace) -> int:
         if unread:
             shown = ", ".join(f"{name}={value}" for name, value in unread.items())
             print(wrap(f"  given, but not read by this rule: {shown}"))
-        print(wrap(f"  on {device}, profile {choice.profile}; set {key} / {variable}"))
+        chosen = "--device" if args.device is not None else "the current device"
+        print(wrap(f"  on {device} ({chosen}), profile {choice.profile} ({printable(choice.reason)})"))
+        print(wrap(f"  set {key} / {variable}"))
     return 0
 
 
