@@ -780,3 +780,12 @@ def test_a_local_file_shadowing_a_shipped_name_is_said(tmp_path: Path) -> None:
     ]
     done = subprocess.run([*command[:-1], "./hopper"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert (done.stdout, done.stderr) == ("1048576\n", "")
+
+
+@pytest.mark.parametrize("option", ["--fact", "--limit"])
+def test_plan_refuses_a_fact_name_no_rule_reads(capsys: pytest.CaptureFixture[str], option: str) -> None:
+    """plan --fact batchsize=8 or --limit batchsize=1..64 exits 2 naming it and the close spelling, not ignored."""
+    value = "8" if option == "--fact" else "1..64"
+    status, out, err = _in_process(capsys, "plan", "--config", "kimi_dcp", option, f"batchsize={value}")
+    assert (status, out, len(err.splitlines())) == (2, "", 1)
+    assert f"{option} batchsize: no rule of any pool reads 'batchsize'" in err and "did you mean 'batch_size'?" in err

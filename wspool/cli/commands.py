@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from wspool.cli import UsageError, wrap
@@ -337,6 +337,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     for name in args.pool or []:
         registry.spec(name)  # an unknown pool is the error naming the pools there are
+    _check_fact_names(registry, dict(args.fact or []), "--fact", device)
+    _check_fact_names(registry, limits, "--limit", device)
     plan = plan_reservation(
         registry, limits, pools=args.pool, devices=[device], lanes=args.lane or ["main"], facts=dict(args.fact or [])
     )
@@ -375,7 +377,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         load_settings(args.config), describe_device=lambda d: describe_device(current if d.type == "meta" else d)
     )
     facts = dict(args.fact or [])
-    _check_stats_facts(registry, facts)
+    _check_fact_names(registry, facts, "--fact", "meta")
     data = dry_run(registry, facts, device="meta")
     if args.json:
         print(json.dumps(data, indent=2))
@@ -438,21 +440,21 @@ def _stats_from(folder: str, as_json: bool) -> int:
     return 0
 
 
-def _check_stats_facts(registry: PoolRegistry, facts: dict[str, int]) -> None:
-    """Refuse a ``--fact`` that no rule of any pool reads (a typo would otherwise be ignored), naming a close one."""
+def _check_fact_names(registry: PoolRegistry, facts: Mapping[str, object], option: str, device: Any) -> None:
+    """Refuse a fact name no rule of any pool reads (a typo would otherwise be ignored), naming a close one."""
     import difflib
 
     from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS
 
     read: set[str] = set()
     for name in registry.pool_names():
-        spec = registry.spec(name, "meta")
+        spec = registry.spec(name, device)
         read.update(spec.facts, *(rule.names for rule in spec.rules.values()))
     for name in sorted(facts):
         if name not in read and name not in SHAPE_FACTS and name not in DEVICE_FACTS:
             close = difflib.get_close_matches(name, sorted({*read, *SHAPE_FACTS, *DEVICE_FACTS}), n=1, cutoff=0.75)
             raise UsageError(
-                f"--fact {name}: no rule of any pool reads {name!r}, so it would be ignored (the rules read "
+                f"{option} {name}: no rule of any pool reads {name!r}, so it would be ignored (the rules read "
                 f"{', '.join(sorted(read)) or 'no fact'})" + (f"; did you mean {close[0]!r}?" if close else "")
             )
 
