@@ -35,6 +35,7 @@ import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
 from wspool.handles import WorkspaceHandle
 from wspool.integrations.patching import device_variable
+from wspool.integrations.reserving import write_snapshot
 from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang import wrappers as sglang_wrappers
 from wspool.units import format_size
@@ -434,6 +435,7 @@ def wrap_capture(original: Callable[..., Any]) -> Callable[..., Any]:
             if not registry.is_frozen:
                 registry.freeze()
                 pools.capture_freeze = state.epoch
+            write_snapshot("captured", registry)
 
     return capture
 
