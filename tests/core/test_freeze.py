@@ -256,3 +256,17 @@ def test_a_leave_without_its_enter_changes_nothing() -> None:
     assert not state.frozen
     state.enter()
     assert state.frozen and state.refuses_growth()
+
+
+def test_a_buffer_grown_under_the_allowance_inside_a_frozen_block_is_retired_not_freed() -> None:
+    """Inside a frozen() block (no freeze() held), a buffer grown under the allowance is retired when replaced later."""
+    reg, cpu = _frozen_registry()
+    reg.workspace("p", cpu, rule="small")
+    with reg.frozen(), reg.allowing_growth():
+        grown = reg.workspace("p", cpu, rule="mid")
+    held = weakref.ref(grown)
+    del grown
+    reg.workspace("p", cpu, rule="big")
+    gc.collect()
+    assert held() is not None, "a buffer current inside a frozen block was freed on the next growth"
+    assert reg.stats("p", cpu).retired_bytes == 1024 + 2048

@@ -365,3 +365,63 @@ def test_steady_state_calls_return_the_held_buffer_without_the_pools_full_path(
     assert full_path == [] and all(b is second for b in held)
     assert second.data_ptr() == first.data_ptr() and second.dtype == (torch.int8 if path == "int8" else torch.uint8)
     assert pool.stats().requests_by_rule["rows"] == 5
+
+
+def test_every_call_path_of_a_process_wide_handle_follows_set_registry() -> None:
+    """fetch() and sized() in their steady state serve the registry set later, with its rules and their facts."""
+    wspool.set_registry(make_registry({"p": {"rules": {"default": "1KiB", "rows": "rows * 1KiB"}}}))
+    plain = wspool.get_registry().handle("p", device=CPU, call_facts=("rows",))
+    reading = wspool.get_registry().handle("p", "rows", device=CPU, call_facts=("rows",))
+    facts = {"rows": 2}
+    for _ in range(3):
+        assert reading.sized(facts).numel() == 2048
+        assert plain.fetch(lambda: {"rows": 2}).numel() == 2048  # the pool's one buffer, grown by the other rule
+    second = make_registry({"p": {"rules": {"default": "rows * 4KiB", "rows": "rows * 8KiB"}}})
+    wspool.set_registry(second)
+    assert plain.fetch(lambda: {"rows": 1}).numel() == 4096  # the rule reads a call fact now: asked for
+    assert reading.sized(facts).numel() == 16384 and reading.pool is second.pool("p", CPU)
+
+
+def test_sized_serves_a_rule_that_reads_no_call_fact_as_get_does() -> None:
+    """sized() on a handle whose rule reads none of the call's facts returns the buffer get() returns."""
+    reg = make_registry({"p": {"rules": {"default": "1MiB"}}})
+    handle = reg.handle("p", device=CPU)
+    buffer = handle.sized({"rows": 3})
+    assert buffer is handle.get() and buffer is handle.sized({"rows": 5}) and buffer.numel() == MiB
+
+
+@pytest.mark.parametrize("path", ["get", "fetch", "sized"])
+@pytest.mark.parametrize("captures", [False, True])
+def test_a_steady_state_call_asks_a_plain_probe_and_retires_only_what_it_saw(path: str, captures: bool) -> None:
+    """With a probe lacking CUDA parts (or none), steady-state calls retire the buffer only when it says so."""
+    capturing = [False]
+    probe = (lambda: capturing[0]) if captures else None
+    pool = WorkspacePool(PoolSpec("p", {"small": "1MiB", "big": "2MiB"}), CPU, capture_probe=probe)
+    handle = WorkspaceHandle(lambda: pool, "small")
+    call = {"get": handle.get, "fetch": lambda: handle.fetch(dict), "sized": lambda: handle.sized({"x": 1})}[path]
+    call()
+    call()
+    capturing[0] = captures
+    call()
+    capturing[0] = False
+    pool.workspace("big", {})
+    assert pool.stats().retired_bytes == (MiB if captures else 0)
+
+
+def test_a_handle_binds_once_per_epoch() -> None:
+    """A handle asks its bind callable once when made and once after each epoch move, not per call."""
+    pool = WorkspacePool(PoolSpec("p", {"small": "1MiB", "big": "2MiB"}), CPU)
+    binds: list[int] = []
+
+    def bind() -> WorkspacePool:
+        binds.append(EPOCH[0])
+        return pool
+
+    handle = WorkspaceHandle(bind, "small")
+    for _ in range(4):
+        handle.get()  # the first grows, which moves the epoch once
+    assert len(binds) == 2
+    pool.workspace("big", {})
+    for _ in range(4):
+        handle.get()
+    assert len(binds) == 3 and handle.get().numel() == 2 * MiB

@@ -234,3 +234,19 @@ def test_an_allocation_failure_is_a_limit_error_and_binds_nothing() -> None:
         regions.bind(wrapper, device=torch.device("cpu"), nbytes=1024, kind="x", lane="main")
     assert isinstance(info.value, MemoryError)
     assert regions.binding(wrapper) is None and binding_of(wrapper) is None and regions.stats() == []
+
+
+def test_a_group_member_of_exactly_the_regions_size_allocates_nothing() -> None:
+    """Joining a group's region whose size equals the need makes no allocation; a larger need makes one."""
+    made: list[int] = []
+
+    def allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+        made.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+    regions = WrapperRegions("flashinfer_int", lambda device: None, allocator=allocator)
+    cpu = torch.device("cpu")
+    keep = [_Wrapper() for _ in range(3)]
+    for wrapper, nbytes in zip(keep, (112, 112, 113), strict=True):
+        regions.bind(wrapper, device=cpu, nbytes=nbytes, kind="x", lane="main", group="g")
+    assert made == [112, 128]
