@@ -504,3 +504,33 @@ def test_warmup_over_no_shapes_allocates_nothing() -> None:
     assert reg.warmup("mine", [], "cpu") == 0
     assert reg.stats("mine", "cpu").grow_count == 0
     assert reg.warmup("mine", [{"n": 3}, {"n": 5}, {"n": 4}], "cpu") == 5 * 1024
+
+
+def test_a_configured_and_declared_pool_in_use_reaches_a_profile_first_used_later() -> None:
+    """A pool set in the configuration and declared with more rules, in use on one GPU, is whole on a new one."""
+    from tests.helpers.devices_fake import B200, H200, meta_allocator
+    from tests.helpers.registry import make_registry
+
+    kinds = {"cpu": H200, "meta": B200}
+    reg = make_registry(
+        {"extra": {"rules": {"default": "1KiB"}}},
+        allocator=meta_allocator,
+        describe_device=lambda device: kinds.get(device.type),
+    )
+    reg.declare_pool("extra", {"more": "sm_count * 1KiB"})
+    assert reg.workspace("extra", "cpu", rule="more").numel() == 132 * 1024
+    assert reg.workspace("extra", "meta", rule="more").numel() == 148 * 1024
+    assert reg.resolve("extra", "default", device="meta") == 1024
+
+
+def test_a_process_wide_handle_is_refused_a_rule_its_pool_no_longer_owns() -> None:
+    """After set_registry, a handle whose rule belongs to the new host of its pool's buffer is refused, named."""
+    from tests.helpers.registry import make_registry
+
+    wspool.set_registry(make_registry({"b": {"rules": {"y": "1KiB"}}}))
+    handle = wspool.get_registry().handle("b", "y", device="cpu")
+    assert handle.get().numel() == 1024
+    shared = {"a": {"rules": {"y": "2KiB"}}, "b": {"shared_with": "a", "rules": {"z": "4KiB"}}}
+    wspool.set_registry(make_registry(shared))
+    with pytest.raises(wspool.RuleError, match=r"pools\.b\.rules"):
+        handle.get()

@@ -265,3 +265,66 @@ def test_load_answers_true_or_false_for_every_outcome(
     assert demo.load() is True and demo.load() is True
     demo.unload()
     assert engine.one is _f
+
+
+def test_preflight_reads_the_environment_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """preflight(environ) judges the switch and plugin variables of that mapping, not of os.environ."""
+    monkeypatch.setenv("DEMO_DISABLE_PLUGINS", "wspool")
+    demo = _Demo(_targets())
+    assert demo.preflight({}).cleared
+    (refusal,) = demo.preflight({"WSPOOL_DEMO": "off"}).refusals
+    assert (refusal.kind, refusal.problem) == ("switch", None)
+    assert [r.kind for r in demo.preflight().refusals] == ["selection"]
+
+
+def test_a_switch_value_not_understood_is_a_refusal_naming_the_variable() -> None:
+    """WSPOOL_DEMO=maybe refuses with the switch's error as problem and cause; nothing else is read as on."""
+    verdict = _Demo(_targets()).preflight({"WSPOOL_DEMO": "maybe"})
+    assert not verdict.cleared
+    (refusal,) = verdict.refusals
+    assert refusal.kind == "switch" and refusal.reason == "WSPOOL_DEMO = 'maybe' is not understood"
+    assert refusal.problem == refusal.cause and "WSPOOL_DEMO" in refusal.cause
+
+
+def test_an_allowlist_without_wspool_says_the_fix_and_a_denylist_is_the_users_choice() -> None:
+    """An allowlist that omits wspool is a problem naming the variable to fix; a denylist naming it has none."""
+
+    class Listed(_Demo):
+        info = EngineInfo(**{**INFO.__dict__, "allowlist_var": "DEMO_PLUGINS"})
+
+    demo = Listed(_targets())
+    (allow,) = demo.preflight({"DEMO_PLUGINS": "other"}).refusals
+    assert allow.kind == "selection" and allow.problem is not None and "add wspool to DEMO_PLUGINS" in allow.problem
+    (deny,) = demo.preflight({"DEMO_DISABLE_PLUGINS": "wspool"}).refusals
+    assert (deny.kind, deny.problem) == ("selection", None)
+
+
+def test_a_replacement_that_raises_makes_load_answer_false_and_unload_names_what_it_restores(
+    engine: types.ModuleType,
+) -> None:
+    """load() is False when a replacement raises, leaving the engine as it was; unload() returns the names restored."""
+
+    def explode(original: Any) -> Any:
+        raise RuntimeError("cannot wrap three")
+
+    assert _Demo(_targets(explode)).load() is False and engine.one is _f
+    demo = _Demo(_targets())
+    assert demo.load() is True
+    assert demo.unload() == [f"{ENGINE}.one", f"{ENGINE}.two", f"{ENGINE}.three"] and engine.one is _f
+
+
+def test_a_load_that_leaves_a_group_unpatched_warns_naming_it(
+    engine: types.ModuleType, log: pytest.LogCaptureFixture
+) -> None:
+    """Where one group patches and another's target changed, load() is active and one warning names the other."""
+
+    class Two(_Demo):
+        def groups(self) -> tuple[TargetGroup, ...]:
+            changed = (Target(ENGINE, "three", ("a", "b"), _wrap, "three"),)
+            return (TargetGroup("demo", self._targets[:2]), TargetGroup("other", changed))
+
+    demo = Two(_targets())
+    assert demo.load() is True and demo.patched() == [f"{ENGINE}.one", f"{ENGINE}.two"]
+    (warning,) = _lines(log, logging.WARNING)
+    assert "not patched: other (" in warning and "Demo's own behaviour stays" in warning
+    demo.unload()
