@@ -13,6 +13,7 @@ and the SM count query of the cute-dsl backend are stood in for, per test.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -168,7 +169,7 @@ def test_loading_twice_patches_once(ts: TokenSpeed, caplog: pytest.LogCaptureFix
         tokenspeed.register()
     assert tokenspeed.patched() == TARGET_NAMES
     assert [line for line in _lines(caplog, logging.INFO) if "targets patched" in line] == [
-        "wspool: TokenSpeed 0.1.1: 5 targets patched; config: built-in defaults; profile auto"
+        "wspool: TokenSpeed 0.1.1: 6 targets patched; config: built-in defaults; profile auto"
     ]
 
 
@@ -389,3 +390,48 @@ def test_sampling_scratch_stays_tokenspeeds(ts: TokenSpeed, tmp_path: Path, monk
     sampler = ts.sampling.TritonSamplingBackend(config)
     assert sampler._gumbel_local_scores.numel() > 0
     assert [s for s in wspool.get_registry().all_stats() if s.capacity_bytes] == []
+
+
+# -- the reservation before TokenSpeed sizes its cache ----------------------------------------------
+
+
+class _Measured(Exception):
+    """Stops TokenSpeed's cache profile at its memory measurement."""
+
+
+def _profile_sees(ts: TokenSpeed, monkeypatch: pytest.MonkeyPatch, pool: str, spec: Any) -> list[int]:
+    """Run TokenSpeed's cache profile (the registry's copy) up to its measurement; return ``pool``'s capacity then."""
+    utils = importlib.import_module("tokenspeed.runtime.layers.attention.utils")
+    seen: list[int] = []
+
+    def measured(*args: Any) -> float:
+        seen.append(wspool.get_registry().stats(pool, CPU).capacity_bytes)
+        raise _Measured
+
+    monkeypatch.setattr(utils, "get_available_gpu_memory", measured)
+    registry = importlib.import_module("tokenspeed.runtime.layers.attention.registry")
+    with pytest.raises(_Measured):
+        registry.profile_available_cache_memory_bytes(_attn_config(ts, spec), 0, 1, 0.9, 80, 0)
+    return seen
+
+
+def test_trtllm_mla_workspace_reserved_before_tokenspeed_measures(
+    ts: TokenSpeed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the trtllm_mla backend, TokenSpeed measures for its cache with its MLA workspace already held."""
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "8")
+    _model_config(ts, tmp_path)  # runs the loader
+    spec = dataclasses.replace(_mla_spec(ts), backend_name="trtllm_mla")
+    assert _profile_sees(ts, monkeypatch, buffers.TRTLLM_MLA.pool, spec) == [8 << 20]
+
+
+def test_reservation_switch_off_and_other_backends_reserve_nothing(
+    ts: TokenSpeed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WSPOOL_RESERVE=0, or a backend wspool does not reserve for, leaves the pools empty when TokenSpeed measures."""
+    monkeypatch.setenv("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "8")
+    _model_config(ts, tmp_path)
+    assert _profile_sees(ts, monkeypatch, buffers.TRTLLM_MLA.pool, _mha_spec(ts)) == [0]
+    monkeypatch.setenv("WSPOOL_RESERVE", "0")
+    spec = dataclasses.replace(_mla_spec(ts), backend_name="trtllm_mla")
+    assert _profile_sees(ts, monkeypatch, buffers.TRTLLM_MLA.pool, spec) == [0]

@@ -16,15 +16,22 @@ start-up, before serving; loading is idempotent and never raises.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
-from wspool.integrations import TOKENSPEED
+import torch
+
+import wspool
+from wspool.bounds import FactLimit, Reservation
+from wspool.integrations import RESERVE_ENV_VAR, TOKENSPEED
 from wspool.integrations.patching import Integration, Reporter, describe_config
+from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.tokenspeed import buffers
 from wspool.integrations.tokenspeed.buffers import TOKENSPEED_POOLS, WORKSPACES
-from wspool.registry import PoolRegistry
+from wspool.registry import PoolRegistry, get_registry
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
@@ -37,6 +44,8 @@ __all__ = [
     "TokenspeedIntegration",
     "patched",
     "register",
+    "reservation_plan",
+    "reserve_before_cache",
     "tokenspeed_reporter",
     "unregister",
 ]
@@ -45,6 +54,22 @@ logger = logging.getLogger("wspool.integrations.tokenspeed")
 
 _PAGED = "tokenspeed.runtime.layers.attention.backends.paged."
 _BACKEND_INIT = ("self", "config", "spec", "kernel_page_size")
+
+_ATTENTION = "tokenspeed.runtime.layers.attention."
+_PROFILE_PARAMETERS = (
+    "attn_config", "gpu_id", "tp_size", "gpu_memory_utilization", "total_gpu_memory", "post_profile_bytes",
+    "world_group",
+)  # fmt: skip
+
+
+def _reserving(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def profile_available_cache_memory_bytes(attn_config: Any, gpu_id: int, *args: Any, **kwargs: Any) -> Any:
+        reserve_before_cache(attn_config, gpu_id)
+        return original(attn_config, gpu_id, *args, **kwargs)
+
+    return profile_available_cache_memory_bytes
+
 
 #: What the integration patches, in order; a missing one means none is patched.
 TARGETS: tuple[Target, ...] = (
@@ -86,6 +111,14 @@ TARGETS: tuple[Target, ...] = (
         f"per device, zeroed, from pool {buffers.DSA.pool}",
         requires=("_DSA_SPARSE_WORKSPACE_BYTES",),
     ),
+    # The registry imports the profile by name: its copy is the one create_attn_components calls.
+    Target(
+        _ATTENTION + "registry",
+        "profile_available_cache_memory_bytes",
+        _PROFILE_PARAMETERS,
+        _reserving,
+        f"first reserves wspool's pools for the attention backend ({RESERVE_ENV_VAR}=0: off)",
+    ),
 )
 
 #: One group: the block's users and the buffers kept apart from it only work together.
@@ -100,6 +133,48 @@ def tokenspeed_reporter() -> Reporter | None:
         return None
     record: Callable[..., None] | None = getattr(registry, "record_external", None)
     return record
+
+
+def reservation_plan(backend: str | None) -> tuple[dict[str, list[str]], int | None]:
+    """Return the pool and rule TokenSpeed's ``backend`` calls, and the size TokenSpeed itself gives it.
+
+    ``trtllm_mla`` -> the trtllm-gen MLA workspace (``TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB``);
+    ``flashmla`` -> FlashMLA's FlashInfer prefill workspace (``FLASHINFER_WORKSPACE_SIZE``).
+    Other backends (the shared block's users, DSA) are not reserved: they grow on first use.
+    """
+    try:
+        if backend == "trtllm_mla":
+            envs = importlib.import_module("tokenspeed.runtime.utils.env").envs
+            return {buffers.TRTLLM_MLA.pool: [buffers.TRTLLM_MLA.rule]}, int(
+                envs.TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB.get()
+            ) << 20
+        if backend == "flashmla":
+            sizes = importlib.import_module("tokenspeed.runtime.utils.flashinfer_config")
+            return {buffers.FLASHMLA.pool: [buffers.FLASHMLA.rule]}, int(sizes.get_flashinfer_workspace_size())
+    except (ImportError, AttributeError):  # TokenSpeed changed: its workspaces grow on first use
+        return {}, None
+    return {}, None
+
+
+def reserve_before_cache(attn_config: Any, gpu_id: int) -> Reservation | None:
+    """Reserve the workspace of ``attn_config``'s softmax backend before TokenSpeed measures its cache; never raises."""
+    try:
+        configs = importlib.import_module(_ATTENTION + "configs.base")
+        softmax = attn_config.component(configs.SoftmaxAttnConfig)
+        rules, nbytes = reservation_plan(getattr(softmax, "backend_name", None))
+        registry = get_registry()
+        buffers.TokenspeedPools.of(registry)
+    except Exception as exc:  # TokenSpeed's configuration changed shape: leave its pools to grow on first use
+        logger.warning("wspool: TokenSpeed's pools not reserved: %s: %s", type(exc).__name__, exc)
+        return None
+    device = torch.device(getattr(attn_config, "device", "cuda"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", gpu_id)
+    limits = {} if nbytes is None else {"tokenspeed_bytes": FactLimit(nbytes, nbytes, (nbytes,), "TokenSpeed's size")}
+    return reserve_for_engine(
+        "TokenSpeed", limits, rules, device=device, lanes=[wspool.current_lane()], engine_bytes=nbytes,
+        registry=registry,
+    )  # fmt: skip
 
 
 class TokenspeedIntegration(Integration):
