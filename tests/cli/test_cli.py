@@ -656,6 +656,22 @@ def test_stats_refuses_a_fact_no_rule_reads(capsys: pytest.CaptureFixture[str]) 
     assert "--fact headdim: no rule of any pool reads 'headdim'" in err and "did you mean 'head_dim'?" in err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("stats", "--fact", "batch_size=-1"),
+        ("stats", "--config", "kimi_dcp", "--fact", "batch_size=-1"),
+        ("plan", "--config", "kimi_dcp", "--limit", "batch_size=8", "--fact", "q_len=-3"),
+    ],
+)
+def test_stats_and_plan_refuse_a_negative_fact(capsys: pytest.CaptureFixture[str], args: tuple[str, ...]) -> None:
+    """stats and plan refuse a negative --fact in one line, exit 2, as resolve does, instead of skipping the rule."""
+    status, out, err = _in_process(capsys, *args)
+    name, value = args[-1].split("=")
+    assert (status, out, len(err.splitlines())) == (2, "", 1)
+    assert f"--fact {name}={value} is negative: a fact is a non-negative integer" in err
+
+
 def test_resolve_names_each_fact_it_read_and_its_source() -> None:
     """resolve prints each fact the rule read with its value and origin (variable, --fact, shipped), text and JSON."""
     env = {"WSPOOL_POOLS__FLASHINFER_MLA__FACTS__BATCH_SIZE": "64"}

@@ -441,11 +441,18 @@ def _stats_from(folder: str, as_json: bool) -> int:
 
 
 def _check_fact_names(registry: PoolRegistry, facts: Mapping[str, object], option: str, device: Any) -> None:
-    """Refuse a fact name no rule of any pool reads (a typo would otherwise be ignored), naming a close one."""
+    """Refuse a negative fact, or a fact name no rule of any pool reads (a typo would otherwise be ignored).
+
+    A negative value is refused before any rule sees it, as ``resolve`` and a default fact in
+    YAML or ``WSPOOL_*`` refuse it, rather than the dry run skipping the rules that read it.
+    """
     import difflib
 
     from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS
 
+    for name, value in sorted(facts.items()):
+        if isinstance(value, int) and value < 0:
+            raise UsageError(f"{option} {name}={value} is negative: a fact is a non-negative integer")
     read: set[str] = set()
     for name in registry.pool_names():
         spec = registry.spec(name, device)
