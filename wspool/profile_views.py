@@ -72,7 +72,7 @@ def _build_declaration(
             if key in configured.model_fields_set:
                 values[key] = getattr(configured, key)
     # Validated as YAML is (max_bytes 0, a fixed rule above max_bytes, growth's case).
-    validated = validate_pool(name, values)
+    validated = validate_pool(name, values, settings)
     spec = PoolSpec(
         name, validated.rules, validated.growth, validated.max_bytes, facts=configured.facts if configured else None
     )

@@ -434,6 +434,27 @@ def test_declaring_a_rule_above_the_cap_of_the_buffer_it_shares_is_refused(monke
     assert reg.spec("flashinfer_mla").max_bytes is None
 
 
+def test_a_declaration_refused_under_a_configured_cap_names_where_the_cap_came_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A declared rule above a max_bytes from WSPOOL_* or YAML names that source, not the declaration, as the cap's."""
+    monkeypatch.setenv("WSPOOL_POOLS__Q__MAX_BYTES", "1MiB")
+    with pytest.raises(
+        ConfigError,
+        match=r"pools\.q\.rules\.default = '4MiB' \(4MiB, from code \(declare_pool\)\) is above pools\.q\.max_bytes = "
+        r"1MiB \(from environment variable WSPOOL_POOLS__Q__MAX_BYTES\)",
+    ):
+        wspool.PoolRegistry().declare_pool("q", {"default": "4MiB"})
+    monkeypatch.delenv("WSPOOL_POOLS__Q__MAX_BYTES")
+    (tmp_path / "q.yaml").write_text("pools:\n  q:\n    rules: {big: 8MiB}\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"pools\.q\.rules\.big = '8MiB' \(8MiB, from YAML file .*q\.yaml\) is above pools\.q\.max_bytes = 2MiB "
+        r"\(from code \(declare_pool\)\)",
+    ):
+        wspool.PoolRegistry.from_config(tmp_path / "q.yaml").declare_pool("q", {"default": "1MiB"}, max_bytes="2MiB")
+
+
 def test_resolve_refuses_a_fact_no_rule_reads() -> None:
     """registry.resolve(..., batchsize=8) raises, naming the fact, what the rule reads and the close spelling."""
     reg = wspool.PoolRegistry.from_config("kimi_dcp")

@@ -635,13 +635,24 @@ def _schema_keys(parent: tuple[str, ...]) -> list[str]:
     return []
 
 
-def validate_pool(name: str, values: Mapping[str, Any]) -> PoolConfig:
+def validate_pool(name: str, values: Mapping[str, Any], configured: WspoolSettings | None = None) -> PoolConfig:
     """Validate one pool's settings given in code exactly as a YAML file's ``pools.<name>`` is.
+
+    Args:
+        name: The pool.
+        values: Its settings: a declaration's, with ``configured``'s values for this pool over it.
+        configured: The loaded configuration whose values ``values`` carries; an error names
+            their sources (a ``WSPOOL_*`` variable, a file), the declaration for the rest.
 
     Raises:
         ConfigError: Naming each offending key, as for a file.
     """
-    provenance = Provenance([Source("code", {"pools": {name: dict(values)}}, name="declare_pool")])
+    layers = [Source("code", {"pools": {name: dict(values)}}, name="declare_pool")]
+    inputs = None if configured is None else configured._load_inputs
+    if inputs is not None:
+        layers = [Source("code", inputs.overrides), *inputs.sources, Source("default", BUILTIN_DEFAULTS), *layers]
+    names = () if inputs is None else inputs.environ_names
+    provenance = Provenance(layers, None if inputs is None else inputs.path, environ_names=names)
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"invalid pool name {quote(name)}: a pool name must be a non-empty string")
     try:
