@@ -19,7 +19,7 @@ invariants are checked after every step:
 CUDA is simulated as in tests/reliability/test_capture.py: ``cuda:0`` pools get
 CPU buffers from the allocator and a capture probe that reads a flag; agree()
 runs over a gloo world of one rank. The CI
-profile runs 300 sequences of up to 50 steps; ``WSPOOL_MODEL_PROFILE=long``
+profile runs 500 sequences of up to 50 steps; ``WSPOOL_MODEL_PROFILE=long``
 runs 3000 of up to 100 (docs/reliability.md).
 """
 
@@ -44,6 +44,7 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
+    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -59,7 +60,7 @@ from wspool.regions import WrapperRegions, wrapper_regions
 KiB = 1024
 PROFILES = {
     "ci": settings(
-        max_examples=300,
+        max_examples=500,
         stateful_step_count=50,
         deadline=None,
         derandomize=True,
@@ -419,16 +420,17 @@ class RegistryMachine(RuleBasedStateMachine):
         n=st.integers(1, 80),
         same_mapping=st.booleans(),
         context=st.sampled_from(CONTEXTS),
+        calls=st.integers(1, 4),
     )
-    def call_handle(self, h: HandleModel, n: int, same_mapping: bool, context: str) -> None:
-        """A handle's call: it serves what workspace() serves in the registry it follows (I3)."""
+    def call_handle(self, h: HandleModel, n: int, same_mapping: bool, context: str, calls: int) -> None:
+        """A handle's calls (the later ones in its steady state): what workspace() serves in the registry it follows."""
         reg = h.registry or self.default
         assert reg is not None
         call = self._handle_call(h, n, same_mapping)
         nbytes = RULES[h.pool][h.rule](n)
-        self._check_outcome(
-            reg, h.pool, h.rule, h.device, h.lane, nbytes, context in ALLOWED, self._run_in(reg, context, call)
-        )
+        for _ in range(calls):
+            run = self._run_in(reg, context, call)
+            self._check_outcome(reg, h.pool, h.rule, h.device, h.lane, nbytes, context in ALLOWED, run)
 
     @staticmethod
     def _handle_call(h: HandleModel, n: int, same_mapping: bool) -> Callable[[], torch.Tensor]:
@@ -506,6 +508,7 @@ class RegistryMachine(RuleBasedStateMachine):
         assert not in_use or reg.guest == nbytes, "a pool in use took other rules"
         reg.guest = nbytes
 
+    @precondition(lambda self: any("d" in r.declared for r in (self.private, self.default) if r is not None))
     @rule(private=st.booleans(), n=st.integers(1, 80), lane=st.sampled_from(["main", "ubatch1"]))
     def request_declared(self, private: bool, n: int, lane: str) -> None:
         """A request of the declared pool: served within the cap the model holds in force (I2)."""
@@ -553,6 +556,7 @@ class RegistryMachine(RuleBasedStateMachine):
         block.__enter__()
         reg.blocks.append(block)
 
+    @precondition(lambda self: any(r.blocks for r in (self.private, self.default) if r is not None))
     @rule(private=st.booleans())
     def close_frozen_block(self, private: bool) -> None:
         reg = self._target(private)
@@ -643,6 +647,7 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         self.live_wrappers.append((wrapper, regions))
 
+    @precondition(lambda self: bool(self.live_wrappers))
     @rule(index=st.integers(0, 8))
     def release_wrapper(self, index: int) -> None:
         """A wrapper freed: its region goes with it unless another wrapper of its group holds it."""
