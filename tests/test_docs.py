@@ -10,7 +10,8 @@ one of them can be copied alone. A block's first line may say how it runs:
 - ``# not run: <reason>``: compiled only, then skipped with the reason.
 
 Any other block must run as written, so a fragment that uses a name it never
-defines fails. Bash, YAML and text blocks are not run.
+defines fails. In bash blocks, each ``wspool show|resolve|plan|stats`` example runs as a
+command and exits 0; YAML and text blocks are not run.
 """
 
 from __future__ import annotations
@@ -249,3 +250,28 @@ def test_every_cited_test_exists() -> None:
     cited_functions = [(doc, name) for doc, name in _cited(r"(?:^|::)(test_\w+)(?![\w.])") if name not in functions]
     missing = cited_files + cited_functions
     assert not missing, "cited but missing: " + ", ".join(f"{doc}: {cited}" for doc, cited in missing)
+
+
+def _cpu_command_lines() -> list[tuple[str, str]]:
+    """The ``wspool show|resolve|plan|stats`` lines of the bash blocks, continuations joined, comments dropped."""
+    found = []
+    for document in DOCUMENTS:
+        for block in fenced_blocks(document):
+            if block.lang != "bash":
+                continue
+            for line in re.sub(r"\\\n\s*", "", block.source).splitlines():
+                line = line.split(" #")[0].strip()
+                synopsis = re.search(r"[\[\]|]|FILE|\.\.\.", line)  # a synopsis, not an example
+                if re.match(r"wspool (show|resolve|plan|stats)\b", line) and not synopsis:
+                    found.append((document.name, line))
+    return found
+
+
+@pytest.mark.parametrize(("document", "line"), _cpu_command_lines())
+def test_a_documented_command_line_runs_verbatim_on_a_cpu(document: str, line: str, tmp_path: Path) -> None:
+    """Each show/resolve/plan/stats example in the docs exits 0 pasted into a plain directory (no rule refused)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WSPOOL_", "VLLM_", "SGLANG_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "wspool", *line.split()[1:]]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{document}: {line}\n{done.stdout}{done.stderr}"
