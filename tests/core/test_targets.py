@@ -248,3 +248,10 @@ def test_applied_lists_each_patch_with_its_original_and_replacement(engine: type
     assert all(p.replacement is p.current() for p in applied)
     patches.undo()
     assert patches.applied() == [] and not patches
+
+
+def test_a_plan_reaches_only_the_groups_it_would_patch(engine: types.ModuleType) -> None:
+    """plan.reach lists every target of the groups to patch; a refused group's, or all under all_or_nothing, none."""
+    groups = (TargetGroup("good", (_target("one"), _target("two"))), TargetGroup("bad", (_target("gone"),)))
+    assert [t.path for t in PatchSet().plan(groups).reach] == ["one", "two"]
+    assert PatchSet(all_or_nothing=True).plan(groups).reach == []

@@ -328,3 +328,13 @@ def test_a_load_that_leaves_a_group_unpatched_warns_naming_it(
     (warning,) = _lines(log, logging.WARNING)
     assert "not patched: other (" in warning and "Demo's own behaviour stays" in warning
     demo.unload()
+
+
+def test_an_integration_that_declares_no_groups_says_so() -> None:
+    """The base class's groups() raises NotImplementedError: a subclass must declare its targets."""
+
+    class Bare(Integration):
+        info = INFO
+
+    with pytest.raises(NotImplementedError):
+        Bare(logging.getLogger("wspool.test.demo")).groups()
