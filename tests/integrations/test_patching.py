@@ -338,3 +338,21 @@ def test_an_integration_that_declares_no_groups_says_so() -> None:
 
     with pytest.raises(NotImplementedError):
         Bare(logging.getLogger("wspool.test.demo")).groups()
+
+
+def test_the_load_line_for_targets_absent_from_the_version_appears_only_when_some_are(
+    engine: types.ModuleType, log: pytest.LogCaptureFixture
+) -> None:
+    """An optional target the engine lacks is named in one debug line; with none absent, no such line is written."""
+    absent = Target(ENGINE, "four", ("a",), _wrap, "four", optional=True)
+    demo = _Demo((*_targets(), absent))
+    assert demo.load() is True
+    demo.unload()
+    assert [line for line in _lines(log, logging.DEBUG) if "not in this version" in line] == [
+        f"wspool: Demo {version('pytest')}: not in this version, so not patched: {ENGINE}.four"
+    ]
+    log.clear()
+    other = _Demo(_targets())
+    assert other.load() is True
+    other.unload()
+    assert not [line for line in _lines(log, logging.DEBUG) if "not in this version" in line]
