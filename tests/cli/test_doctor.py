@@ -475,3 +475,20 @@ def test_doctor_names_the_reserve_switch(
     main(["doctor", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert {e["key"]: e["reserve"]["on"] for e in data["engines"]} == {e.key: value is None for e in ENGINES}
+
+
+def test_doctor_counts_a_reserve_switch_it_does_not_understand_as_a_problem(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """WSPOOL_RESERVE=maybe is one problem naming the variable and what it takes (exit 1), not "problems: none"."""
+    monkeypatch.setattr(EngineInfo, "installed_version", lambda self: SUPPORTED[self.key])
+    monkeypatch.setenv("WSPOOL_RESERVE", "maybe")
+    assert main(["doctor"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "reserves its pools before sizing its KV cache: not understood (read as yes)" in out
+    assert main(["doctor", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert [p for p in problems if "WSPOOL_RESERVE" in p] == [
+        "invalid environment variable WSPOOL_RESERVE = 'maybe': expected 1 or 0 (true/false, on/off, yes/no); "
+        "unset it to keep wspool on (each engine reserves its pools, as with 1)"
+    ]

@@ -69,6 +69,10 @@ def diagnose(config: str | None = None, environ: Mapping[str, str] | None = None
         "configuration": configuration,
         "problems": problems,
     }
+    try:
+        parse_switch(RESERVE_ENV_VAR, env)
+    except ConfigError as exc:  # the engines warn and reserve: a value meant as off is a mistake to show
+        problems.append(f"{exc} (each engine reserves its pools, as with 1)")
     if settings is not None:
         configuration["changed"] = _changed(settings, sorted({d["profile"] for d in devices}))
     return report
