@@ -39,7 +39,15 @@ from wspool.regions import WrapperRegions, existing_regions
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS, WspoolSettings, load_settings, profile_settings
 
-__all__ = ["PoolRegistry", "check_given_facts", "get_registry", "reset_registry", "set_registry", "unknown_facts_text"]
+__all__ = [
+    "PoolRegistry",
+    "check_given_facts",
+    "get_registry",
+    "registry_in_force",
+    "reset_registry",
+    "set_registry",
+    "unknown_facts_text",
+]
 
 
 _PoolKey = tuple[str, torch.device, str]
@@ -624,6 +632,11 @@ def get_registry() -> PoolRegistry:
                 _default = PoolRegistry()
             found = _default
     return found
+
+
+def registry_in_force() -> PoolRegistry | None:
+    """Return the process-wide registry if one is built, else ``None`` (builds none)."""
+    return _default
 
 
 def set_registry(registry: PoolRegistry | None) -> None:

@@ -35,9 +35,12 @@ __all__ = [
     "Preflight",
     "Refusal",
     "Reporter",
+    "SaidOnce",
     "describe_config",
     "device_variable",
     "parse_switch",
+    "replacing",
+    "require_own_buffers",
 ]
 
 _ON = ("", "1", "true", "on", "yes")
@@ -149,6 +152,85 @@ def describe_config(environ: Mapping[str, str] | None = None) -> str:
     if not os.path.isfile(named) and named in shipped_config_names():
         return f"config {named} (shipped)"
     return f"config {named}"
+
+
+def replacing(replacement: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A target's ``make`` that puts ``replacement`` in the original's place."""
+
+    def make(_original: Callable[..., Any]) -> Callable[..., Any]:
+        return replacement
+
+    return make
+
+
+def require_own_buffers(registry: PoolRegistry, why: Mapping[str, str], *, nor_hosts: bool = False) -> None:
+    """Refuse a configuration in which a pool of ``why`` draws from another pool's buffer.
+
+    Args:
+        registry: The registry whose configuration is checked.
+        why: Each pool that needs a buffer of its own, and why (what the engine's kernels keep there).
+        nor_hosts: Also refuse another pool drawing from one of these pools' buffers.
+
+    Raises:
+        ConfigError: Naming the pool, the pool that would overwrite it and the ``shared_with`` key to empty.
+    """
+    for pool, reason in why.items():
+        host = registry.buffer_pool(pool)
+        fix = pool
+        if host == pool and nor_hosts:
+            fix = min(
+                (p for p in registry.settings.pools if p != pool and registry.buffer_pool(p) == pool), default=pool
+            )
+            host = fix
+        if host != pool:
+            raise ConfigError(
+                f"pool {pool!r} must have its own buffer: {reason}, which pool {host!r} would overwrite; set "
+                f"pools.{fix}.shared_with / WSPOOL_POOLS__{fix.upper()}__SHARED_WITH empty",
+                path=("pools", fix, "shared_with"),
+            )
+
+
+class SaidOnce:
+    """What the integrations said once in one registry (:meth:`~wspool.PoolRegistry.state` keeps it).
+
+    Keys start with the engine's name, so an engine that unloads forgets its own
+    (:meth:`forget`) and a new load says them again. Thread semantics: two threads
+    may both say a key at the same instant (no lock: logging never runs under one).
+    """
+
+    def __init__(self) -> None:
+        self._said: set[tuple[Any, ...]] = set()
+
+    @classmethod
+    def of(cls, registry: PoolRegistry | None = None) -> SaidOnce:
+        """Return ``registry``'s (default: the registry in force)."""
+        if registry is None:
+            from wspool.registry import get_registry
+
+            registry = get_registry()
+        return registry.state(cls)
+
+    def first(self, *key: Any) -> bool:
+        """Return whether ``key`` is new here, remembering it."""
+        if key in self._said:
+            return False
+        self._said.add(key)
+        return True
+
+    def say(self, logger: logging.Logger, key: tuple[Any, ...], level: int, message: str, *args: object) -> None:
+        """Log ``message % args`` at ``level`` the first time ``key`` is said here."""
+        if self.first(*key):
+            logger.log(level, message, *args)
+
+    @classmethod
+    def forget(cls, engine: str) -> None:
+        """Forget what ``engine`` said in the registry in force (keys starting with its name); builds no registry."""
+        from wspool.registry import registry_in_force
+
+        registry = registry_in_force()
+        said = None if registry is None else registry.peek_state(cls)
+        if said is not None:
+            said._said = {key for key in said._said if key[:1] != (engine,)}
 
 
 #: An engine's undo registry: ``report(kind, name, undo)`` for each change wspool makes.

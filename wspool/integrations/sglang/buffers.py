@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 import wspool
-from wspool.errors import ConfigError, RuleError, missing_facts
+from wspool.errors import RuleError, missing_facts
 from wspool.handles import WorkspaceHandle
-from wspool.integrations.patching import device_variable
+from wspool.integrations.patching import SaidOnce, device_variable, require_own_buffers
 from wspool.integrations.reserving import write_snapshot
 from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang import wrappers as sglang_wrappers
@@ -173,15 +173,14 @@ class SglangPools:
     def __init__(self, registry: wspool.PoolRegistry) -> None:
         for pool, rules in SGLANG_POOLS.items():
             registry.declare_pool(pool, rules)
-        for w in BUFFERS.values():
-            host = registry.buffer_pool(w.pool)
-            if w.own_buffer and host != w.pool:
-                raise ConfigError(
-                    f"pool {w.pool!r} must have its own buffer: SGLang zeroes {w.name} because a kernel keeps "
-                    f"semaphores or counters in it, which pool {host!r} would overwrite; set "
-                    f"pools.{w.pool}.shared_with / WSPOOL_POOLS__{w.pool.upper()}__SHARED_WITH empty",
-                    path=("pools", w.pool, "shared_with"),
-                )
+        require_own_buffers(
+            registry,
+            {
+                w.pool: f"SGLang zeroes {w.name} because a kernel keeps semaphores or counters in it"
+                for w in BUFFERS.values()
+                if w.own_buffer
+            },
+        )
         self.registry = registry
         self.handles: dict[tuple[str, str, Any, str, torch.dtype], WorkspaceHandle] = {}
         # The freeze epoch a capture left (None: no capture froze it): a recapture thaws only that freeze.
@@ -206,15 +205,6 @@ class SglangPools:
         return found
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args: object) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
-
-
 def _missing(exc: RuleError, w: Workspace, known: Mapping[str, int]) -> RuleError:
     passer = f"for SGLang's {w.name} the integration"
     return missing_facts(exc, passer, known, facts_of.FACT_NAMES, "see docs/sglang.md")
@@ -235,8 +225,8 @@ def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
         raise _missing(exc, w, known) from exc
     buffer = handle.pool.buffer
     assert buffer is not None
-    if buffer is not held or (w.name, rule, device, lane) not in _said:
-        _said.add((w.name, rule, device, lane))
+    first = SaidOnce.of(pools.registry).first("SGLang", "served", w.name, rule, device, lane)
+    if buffer is not held or first:
         setting = f"pools.{w.pool}.rules.{rule}"
         if buffer.numel() < request.nbytes:
             logger.warning(
@@ -263,10 +253,6 @@ def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
     return view
 
 
-# (name, rule, device, lane) said in a log line for the buffer held now.
-_said: set[tuple[str, str, Any, str]] = set()
-
-
 def serve(name: str, factory: Callable[[], Any], own: Callable[[], Any]) -> Any:
     """Return SGLang's buffer ``name``: from its pool for the names of :data:`BUFFERS`, else ``own()``.
 
@@ -291,11 +277,20 @@ def serve(name: str, factory: Callable[[], Any], own: Callable[[], Any]) -> Any:
     try:
         request = facts_of.probe_factory(factory)
     except Exception as exc:  # an unforeseen factory: SGLang's own buffer, said once
-        _warn_once(name, "wspool: SGLang's %s stays SGLang's own: its factory cannot be sized (%s)", name, exc)
+        SaidOnce.of().say(
+            logger,
+            ("SGLang", "kept", name),
+            logging.WARNING,
+            "wspool: SGLang's %s stays SGLang's own: its factory cannot be sized (%s)",
+            name,
+            exc,
+        )
         return own()
     if len(request.shape) != 1 or request.dtype not in (torch.uint8, torch.int8):
-        _warn_once(
-            name,
+        SaidOnce.of().say(
+            logger,
+            ("SGLang", "kept", name),
+            logging.WARNING,
             "wspool: SGLang's %s stays SGLang's own: it is %s %s, not a flat byte buffer",
             name,
             request.dtype,
@@ -398,8 +393,10 @@ def wrap_constructor(
                 finally:
                     _AFTER_PARENT.reset(token)
                 if not after.done:
-                    _warn_once(
-                        CUTE_DSL_WORKSPACE.name,
+                    SaidOnce.of().say(
+                        logger,
+                        ("SGLang", "kept", CUTE_DSL_WORKSPACE.name),
+                        logging.WARNING,
                         "wspool: SGLang's %s stays SGLang's own: %s's parent constructor is not one wspool wraps",
                         CUTE_DSL_WORKSPACE.name,
                         type(self).__name__,
@@ -453,8 +450,7 @@ def forget_globals() -> None:
         if getattr(module, attr, None) is buffer:
             setattr(module, attr, None)
     _globals_set.clear()
-    _warned.clear()
-    _said.clear()
+    SaidOnce.forget("SGLang")
 
 
 def device_override(environ: Mapping[str, str] | None = None) -> torch.device | None:

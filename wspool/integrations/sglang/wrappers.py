@@ -34,6 +34,7 @@ import wspool
 from wspool.errors import RuleError
 from wspool.flashinfer import kernels, wrapper_buffers
 from wspool.flashinfer.backends import PRIVATE_NAMES_READ
+from wspool.integrations.patching import SaidOnce
 from wspool.integrations.sglang import facts as facts_of
 from wspool.regions import WrapperBinding, binding_of
 from wspool.targets import Target
@@ -56,7 +57,6 @@ _MLA = "sglang.srt.layers.attention.flashinfer_mla_backend"
 
 # SGLang's scheduling limits: get_schedule() and max_prefill_buffer_tokens() of its runtime context.
 _readers: tuple[Callable[[], Any] | None, Callable[[], Any] | None] = (None, None)
-_warned: set[str] = set()
 
 
 def configure(schedule: Callable[[], Any] | None, prefill_buffer_tokens: Callable[[], Any] | None) -> None:
@@ -64,13 +64,7 @@ def configure(schedule: Callable[[], Any] | None, prefill_buffer_tokens: Callabl
     was said once (the SGLang integration's ``configure`` calls it when it loads and unloads)."""
     global _readers
     _readers = (schedule, prefill_buffer_tokens)
-    _warned.clear()
-
-
-def _warn_once(key: str, level: int, message: str, *args: object) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.log(level, message, *args)
+    SaidOnce.forget("SGLang")
 
 
 def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole_prompts: bool = False) -> int | None:
@@ -186,8 +180,9 @@ def _describe(bound: Iterable[tuple[str, int | None]]) -> str:
 
 
 def _not_as_read(backend: Any, exc: AttributeError) -> None:
-    _warn_once(
-        "layout",
+    SaidOnce.of().say(
+        logger,
+        ("SGLang", "layout"),
         logging.WARNING,
         "wspool: SGLang's FlashInfer wrappers keep FlashInfer's int workspaces: %s is not as wspool read it (%s)",
         type(backend).__name__,
@@ -244,8 +239,9 @@ def bind_eager_wrappers(backend: Any) -> None:
             kept.append(f"{kind} ({ragged_backend})" if kind == "ragged" else kind)
         elif kind != "decode" and rows is None:
             kept.append(kind)
-            _warn_once(
-                "limits",
+            SaidOnce.of().say(
+                logger,
+                ("SGLang", "limits"),
                 logging.WARNING,
                 "wspool: SGLang's FlashInfer prefill wrappers keep FlashInfer's int "
                 "workspaces: SGLang's scheduling limits (max_prefill_tokens) are not published in this process",
@@ -324,13 +320,18 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
         _left_alone.add(wrapper)
         hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
         why = "the registry keeps FlashInfer's buffers" if hooked else wrapper_buffers.mla_hook_status()
-        _warn_once(
-            "mla", logging.INFO, "wspool: SGLang's FlashInfer MLA wrappers keep FlashInfer's int workspaces: %s", why
+        SaidOnce.of().say(
+            logger,
+            ("SGLang", "mla"),
+            logging.INFO,
+            "wspool: SGLang's FlashInfer MLA wrappers keep FlashInfer's int workspaces: %s",
+            why,
         )
     else:
         size = format_size(binding.region.nbytes)
-        _warn_once(
-            "mla",
+        SaidOnce.of().say(
+            logger,
+            ("SGLang", "mla"),
             logging.INFO,
             "wspool: SGLang's FlashInfer MLA wrappers take %s int workspaces from pool %s at their first plan",
             size,

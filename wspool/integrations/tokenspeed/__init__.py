@@ -27,7 +27,7 @@ import torch
 import wspool
 from wspool.bounds import FactLimit, Reservation
 from wspool.integrations import RESERVE_ENV_VAR, TOKENSPEED
-from wspool.integrations.patching import Integration, Reporter, describe_config
+from wspool.integrations.patching import Integration, Reporter, describe_config, replacing
 from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.tokenspeed import buffers
 from wspool.integrations.tokenspeed.buffers import TOKENSPEED_POOLS, WORKSPACES
@@ -77,7 +77,7 @@ TARGETS: tuple[Target, ...] = (
         "tokenspeed.runtime.execution.workspace",
         "WorkspacePool",
         ("device", "initial_nbytes"),
-        buffers.replacing(buffers.ServedWorkspacePool),
+        replacing(buffers.ServedWorkspacePool),
         f"the shared block -> pool {buffers.BLOCK.pool} (allocated on first use; freeze = wspool's freeze)",
         requires=("workspace_pool",),
     ),
@@ -92,7 +92,7 @@ TARGETS: tuple[Target, ...] = (
         _PAGED + "trtllm_mla",
         "get_trtllm_workspace_buffer",
         ("device",),
-        buffers.replacing(buffers.trtllm_mla_workspace),
+        replacing(buffers.trtllm_mla_workspace),
         f"per device, zeroed, from pool {buffers.TRTLLM_MLA.pool}",
     ),
     Target(
@@ -107,7 +107,7 @@ TARGETS: tuple[Target, ...] = (
         "tokenspeed_kernel.ops.attention.dsa.flashinfer",
         "_get_dsa_sparse_workspace",
         ("device",),
-        buffers.replacing(buffers.dsa_workspace),
+        replacing(buffers.dsa_workspace),
         f"per device, zeroed, from pool {buffers.DSA.pool}",
         requires=("_DSA_SPARSE_WORKSPACE_BYTES",),
     ),

@@ -38,6 +38,7 @@ import torch
 import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
 from wspool.handles import WorkspaceHandle
+from wspool.integrations.patching import SaidOnce, require_own_buffers
 from wspool.units import MiB, ceil_div, format_size, round_up
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
     "flashmla_module",
     "flashmla_workspace",
     "forget",
-    "replacing",
     "set_flashmla_workspace",
     "trtllm_mla_workspace",
     "wrap_flashmla_constructor",
@@ -151,17 +151,13 @@ class TokenspeedPools:
     def __init__(self, registry: wspool.PoolRegistry) -> None:
         for pool, rules in TOKENSPEED_POOLS.items():
             registry.declare_pool(pool, rules)
-        hosts = {w.pool: registry.buffer_pool(w.pool) for w in WORKSPACES}
-        for w in WORKSPACES:
-            sharing = sorted(p for p, host in hosts.items() if host == hosts[w.pool] and p != w.pool)
-            if w.zeroed and (hosts[w.pool] != w.pool or sharing):
-                raise ConfigError(
-                    f"pool {w.pool!r} must have a buffer of its own: TokenSpeed zeroes its {w.name} because the "
-                    f"kernel keeps state in it between launches, which pool {(sharing or [hosts[w.pool]])[0]!r} would "
-                    f"overwrite; set pools.<pool>.shared_with / WSPOOL_POOLS__<POOL>__SHARED_WITH empty for both",
-                    path=("pools", w.pool, "shared_with"),
-                )
-        if hosts[FLASHMLA.pool] == hosts[_SCRATCH]:
+        zeroed = {
+            w.pool: f"TokenSpeed zeroes its {w.name}: the kernel keeps state in it between launches"
+            for w in WORKSPACES
+            if w.zeroed
+        }
+        require_own_buffers(registry, zeroed, nor_hosts=True)
+        if registry.buffer_pool(FLASHMLA.pool) == registry.buffer_pool(_SCRATCH):
             raise ConfigError(
                 f"pool {FLASHMLA.pool!r} shares pool {_SCRATCH!r}'s buffer: FlashMLA's prefill wrappers keep their "
                 f"plans' partial results there between calls, which the scratch block's users overwrite; set "
@@ -210,21 +206,17 @@ def _pools() -> TokenspeedPools:
     return TokenspeedPools.of(wspool.get_registry())
 
 
-# (setting, device, lane) said in a log line for the buffer held now.
-_said: set[tuple[str, Any, str]] = set()
-
-
 def _serve(w: Workspace, device: Any, facts: Mapping[str, int]) -> torch.Tensor:
     """Return ``w``'s pool buffer on ``device`` for ``facts`` (the same mapping each call keeps the fast path)."""
     lane = wspool.current_lane()
-    handle = _pools().handle(w, device, lane)
+    pools = _pools()
+    handle = pools.handle(w, device, lane)
     held = handle.pool.buffer
     try:
         buffer = handle.sized(facts)
     except RuleError as exc:
         raise _missing(exc, w, facts) from exc
-    if buffer is not held and (w.setting, device, lane) not in _said:
-        _said.add((w.setting, device, lane))
+    if buffer is not held and SaidOnce.of(pools.registry).first("TokenSpeed", w.setting, device, lane):
         own = facts.get("tokenspeed_bytes", 0)
         logger.info(
             "wspool: TokenSpeed's %s is %s of pool %s (%s on %s, lane %s; TokenSpeed's own: %s)",
@@ -241,7 +233,7 @@ def _serve(w: Workspace, device: Any, facts: Mapping[str, int]) -> torch.Tensor:
 
 def forget() -> None:
     """Forget what was said once (after an undo, so a new load says it again)."""
-    _said.clear()
+    SaidOnce.forget("TokenSpeed")
 
 
 # -- the shared block -------------------------------------------------------------------------
@@ -417,15 +409,6 @@ def dsa_workspace(device: torch.device | str) -> torch.Tensor:
     Called per decode launch: in the steady state it is a bound handle's fast path.
     """
     return _serve(DSA, torch.device(device), _dsa_facts())
-
-
-def replacing(function: Callable[..., Any]) -> Callable[[Any], Any]:
-    """A target's ``make`` that replaces the original with ``function``."""
-
-    def make(_original: Any) -> Any:
-        return function
-
-    return make
 
 
 # -- TokenSpeed's private names ---------------------------------------------------------------

@@ -32,7 +32,7 @@ from wspool.bounds import Reservation
 from wspool.devices import DeviceLike
 from wspool.errors import WspoolError
 from wspool.integrations import VLLM
-from wspool.integrations.patching import Integration, describe_config, device_variable
+from wspool.integrations.patching import Integration, describe_config, device_variable, replacing
 from wspool.integrations.reserving import RESERVE_ENV_VAR, reserve_for_engine, write_snapshot
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm import internals, wrappers
@@ -192,13 +192,6 @@ def _reserving(original: Callable[..., Any]) -> Callable[..., Any]:
     return determine_available_memory
 
 
-def _replace_with(replacement: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(_original: Callable[..., Any]) -> Callable[..., Any]:
-        return replacement
-
-    return make
-
-
 _FOLDED_DECODE_PARAMETERS = (
     "q",
     "kv_cache",
@@ -231,9 +224,7 @@ GROUPS: tuple[TargetGroup, ...] = (
     TargetGroup(
         "the MLA decode workspace",
         (
-            Target(
-                _MLA, "_get_workspace_buffer", ("return_lse",), _replace_with(ws.get_mla_workspace_buffer), _MLA_POOL
-            ),
+            Target(_MLA, "_get_workspace_buffer", ("return_lse",), replacing(ws.get_mla_workspace_buffer), _MLA_POOL),
             Target(
                 _MLA,
                 "FlashInferMLAImpl.forward_mqa",
@@ -258,7 +249,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _MLA,
                 "_get_multi_ctas_kv_counter_buffer",
                 ("min_bytes", "device"),
-                _replace_with(ws.get_multi_ctas_kv_counter_buffer),
+                replacing(ws.get_multi_ctas_kv_counter_buffer),
                 "pool flashinfer_mla_counters",
             ),
         ),
@@ -270,14 +261,14 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _SPARSE,
                 "_get_workspace_buffer",
                 ("device", "min_bytes"),
-                _replace_with(ws.get_sparse_workspace_buffer),
+                replacing(ws.get_sparse_workspace_buffer),
                 _SPARSE_POOL,
             ),
             Target(
                 _SPARSE_SM120,
                 "_get_workspace_buffer",
                 ("device", "min_bytes"),
-                _replace_with(ws.get_sparse_workspace_buffer),
+                replacing(ws.get_sparse_workspace_buffer),
                 _SPARSE_POOL,
                 optional=True,
             ),
@@ -298,7 +289,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _PAGED,
                 "_get_multi_ctas_kv_counter_buffer",
                 ("min_bytes", "device"),
-                _replace_with(ws.get_paged_multi_ctas_kv_counter_buffer),
+                replacing(ws.get_paged_multi_ctas_kv_counter_buffer),
                 "pool flashinfer_counters",
             ),
         ),
@@ -337,7 +328,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                     module,
                     "get_flashinfer_dsv4_workspace",
                     ("device",),
-                    _replace_with(ws.get_dsv4_workspace),
+                    replacing(ws.get_dsv4_workspace),
                     _DSV4_POOL,
                     optional=True,
                 )
@@ -349,7 +340,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                     module,
                     "_get_flashinfer_dsv4_workspace",
                     ("device",),
-                    _replace_with(ws.get_dsv4_workspace),
+                    replacing(ws.get_dsv4_workspace),
                     _DSV4_POOL,
                     optional=True,
                 )
@@ -364,7 +355,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _DASH,
                 "_workspace",
                 ("device",),
-                _replace_with(ws.get_dash_workspace),
+                replacing(ws.get_dash_workspace),
                 "pool flashinfer_dash",
                 optional=True,
             ),

@@ -30,8 +30,9 @@ import torch
 
 import wspool
 from wspool.devices import LANES_ENTERED
-from wspool.errors import ConfigError, RuleError, missing_facts
+from wspool.errors import RuleError, missing_facts
 from wspool.handles import EPOCH, WorkspaceHandle
+from wspool.integrations.patching import require_own_buffers
 from wspool.integrations.vllm import internals
 from wspool.integrations.vllm.facts import (
     FACT_NAMES,
@@ -160,15 +161,9 @@ class VllmPools:
     def __init__(self, registry: PoolRegistry) -> None:
         for pool, rules in VLLM_POOLS.items():
             registry.declare_pool(pool, rules)
-        for own in OWN_BUFFER_POOLS:
-            host = registry.buffer_pool(own)
-            if host != own:
-                raise ConfigError(
-                    f"pool {own!r} must have its own buffer: its kernels' counters persist between "
-                    f"launches, and pool {host!r} would overwrite them; set pools.{own}.shared_with "
-                    f"/ WSPOOL_POOLS__{own.upper()}__SHARED_WITH empty",
-                    path=("pools", own, "shared_with"),
-                )
+        require_own_buffers(
+            registry, dict.fromkeys(OWN_BUFFER_POOLS, "its kernels keep counters in it between launches")
+        )
 
     @classmethod
     def of(cls, registry: PoolRegistry) -> VllmPools:

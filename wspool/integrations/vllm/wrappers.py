@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from wspool.flashinfer.wrapper_buffers import bind_paged_wrapper, paged_int_rule, planner_backend
+from wspool.integrations.patching import SaidOnce
 from wspool.integrations.vllm.facts import facts_from_config
 from wspool.integrations.vllm.getters import current_lane
 from wspool.registry import get_registry
@@ -52,7 +53,6 @@ class WrapperRecord:
 
 # Every wrapper the getters returned, bound or left alone: the per-step check is one look-up here.
 _records: weakref.WeakKeyDictionary[Any, WrapperRecord] = weakref.WeakKeyDictionary()
-_said: set[str] = set()
 
 
 def wrapper_record(wrapper: Any) -> WrapperRecord | None:
@@ -72,14 +72,9 @@ def step_bounds(config: Any) -> tuple[int, int]:
     return seqs, max(batched, seqs * facts.get("q_len", 1))
 
 
-def _say_once(level: int, message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        logger.log(level, "wspool: %s", message)
-
-
 def _left_alone(kind: str, facts: Mapping[str, int], why: str, level: int = logging.INFO) -> WrapperRecord:
-    _say_once(level, f"vLLM's {kind} wrapper keeps FlashInfer's 8 MiB int workspace and pinned copy: {why}")
+    said = f"vLLM's {kind} wrapper keeps FlashInfer's 8 MiB int workspace and pinned copy: {why}"
+    SaidOnce.of().say(logger, ("vLLM", said), level, "wspool: %s", said)
     return WrapperRecord(kind, None, facts, why)
 
 
