@@ -27,10 +27,12 @@ from wspool.targets import PartialUndoError, PatchPlan, PatchSet, TargetGroup
 if TYPE_CHECKING:
     import torch
 
+    from wspool.handles import WorkspaceHandle
     from wspool.registry import PoolRegistry
 
 __all__ = [
     "EngineInfo",
+    "Handles",
     "Integration",
     "Preflight",
     "Refusal",
@@ -188,6 +190,34 @@ def require_own_buffers(registry: PoolRegistry, why: Mapping[str, str], *, nor_h
                 f"pools.{fix}.shared_with / WSPOOL_POOLS__{fix.upper()}__SHARED_WITH empty",
                 path=("pools", fix, "shared_with"),
             )
+
+
+class Handles:
+    """Per registry (:meth:`~wspool.PoolRegistry.state`): the engines' bound handles, one per pool, rule, device,
+    lane and dtype, made by :meth:`~wspool.PoolRegistry.handle` on first use.
+
+    Thread semantics: two threads asking at once may both make a handle; both get the one kept.
+    """
+
+    def __init__(self, registry: PoolRegistry) -> None:
+        self.registry = registry
+        self._handles: dict[tuple[Any, ...], WorkspaceHandle] = {}
+
+    @classmethod
+    def of(cls, registry: PoolRegistry) -> Handles:
+        """Return ``registry``'s."""
+        return registry.state(cls, lambda: cls(registry))
+
+    def get(
+        self, pool: str, rule: str, device: Any, lane: str, dtype: torch.dtype | None = None, *, call_facts: Any = ()
+    ) -> WorkspaceHandle:
+        """Return the handle of ``pool``'s ``rule`` on ``device`` and ``lane``, as ``dtype``, reading ``call_facts``."""
+        key = (pool, rule, device, lane, dtype)
+        found = self._handles.get(key)
+        if found is None:
+            made = self.registry.handle(pool, rule, device=device, lane=lane, call_facts=call_facts, dtype=dtype)
+            found = self._handles.setdefault(key, made)
+        return found
 
 
 class SaidOnce:

@@ -33,8 +33,7 @@ import torch
 
 import wspool
 from wspool.errors import RuleError, missing_facts
-from wspool.handles import WorkspaceHandle
-from wspool.integrations.patching import SaidOnce, device_variable, require_own_buffers
+from wspool.integrations.patching import Handles, SaidOnce, device_variable, require_own_buffers
 from wspool.integrations.reserving import write_snapshot
 from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang import wrappers as sglang_wrappers
@@ -182,7 +181,6 @@ class SglangPools:
             },
         )
         self.registry = registry
-        self.handles: dict[tuple[str, str, Any, str, torch.dtype], WorkspaceHandle] = {}
         # The freeze epoch a capture left (None: no capture froze it): a recapture thaws only that freeze.
         self.capture_freeze: int | None = None
 
@@ -190,19 +188,6 @@ class SglangPools:
     def of(cls, registry: wspool.PoolRegistry) -> SglangPools:
         """Return ``registry``'s, declaring the pools on first use."""
         return registry.state(cls, lambda: cls(registry))
-
-    def handle(self, w: Workspace, rule: str, device: Any, lane: str, dtype: torch.dtype) -> WorkspaceHandle:
-        """Return the handle serving ``w`` by ``rule`` on ``device`` and ``lane`` as ``dtype``."""
-        key = (w.name, rule, device, lane, dtype)
-        found = self.handles.get(key)
-        if found is None:
-            registry, pool = self.registry, w.pool
-
-            def bind() -> wspool.WorkspacePool:
-                return registry.serving_pool(pool, rule, device, lane)
-
-            found = self.handles.setdefault(key, WorkspaceHandle(bind, rule, call_facts=_CALL_FACTS, dtype=dtype))
-        return found
 
 
 def _missing(exc: RuleError, w: Workspace, known: Mapping[str, int]) -> RuleError:
@@ -217,7 +202,7 @@ def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
     lane = wspool.current_lane()
     known = {**facts_of.current_facts(), "sglang_bytes": request.nbytes}
     rule = w.deterministic_rule if w.deterministic_rule and _settings.deterministic() else w.rule
-    handle = pools.handle(w, rule, device, lane, request.dtype)
+    handle = Handles.of(pools.registry).get(w.pool, rule, device, lane, request.dtype, call_facts=_CALL_FACTS)
     held = handle.pool.buffer
     try:
         view = handle.sized(known)

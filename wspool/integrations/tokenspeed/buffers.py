@@ -37,8 +37,7 @@ import torch
 
 import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
-from wspool.handles import WorkspaceHandle
-from wspool.integrations.patching import SaidOnce, require_own_buffers
+from wspool.integrations.patching import Handles, SaidOnce, require_own_buffers
 from wspool.units import MiB, ceil_div, format_size, round_up
 
 __all__ = [
@@ -166,25 +165,11 @@ class TokenspeedPools:
                 path=("pools", FLASHMLA.pool, "shared_with"),
             )
         self.registry = registry
-        self.handles: dict[tuple[str, Any, str], WorkspaceHandle] = {}
 
     @classmethod
     def of(cls, registry: wspool.PoolRegistry) -> TokenspeedPools:
         """Return ``registry``'s, declaring the pools on first use."""
         return registry.state(cls, lambda: cls(registry))
-
-    def handle(self, w: Workspace, device: Any, lane: str) -> WorkspaceHandle:
-        """Return the handle serving ``w`` on ``device`` and ``lane``."""
-        key = (w.setting, device, lane)
-        found = self.handles.get(key)
-        if found is None:
-            registry, pool, rule = self.registry, w.pool, w.rule
-
-            def bind() -> wspool.WorkspacePool:
-                return registry.serving_pool(pool, rule, device, lane)
-
-            found = self.handles.setdefault(key, WorkspaceHandle(bind, rule, call_facts=_CALL_FACTS))
-        return found
 
     def resolve(self, w: Workspace, device: Any, facts: Mapping[str, int]) -> int:
         """Return the bytes ``w``'s rule gives for ``facts`` on ``device``; allocates nothing.
@@ -210,7 +195,7 @@ def _serve(w: Workspace, device: Any, facts: Mapping[str, int]) -> torch.Tensor:
     """Return ``w``'s pool buffer on ``device`` for ``facts`` (the same mapping each call keeps the fast path)."""
     lane = wspool.current_lane()
     pools = _pools()
-    handle = pools.handle(w, device, lane)
+    handle = Handles.of(pools.registry).get(w.pool, w.rule, device, lane, call_facts=_CALL_FACTS)
     held = handle.pool.buffer
     try:
         buffer = handle.sized(facts)
