@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from wspool.errors import ConfigError, quote
 from wspool.targets import PartialUndoError, PatchPlan, PatchSet, TargetGroup
@@ -40,10 +40,13 @@ __all__ = [
     "SaidOnce",
     "describe_config",
     "device_variable",
+    "marked",
     "parse_switch",
     "replacing",
     "require_own_buffers",
 ]
+
+_Wrapper = TypeVar("_Wrapper", bound=Callable[..., Any])
 
 _ON = ("", "1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
@@ -163,6 +166,14 @@ def replacing(replacement: Callable[..., Any]) -> Callable[[Callable[..., Any]],
         return replacement
 
     return make
+
+
+def marked(wrapper: _Wrapper, original: Callable[..., Any]) -> _Wrapper:
+    """Return ``wrapper`` marked as wspool's (``__wspool__``) around ``original`` (``__wrapped__``, its docstring)."""
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__doc__ = original.__doc__
+    wrapper.__wspool__ = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def require_own_buffers(registry: PoolRegistry, why: Mapping[str, str], *, nor_hosts: bool = False) -> None:
@@ -310,6 +321,10 @@ class Integration:
     info: EngineInfo
     #: A group that cannot be patched leaves the whole engine untouched.
     all_or_nothing = False
+    #: The engine's pools for one registry: ``pools.of(registry)`` declares and checks them (``None``: none).
+    pools: Any = None
+    #: The variable that names the device every buffer is served on (tests: ``cpu``), if any.
+    device_var: str | None = None
 
     def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
@@ -330,7 +345,12 @@ class Integration:
         Raises:
             ConfigError: What keeps the integration from serving the engine, naming the setting to change.
         """
-        return describe_config(environ)
+        if self.device_var is not None:
+            device_variable(self.device_var, environ)
+        if self.pools is None:
+            return describe_config(environ)
+        self.pools.of(registry)
+        return f"{describe_config(environ)}; profile {registry.settings.profile}"
 
     def activate(self) -> list[str]:
         """Point the replacements at the engine's runtime (called before patching); return what is missing."""

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
 import wspool
 from wspool.bounds import FactLimit, Reservation
 from wspool.integrations import RESERVE_ENV_VAR, SGLANG
-from wspool.integrations.patching import Integration, describe_config
+from wspool.integrations.patching import Integration
 from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.sglang import buffers, wrappers
 from wspool.integrations.sglang import facts as facts_of
@@ -40,7 +40,7 @@ from wspool.integrations.sglang.buffers import (
     configure,
     serve,
 )
-from wspool.registry import PoolRegistry, get_registry
+from wspool.registry import get_registry
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
@@ -272,16 +272,12 @@ class SglangIntegration(Integration):
 
     info = SGLANG
     all_or_nothing = True
+    pools = buffers.SglangPools
+    device_var = buffers.DEVICE_ENV_VAR
 
     def groups(self) -> tuple[TargetGroup, ...]:
         """Return :data:`GROUPS`."""
         return GROUPS
-
-    def check(self, registry: PoolRegistry, environ: Mapping[str, str]) -> str:
-        """Check :data:`DEVICE_ENV_VAR`, declare the pools and check those SGLang zeroes own their buffers."""
-        buffers.device_override(environ)
-        buffers.SglangPools.of(registry)
-        return f"{describe_config(environ)}; profile {registry.settings.profile}"
 
     def activate(self) -> list[str]:
         """Point the replacements at SGLang's runtime context."""

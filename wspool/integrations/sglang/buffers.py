@@ -262,27 +262,14 @@ def serve(name: str, factory: Callable[[], Any], own: Callable[[], Any]) -> Any:
     try:
         request = facts_of.probe_factory(factory)
     except Exception as exc:  # an unforeseen factory: SGLang's own buffer, said once
-        SaidOnce.of().say(
-            logger,
-            ("SGLang", "kept", name),
-            logging.WARNING,
-            "wspool: SGLang's %s stays SGLang's own: its factory cannot be sized (%s)",
-            name,
-            exc,
-        )
-        return own()
-    if len(request.shape) != 1 or request.dtype not in (torch.uint8, torch.int8):
-        SaidOnce.of().say(
-            logger,
-            ("SGLang", "kept", name),
-            logging.WARNING,
-            "wspool: SGLang's %s stays SGLang's own: it is %s %s, not a flat byte buffer",
-            name,
-            request.dtype,
-            list(request.shape),
-        )
-        return own()
-    return _from_pool(w, request)
+        why = f"its factory cannot be sized ({exc})"
+    else:
+        if len(request.shape) == 1 and request.dtype in (torch.uint8, torch.int8):
+            return _from_pool(w, request)
+        why = f"it is {request.dtype} {list(request.shape)}, not a flat byte buffer"
+    said = SaidOnce.of()
+    said.say(logger, ("SGLang", "kept", name), logging.WARNING, "wspool: SGLang's %s stays SGLang's own: %s", name, why)
+    return own()
 
 
 def wrap_get_buffer(original: Callable[..., Any]) -> Callable[..., Any]:

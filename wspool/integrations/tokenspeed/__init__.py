@@ -182,15 +182,11 @@ class TokenspeedIntegration(Integration):
 
     info = TOKENSPEED
     all_or_nothing = True
+    pools = buffers.TokenspeedPools
 
     def groups(self) -> tuple[TargetGroup, ...]:
         """Return :data:`GROUPS`."""
         return GROUPS
-
-    def check(self, registry: PoolRegistry, environ: Mapping[str, str]) -> str:
-        """Declare the pools and check those TokenSpeed zeroes, and FlashMLA's, own their buffers."""
-        buffers.TokenspeedPools.of(registry)
-        return f"{describe_config(environ)}; profile {registry.settings.profile}"
 
     def deactivate(self) -> None:
         """Forget what was said once."""

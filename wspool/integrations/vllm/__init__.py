@@ -23,7 +23,7 @@ current CUDA device at each call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from wspool.bounds import Reservation
 from wspool.devices import DeviceLike
 from wspool.errors import WspoolError
 from wspool.integrations import VLLM
-from wspool.integrations.patching import Integration, describe_config, device_variable, replacing
+from wspool.integrations.patching import Integration, replacing
 from wspool.integrations.reserving import RESERVE_ENV_VAR, reserve_for_engine, write_snapshot
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm import internals, wrappers
@@ -322,28 +322,11 @@ GROUPS: tuple[TargetGroup, ...] = (
     TargetGroup(
         "DeepSeek V4's sparse MLA workspace",
         (
-            # vLLM 0.34: one function, two copies imported by name.
+            # vLLM 0.34: one function, two copies imported by name; vLLM 0.33: a function in each
+            # model's module, the second imported by name.
             *(
-                Target(
-                    module,
-                    "get_flashinfer_dsv4_workspace",
-                    ("device",),
-                    replacing(ws.get_dsv4_workspace),
-                    _DSV4_POOL,
-                    optional=True,
-                )
-                for module in (_DSV4, _DSV41, _DSV41_SPARSE)
-            ),
-            # vLLM 0.33: a function in each model's module, the second imported by name.
-            *(
-                Target(
-                    module,
-                    "_get_flashinfer_dsv4_workspace",
-                    ("device",),
-                    replacing(ws.get_dsv4_workspace),
-                    _DSV4_POOL,
-                    optional=True,
-                )
+                Target(module, name, ("device",), replacing(ws.get_dsv4_workspace), _DSV4_POOL, optional=True)
+                for name in ("get_flashinfer_dsv4_workspace", "_get_flashinfer_dsv4_workspace")
                 for module in (_DSV4, _DSV41, _DSV41_SPARSE)
             ),
         ),
@@ -411,16 +394,12 @@ class VllmIntegration(Integration):
     """vLLM's integration: :data:`GROUPS` patched group by group, each all or none."""
 
     info = VLLM
+    pools = ws.VllmPools
+    device_var = DEVICE_ENV_VAR
 
     def groups(self) -> tuple[TargetGroup, ...]:
         """Return :data:`GROUPS`."""
         return GROUPS
-
-    def check(self, registry: PoolRegistry, environ: Mapping[str, str]) -> str:
-        """Check :data:`DEVICE_ENV_VAR`, declare the plugin's pools and check those that own their buffers."""
-        device_variable(DEVICE_ENV_VAR, environ)
-        ws.VllmPools.of(registry)
-        return f"{describe_config(environ)}; profile {registry.settings.profile}"
 
     def activate(self) -> list[str]:
         """Point the replacements at vLLM's configuration, lanes and batch-invariant flag; return what is missing."""

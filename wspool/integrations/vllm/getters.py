@@ -32,7 +32,7 @@ import wspool
 from wspool.devices import LANES_ENTERED
 from wspool.errors import RuleError, missing_facts
 from wspool.handles import EPOCH, WorkspaceHandle
-from wspool.integrations.patching import require_own_buffers
+from wspool.integrations.patching import marked, require_own_buffers
 from wspool.integrations.vllm import internals
 from wspool.integrations.vllm.facts import (
     FACT_NAMES,
@@ -245,12 +245,9 @@ def wrap_use_workspace_lane(original: Callable[[int], Any]) -> Callable[[int], A
             with original(lane):
                 yield
 
-    use_workspace_lane.__wrapped__ = original  # type: ignore[attr-defined]
-    use_workspace_lane.__doc__ = original.__doc__
-    use_workspace_lane.__wspool__ = True  # type: ignore[attr-defined]
     _lanes_followed[0] = True
     _point_fast_path()
-    return use_workspace_lane
+    return marked(use_workspace_lane, original)
 
 
 _LANE_NAMES: dict[tuple[int, int], str] = {}
@@ -596,10 +593,7 @@ def wrap_forward_mqa(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             set_call_facts(previous)
 
-    forward_mqa.__wrapped__ = original  # type: ignore[attr-defined]
-    forward_mqa.__doc__ = original.__doc__
-    forward_mqa.__wspool__ = True  # type: ignore[attr-defined]
-    return forward_mqa
+    return marked(forward_mqa, original)
 
 
 def _is_mla_view(workspace: object) -> bool:
@@ -667,7 +661,4 @@ def wrap_folded_decode(original: Callable[..., Any]) -> Callable[..., Any]:
             **kwargs,
         )
 
-    folded_decode.__wrapped__ = original  # type: ignore[attr-defined]
-    folded_decode.__doc__ = original.__doc__
-    folded_decode.__wspool__ = True  # type: ignore[attr-defined]
-    return folded_decode
+    return marked(folded_decode, original)

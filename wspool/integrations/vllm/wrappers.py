@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from wspool.flashinfer.wrapper_buffers import bind_paged_wrapper, paged_int_rule, planner_backend
-from wspool.integrations.patching import SaidOnce
+from wspool.integrations.patching import SaidOnce, marked
 from wspool.integrations.vllm.facts import facts_from_config
 from wspool.integrations.vllm.getters import current_lane
 from wspool.registry import get_registry
@@ -169,10 +169,7 @@ def wrap_get_decode_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             _records[wrapper] = _record_decode(namespace, self, wrapper, batch_size, use_cudagraph, q_len_per_req)
         return wrapper
 
-    _get_decode_wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    _get_decode_wrapper.__doc__ = original.__doc__
-    _get_decode_wrapper.__wspool__ = True  # type: ignore[attr-defined]
-    return _get_decode_wrapper
+    return marked(_get_decode_wrapper, original)
 
 
 def wrap_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -189,7 +186,4 @@ def wrap_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]
             _records[wrapper] = _record_prefill(namespace, self, wrapper)
         return wrapper
 
-    _get_prefill_wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    _get_prefill_wrapper.__doc__ = original.__doc__
-    _get_prefill_wrapper.__wspool__ = True  # type: ignore[attr-defined]
-    return _get_prefill_wrapper
+    return marked(_get_prefill_wrapper, original)
