@@ -40,6 +40,7 @@ __all__ = [
     "SaidOnce",
     "describe_config",
     "device_variable",
+    "entry_points",
     "marked",
     "parse_switch",
     "replacing",
@@ -359,6 +360,10 @@ class Integration:
     def deactivate(self) -> None:
         """Forget what :meth:`activate` learned (after an undo)."""
 
+    def reporter(self) -> Reporter | None:
+        """Return the engine's undo registry :meth:`load` reports each change to, if it has one."""
+        return None
+
     # -- the lifecycle ----------------------------------------------------------
 
     def preflight(
@@ -513,3 +518,28 @@ class Integration:
     def state(self) -> dict[str, Any]:
         """Return what ``wspool doctor`` shows of this integration in this process (JSON-able)."""
         return {"engine": self.info.key, "patched": self.patched()}
+
+
+def entry_points(
+    integration: Integration,
+) -> tuple[Callable[[], None], Callable[[], list[str]], Callable[[], list[str]]]:
+    """Return an engine package's ``register`` (its plugin entry point), ``unregister`` and ``patched``."""
+    name = integration.info.name
+
+    def register() -> None:
+        integration.load(integration.reporter())
+
+    def unregister() -> list[str]:
+        return integration.unload()
+
+    def patched() -> list[str]:
+        return integration.patched()
+
+    register.__doc__ = (
+        f"Install wspool's workspaces into {name} (the {integration.info.entry_point_group} entry point); never "
+        f"raises.\n\nIdempotent. Reads the switch, wspool's configuration and {name}'s version, then patches "
+        "(:meth:`Integration.load`); logs one line."
+    )
+    unregister.__doc__ = f"Put {name}'s originals back (for tests); return the names restored."
+    patched.__doc__ = f"Return the names of the {name} attributes wspool replaced in this process."
+    return register, unregister, patched

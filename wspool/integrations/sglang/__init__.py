@@ -28,7 +28,7 @@ from typing import Any
 import wspool
 from wspool.bounds import FactLimit, Reservation
 from wspool.integrations import RESERVE_ENV_VAR, SGLANG
-from wspool.integrations.patching import Integration
+from wspool.integrations.patching import Integration, entry_points
 from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.sglang import buffers, wrappers
 from wspool.integrations.sglang import facts as facts_of
@@ -307,23 +307,4 @@ INTEGRATION = SglangIntegration(logger)
 ENABLE_ENV_VAR = SGLANG.switch_var
 
 
-def register() -> None:
-    """Install wspool's workspaces into SGLang (the ``sglang.srt.plugins`` entry point); never raises.
-
-    Idempotent. Reads the switch, checks SGLang's version and wspool's
-    configuration, then patches every target or none; logs one line.
-    """
-    INTEGRATION.load()
-
-
-def unregister() -> list[str]:
-    """Put SGLang's originals back (for tests); return the names restored.
-
-    A module global wspool set is reset to ``None``; backends built meanwhile keep their buffers.
-    """
-    return INTEGRATION.unload()
-
-
-def patched() -> list[str]:
-    """Return the names of the SGLang attributes wspool replaced in this process."""
-    return INTEGRATION.patched()
+register, unregister, patched = entry_points(INTEGRATION)

@@ -27,7 +27,7 @@ import torch
 import wspool
 from wspool.bounds import FactLimit, Reservation
 from wspool.integrations import RESERVE_ENV_VAR, TOKENSPEED
-from wspool.integrations.patching import Integration, Reporter, describe_config, replacing
+from wspool.integrations.patching import Integration, Reporter, describe_config, entry_points, replacing
 from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.tokenspeed import buffers
 from wspool.integrations.tokenspeed.buffers import TOKENSPEED_POOLS, WORKSPACES
@@ -184,6 +184,10 @@ class TokenspeedIntegration(Integration):
     all_or_nothing = True
     pools = buffers.TokenspeedPools
 
+    def reporter(self) -> Reporter | None:
+        """Return TokenSpeed's ``record_external`` (:func:`tokenspeed_reporter`)."""
+        return tokenspeed_reporter()
+
     def groups(self) -> tuple[TargetGroup, ...]:
         """Return :data:`GROUPS`."""
         return GROUPS
@@ -202,24 +206,4 @@ INTEGRATION = TokenspeedIntegration(logger)
 ENABLE_ENV_VAR = TOKENSPEED.switch_var
 
 
-def register() -> None:
-    """Install wspool's workspaces into TokenSpeed (the ``tokenspeed.plugins`` entry point); never raises.
-
-    Idempotent. Reads the switch, wspool's configuration and TokenSpeed's
-    version, then patches every target or none, reporting each to TokenSpeed's
-    ``record_external``; logs one line.
-    """
-    INTEGRATION.load(tokenspeed_reporter())
-
-
-def unregister() -> list[str]:
-    """Put TokenSpeed's originals back (for tests); return the names restored.
-
-    Backends built meanwhile keep the buffers they hold.
-    """
-    return INTEGRATION.unload()
-
-
-def patched() -> list[str]:
-    """Return the names of the TokenSpeed attributes wspool replaced in this process."""
-    return INTEGRATION.patched()
+register, unregister, patched = entry_points(INTEGRATION)

@@ -32,7 +32,7 @@ from wspool.bounds import Reservation
 from wspool.devices import DeviceLike
 from wspool.errors import WspoolError
 from wspool.integrations import VLLM
-from wspool.integrations.patching import Integration, replacing
+from wspool.integrations.patching import Integration, entry_points, replacing
 from wspool.integrations.reserving import RESERVE_ENV_VAR, reserve_for_engine, write_snapshot
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm import internals, wrappers
@@ -441,23 +441,7 @@ INTEGRATION = VllmIntegration(logger)
 ENABLE_ENV_VAR = VLLM.switch_var
 
 
-def register() -> None:
-    """Install wspool's workspaces into vLLM (the ``vllm.general_plugins`` entry point); never raises.
-
-    Idempotent. Reads the switch, checks vLLM's version and wspool's
-    configuration, then patches each group all or none; logs one line.
-    """
-    INTEGRATION.load()
-
-
-def unregister() -> list[str]:
-    """Put vLLM's originals back (for tests); return the names restored."""
-    return INTEGRATION.unload()
-
-
-def patched() -> list[str]:
-    """Return the names of the vLLM attributes wspool replaced in this process."""
-    return INTEGRATION.patched()
+register, unregister, patched = entry_points(INTEGRATION)
 
 
 #: vLLM's fixed sizes, for code that imports them; the sizes served come from the configuration.
