@@ -506,9 +506,13 @@ class Integration:
         return undo
 
     def unload(self) -> list[str]:
-        """Put the engine's originals back (for tests and the engine's undo); return the names restored."""
+        """Put the engine's originals back (for tests and the engine's undo); return the names restored.
+
+        Also forgets what the engine said once (:class:`SaidOnce`), so a new load says it again.
+        """
         restored = self.patches.undo()
         self.deactivate()
+        SaidOnce.forget(self.info.name)
         return restored
 
     def patched(self) -> list[str]:

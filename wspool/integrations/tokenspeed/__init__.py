@@ -192,10 +192,6 @@ class TokenspeedIntegration(Integration):
         """Return :data:`GROUPS`."""
         return GROUPS
 
-    def deactivate(self) -> None:
-        """Forget what was said once."""
-        buffers.forget()
-
 
 #: The integration of this process.
 INTEGRATION = TokenspeedIntegration(logger)

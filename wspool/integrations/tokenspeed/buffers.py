@@ -58,7 +58,6 @@ __all__ = [
     "dsa_workspace_bytes",
     "flashmla_module",
     "flashmla_workspace",
-    "forget",
     "set_flashmla_workspace",
     "trtllm_mla_workspace",
     "wrap_flashmla_constructor",
@@ -214,11 +213,6 @@ def _serve(w: Workspace, device: Any, facts: Mapping[str, int]) -> torch.Tensor:
             format_size(own),
         )
     return buffer
-
-
-def forget() -> None:
-    """Forget what was said once (after an undo, so a new load says it again)."""
-    SaidOnce.forget("TokenSpeed")
 
 
 # -- the shared block -------------------------------------------------------------------------

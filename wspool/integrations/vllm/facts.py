@@ -72,9 +72,8 @@ def _kv_dtype_size(config: Any) -> int | None:
     return positive_int(itemsize)
 
 
-def _num_heads(config: Any) -> int | None:
-    model = getattr(config, "model_config", None)
-    parallel = getattr(config, "parallel_config", None)
+def _heads(model: Any, parallel: Any) -> int | None:
+    """A model config's attention heads per rank under ``parallel`` (``None``: it cannot say)."""
     get_heads = getattr(model, "get_num_attention_heads", None)
     if get_heads is None or parallel is None:
         return None
@@ -82,6 +81,10 @@ def _num_heads(config: Any) -> int | None:
         return positive_int(get_heads(parallel))
     except Exception:  # a model config without an HF config behind it: leave the fact out
         return None
+
+
+def _num_heads(config: Any) -> int | None:
+    return _heads(getattr(config, "model_config", None), getattr(config, "parallel_config", None))
 
 
 def facts_from_config(config: Any) -> dict[str, int]:
@@ -107,13 +110,7 @@ def _draft_heads(config: Any) -> int | None:
     speculative = getattr(config, "speculative_config", None)
     draft = getattr(speculative, "draft_model_config", None)
     parallel = getattr(speculative, "draft_parallel_config", None) or getattr(config, "parallel_config", None)
-    get_heads = getattr(draft, "get_num_attention_heads", None)
-    if get_heads is None or parallel is None:
-        return None
-    try:
-        return positive_int(get_heads(parallel))
-    except Exception:  # a draft without an HF config behind it: the target's heads bound it
-        return None
+    return _heads(draft, parallel)  # None: the target's heads bound it
 
 
 def limits_from_config(config: Any) -> dict[str, FactLimit]:
