@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,11 +27,11 @@ import torch
 import wspool
 from wspool.bounds import FactLimit, Reservation
 from wspool.integrations import RESERVE_ENV_VAR, TOKENSPEED
-from wspool.integrations.patching import Integration, Reporter, describe_config, entry_points, replacing
+from wspool.integrations.patching import Integration, Reporter, entry_points, replacing
 from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.tokenspeed import buffers
 from wspool.integrations.tokenspeed.buffers import TOKENSPEED_POOLS, WORKSPACES
-from wspool.registry import PoolRegistry, get_registry
+from wspool.registry import get_registry
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
