@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from wspool.errors import ConfigError, quote
@@ -38,6 +39,7 @@ __all__ = [
     "Refusal",
     "Reporter",
     "SaidOnce",
+    "declared_rules",
     "describe_config",
     "device_variable",
     "entry_points",
@@ -158,6 +160,14 @@ def describe_config(environ: Mapping[str, str] | None = None) -> str:
     if not os.path.isfile(named) and named in shipped_config_names():
         return f"config {named} (shipped)"
     return f"config {named}"
+
+
+def declared_rules(rules: Iterable[tuple[str, str]], size: str) -> Mapping[str, Mapping[str, str]]:
+    """Return the rules an engine declares: each ``(pool, rule)`` sized by ``size``, what the engine allocates."""
+    pools: dict[str, dict[str, str]] = {}
+    for pool, rule in rules:
+        pools.setdefault(pool, {})[rule] = size
+    return MappingProxyType(pools)
 
 
 def replacing(replacement: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

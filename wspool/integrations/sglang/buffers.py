@@ -33,7 +33,7 @@ import torch
 
 import wspool
 from wspool.errors import RuleError, missing_facts
-from wspool.integrations.patching import Handles, SaidOnce, device_variable, require_own_buffers
+from wspool.integrations.patching import Handles, SaidOnce, declared_rules, device_variable, require_own_buffers
 from wspool.integrations.reserving import write_snapshot
 from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang import wrappers as sglang_wrappers
@@ -105,18 +105,18 @@ BUFFERS: Mapping[str, Workspace] = MappingProxyType(
 CUTE_DSL_WORKSPACE = Workspace("global_cute_dsl_workspace_buffer", "flashinfer_mla", "sglang_cute_dsl")
 
 
-def _declared_pools() -> dict[str, dict[str, str]]:
-    pools: dict[str, dict[str, str]] = {}
-    for w in (*BUFFERS.values(), CUTE_DSL_WORKSPACE):
-        rules = pools.setdefault(w.pool, {})
-        for rule in filter(None, (w.rule, w.deterministic_rule)):
-            rules[rule] = "sglang_bytes"  # what SGLang's own code allocates at the call
-    return pools
-
-
-#: The rules the integration declares, below the configuration (YAML, ``WSPOOL_*`` and
-#: ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` override each); ``configs/sglang.yaml`` writes them out.
-SGLANG_POOLS: Mapping[str, Mapping[str, str]] = MappingProxyType(_declared_pools())
+#: The rules the integration declares, each sized by what SGLang's own code allocates at the call, below
+#: the configuration (YAML, ``WSPOOL_*`` and ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` override each);
+#: ``configs/sglang.yaml`` writes them out.
+SGLANG_POOLS = declared_rules(
+    (
+        (w.pool, rule)
+        for w in (*BUFFERS.values(), CUTE_DSL_WORKSPACE)
+        for rule in (w.rule, w.deterministic_rule)
+        if rule
+    ),
+    "sglang_bytes",
+)
 
 _MiB = 1 << 20
 _CALL_FACTS = frozenset((*facts_of.FACT_NAMES, "sglang_bytes"))

@@ -37,7 +37,7 @@ import torch
 
 import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
-from wspool.integrations.patching import Handles, SaidOnce, require_own_buffers
+from wspool.integrations.patching import Handles, SaidOnce, declared_rules, require_own_buffers
 from wspool.units import MiB, ceil_div, format_size, round_up
 
 __all__ = [
@@ -123,16 +123,10 @@ WORKSPACES: tuple[Workspace, ...] = (BLOCK, TRTLLM_MHA, TRTLLM_MLA, FLASHMLA, DS
 FACT_NAMES = ("tokenspeed_bytes", "num_qo_heads", "num_kv_heads", "head_dim", "kv_lora_rank", "batch_size")
 
 
-def _declared_pools() -> dict[str, dict[str, str]]:
-    pools: dict[str, dict[str, str]] = {}
-    for w in WORKSPACES:
-        pools.setdefault(w.pool, {})[w.rule] = "tokenspeed_bytes"  # what TokenSpeed's own code allocates there
-    return pools
-
-
-#: The rules the integration declares, below the configuration (YAML, ``WSPOOL_*`` and TokenSpeed's
-#: variables override each); ``configs/tokenspeed.yaml`` right-sizes them.
-TOKENSPEED_POOLS: Mapping[str, Mapping[str, str]] = MappingProxyType(_declared_pools())
+#: The rules the integration declares, each sized by what TokenSpeed's own code allocates there, below
+#: the configuration (YAML, ``WSPOOL_*`` and TokenSpeed's variables override each);
+#: ``configs/tokenspeed.yaml`` right-sizes them.
+TOKENSPEED_POOLS = declared_rules(((w.pool, w.rule) for w in WORKSPACES), "tokenspeed_bytes")
 
 _SCRATCH = BLOCK.pool
 _CALL_FACTS = frozenset(FACT_NAMES)
