@@ -827,6 +827,16 @@ def test_an_unknown_switch_patches_nothing_and_names_the_variable(
     }
 
 
+def _load_refused_in_one_error_line(load: Any, warnings_seen: pytest.LogCaptureFixture) -> str:
+    """Load the plugin, check vLLM's getter and lock are still its own, and return the one error line logged."""
+    mla, workspace = _module(MLA), _module(WORKSPACE)
+    before = (mla._get_workspace_buffer, workspace.WorkspaceManager.lock)
+    load()
+    assert (mla._get_workspace_buffer, workspace.WorkspaceManager.lock) == before and plugin.patched() == []
+    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    return error
+
+
 def test_a_broken_configuration_patches_nothing_and_says_why_in_one_line(
     load: Any, monkeypatch: pytest.MonkeyPatch, warnings_seen: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
@@ -835,11 +845,7 @@ def test_a_broken_configuration_patches_nothing_and_says_why_in_one_line(
     broken.write_text("pools:\n  flashinfer_mla:\n    rules:\n      lse: 12 parsecs\n")
     monkeypatch.setenv("WSPOOL_CONFIG", str(broken))
     wspool.reset_registry()
-    mla, workspace = _module(MLA), _module(WORKSPACE)
-    before = (mla._get_workspace_buffer, workspace.WorkspaceManager.lock)
-    load()
-    assert (mla._get_workspace_buffer, workspace.WorkspaceManager.lock) == before and plugin.patched() == []
-    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    error = _load_refused_in_one_error_line(load, warnings_seen)
     assert "\n" not in error and "pools.flashinfer_mla.rules.lse" in error
     assert "targets patched" not in warnings_seen.text
 
@@ -850,11 +856,7 @@ def test_a_cap_that_a_declared_rule_can_never_fit_patches_nothing_and_says_why_i
     """A flashinfer_mla cap below the plugin's 394MiB rule on that shared buffer: one error line, nothing patched."""
     monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES", "256MiB")
     wspool.reset_registry()
-    mla, workspace = _module(MLA), _module(WORKSPACE)
-    before = (mla._get_workspace_buffer, workspace.WorkspaceManager.lock)
-    load()
-    assert (mla._get_workspace_buffer, workspace.WorkspaceManager.lock) == before and plugin.patched() == []
-    (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
+    error = _load_refused_in_one_error_line(load, warnings_seen)
     assert "\n" not in error and "nothing patched" in error
     assert "pools.flashinfer.rules.vllm" in error and "WSPOOL_POOLS__FLASHINFER_MLA__MAX_BYTES" in error
 
