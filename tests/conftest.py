@@ -20,9 +20,9 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 @pytest.fixture(autouse=True)
 def clean_wspool_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Remove WSPOOL_* variables and engine knobs, and forget the default registry around each test."""
-    from wspool.settings.sources import ENGINE_KNOBS
+    from wspool.settings.profiles import engine_knobs
 
-    knobs = {name for name, _, _ in ENGINE_KNOBS}
+    knobs = {knob.name for knob in engine_knobs()}
     for name in list(os.environ):
         if name.startswith("WSPOOL_") or name in knobs:
             monkeypatch.delenv(name)

@@ -18,23 +18,25 @@ from hypothesis import strategies as st
 import wspool.cli.doctor as doctor
 from wspool.cli import main
 from wspool.integrations import ENGINES
-from wspool.integrations.patching import EngineInfo, Integration
+from wspool.integrations.patching import Integration
+from wspool.settings.profiles import EngineSpec, EngineVariable, engine_knobs
 from wspool.targets import Target, TargetGroup
 
 VLLM_VAR = "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"
 GiB = 1 << 30
 # An engine that is "installed" in every test environment: pytest's own distribution stands in.
-FAKE = EngineInfo(
+FAKE = EngineSpec(
     key="fake",
     name="Fake",
     distribution="pytest",
     supported=">=1",
+    order=1,
     entry_point_group="vllm.general_plugins",  # where wspool's installed distribution registers an entry point
     entry_point="wspool.integrations.vllm:register",
     switch_var="WSPOOL_FAKE",
     allowlist_var="FAKE_PLUGINS",
     denylist_var="FAKE_DISABLE_PLUGINS",
-    engine_variables=(VLLM_VAR,),
+    variables=(EngineVariable(VLLM_VAR, "vLLM", (("flashinfer", "vllm"), ("flashinfer_mla_sparse", "default"))),),
 )
 FAKE_GROUPS = (
     TargetGroup("the fake workspace", (Target("fake.attention", "workspace", None, lambda v: v, "pool flashinfer"),)),
@@ -49,7 +51,7 @@ def _subprocess(code: str) -> subprocess.CompletedProcess[str]:
 class _FakeIntegration(Integration):
     """The integration of whichever FAKE doctor's ENGINES holds now: FAKE_GROUPS, no checks of its own."""
 
-    def __init__(self, info: EngineInfo) -> None:
+    def __init__(self, info: EngineSpec) -> None:
         self.info = info
         super().__init__(logging.getLogger("wspool.test.fake"))
 
@@ -60,8 +62,8 @@ class _FakeIntegration(Integration):
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Doctor sees one engine, FAKE, whose targets are FAKE_GROUPS."""
-    monkeypatch.setattr(doctor, "ENGINES", (FAKE,))
-    monkeypatch.setattr(doctor, "integration", lambda key: _FakeIntegration(next(i for i in doctor.ENGINES
+    monkeypatch.setattr(doctor, "engine_specs", lambda: (FAKE,))
+    monkeypatch.setattr(doctor, "integration", lambda key: _FakeIntegration(next(i for i in doctor.engine_specs()
                                                                                    if i.key == key)))  # fmt: skip
     yield
 
@@ -156,7 +158,7 @@ def test_what_keeps_an_installed_engine_off_is_a_problem_naming_the_fix(
     wspool: the engine is not active, and one problem line says what to change; doctor exits 1."""
     from dataclasses import replace
 
-    monkeypatch.setattr(doctor, "ENGINES", (replace(FAKE, **change),))
+    monkeypatch.setattr(doctor, "engine_specs", lambda: (replace(FAKE, **change),))
     report = doctor.diagnose(environ=environ)
     engine = _engine(report)
     assert engine["active"] is False and engine["why_inactive"]
@@ -228,10 +230,8 @@ def test_flashinfer_missing_is_a_problem_naming_the_install(monkeypatch: pytest.
 
 def test_the_engine_variables_doctor_shows_are_the_ones_wspool_honours() -> None:
     """Each engine's declared workspace variables are engine knobs of the settings, and vice versa."""
-    from wspool.settings.sources import ENGINE_KNOBS
-
     declared = {v for info in ENGINES for v in info.engine_variables}
-    knobs = {name for name, _, _ in ENGINE_KNOBS}
+    knobs = {knob.name for knob in engine_knobs()}
     # TokenSpeed's initial block size is honoured by its integration (a floor of the block's first request).
     assert declared - knobs == {"TOKENSPEED_WORKSPACE_INITIAL_MB"} and knobs <= declared
 
@@ -262,7 +262,7 @@ def test_each_installed_engine_is_installed_supported_and_active() -> None:
 
 # -- one preflight: what keeps load() from patching is what doctor reports ----------------------------------------
 
-#: A version each engine's integration supports, given to EngineInfo.installed_version below.
+#: A version each engine's integration supports, given to EngineSpec.installed_version below.
 SUPPORTED = {"vllm": "0.34.0", "sglang": "0.5.23", "tokenspeed": "0.1.1"}
 #: Not a variable: the version the test gives the engine's installed_version.
 VERSION_VAR = "installed version"
@@ -307,7 +307,7 @@ MISTAKES: list[tuple[str, dict[str, str], str, str]] = [
 def _installed(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], key: str) -> None:
     """Every engine installed at a supported version; ``key``'s at ``environ[VERSION_VAR]`` where given."""
     versions = {**SUPPORTED, key: environ.get(VERSION_VAR, SUPPORTED[key])}
-    monkeypatch.setattr(EngineInfo, "installed_version", lambda self: versions[self.key])
+    monkeypatch.setattr(EngineSpec, "installed_version", lambda self: versions[self.key])
     for var, value in environ.items():
         if var != VERSION_VAR:
             monkeypatch.setenv(var, value)
@@ -436,7 +436,7 @@ def test_doctor_says_active_exactly_when_load_goes_on_to_patch(
     engine = integration(key)
     located: list[bool] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(EngineInfo, "installed_version", lambda self: installed if self.key == key else SUPPORTED[self.key])
+        mp.setattr(EngineSpec, "installed_version", lambda self: installed if self.key == key else SUPPORTED[self.key])
         for var, value in environ.items():
             if value is not None:
                 mp.setenv(var, value)
@@ -466,7 +466,7 @@ def test_doctor_names_the_reserve_switch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str | None, shown: str
 ) -> None:
     """Doctor says, per installed engine, whether it reserves its pools before sizing its KV cache, and the switch."""
-    monkeypatch.setattr(EngineInfo, "installed_version", lambda self: SUPPORTED[self.key])
+    monkeypatch.setattr(EngineSpec, "installed_version", lambda self: SUPPORTED[self.key])
     if value is not None:
         monkeypatch.setenv("WSPOOL_RESERVE", value)
     main(["doctor"])
@@ -481,7 +481,7 @@ def test_doctor_counts_a_reserve_switch_it_does_not_understand_as_a_problem(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """WSPOOL_RESERVE=maybe is one problem naming the variable and what it takes (exit 1), not "problems: none"."""
-    monkeypatch.setattr(EngineInfo, "installed_version", lambda self: SUPPORTED[self.key])
+    monkeypatch.setattr(EngineSpec, "installed_version", lambda self: SUPPORTED[self.key])
     monkeypatch.setenv("WSPOOL_RESERVE", "maybe")
     assert main(["doctor"]) == 1
     out = " ".join(capsys.readouterr().out.split())

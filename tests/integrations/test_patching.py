@@ -15,14 +15,16 @@ import pytest
 
 import wspool
 from wspool.errors import ConfigError
-from wspool.integrations import ENGINES, SGLANG, TOKENSPEED, VLLM, integration, targets_of
-from wspool.integrations.patching import EngineInfo, Integration, describe_config, parse_switch
+from wspool.integrations import ENGINES, integration, targets_of
+from wspool.integrations.patching import Integration, describe_config, parse_switch
+from wspool.settings.profiles import EngineSpec, engine_spec
 from wspool.targets import Target, TargetGroup
 
+VLLM, SGLANG, TOKENSPEED = engine_spec("vllm"), engine_spec("sglang"), engine_spec("tokenspeed")
 ENGINE = "wspool_test_engine_module"
 # An engine whose distribution is installed everywhere the tests run: pytest itself.
-INFO = EngineInfo(
-    key="demo", name="Demo", distribution="pytest", supported=">=7", entry_point_group="demo.plugins",
+INFO = EngineSpec(
+    key="demo", name="Demo", distribution="pytest", supported=">=7", order=9, entry_point_group="demo.plugins",
     entry_point="wspool.integrations.demo:register", switch_var="WSPOOL_DEMO", denylist_var="DEMO_DISABLE_PLUGINS",
 )  # fmt: skip
 
@@ -129,13 +131,13 @@ def test_versions_are_checked_against_the_declared_range(version: str, supported
     [(SGLANG, "0.5.23rc0"), (TOKENSPEED, "0.1.1rc2"), (VLLM, "0.33.0rc1"), (VLLM, "0.34.0.dev3"),
      (SGLANG, "0.5.23+cu130")],
 )  # fmt: skip
-def test_a_pre_release_of_a_supported_version_is_supported(info: EngineInfo, version: str) -> None:
+def test_a_pre_release_of_a_supported_version_is_supported(info: EngineSpec, version: str) -> None:
     """A release candidate or development release of a supported version counts as that version."""
     assert info.supports(version) is True
 
 
 @pytest.mark.parametrize(("info", "version"), [(SGLANG, "0.5.24rc0"), (VLLM, "0.35.0rc1"), (VLLM, "0.32.9rc1")])
-def test_a_pre_release_of_an_unsupported_version_is_not(info: EngineInfo, version: str) -> None:
+def test_a_pre_release_of_an_unsupported_version_is_not(info: EngineSpec, version: str) -> None:
     """A pre-release of a version outside the range stays outside it."""
     assert info.supports(version) is False
 
@@ -208,7 +210,7 @@ def test_an_unsupported_version_patches_nothing(engine: types.ModuleType, log: p
     """An installed engine outside the declared range is left alone with one warning naming both."""
 
     class Old(_Demo):
-        info = EngineInfo(**{**INFO.__dict__, "supported": "<1"})
+        info = EngineSpec(**{**INFO.__dict__, "supported": "<1"})
 
     demo = Old(_targets())
     assert not demo.load() and engine.one is _f
@@ -227,16 +229,16 @@ def test_describe_config_names_how_the_configuration_was_named(tmp_path: Path) -
 
 def test_every_engines_switch_is_a_variable_the_settings_know() -> None:
     """Turning an engine's integration off (WSPOOL_<ENGINE>=0) is never refused as an unknown WSPOOL_* variable."""
-    from wspool.settings.schema import EXTRA_ENV_VARS
+    from wspool.settings.schema import all_extra_env_vars
 
     switches = [info.switch_var for info in ENGINES]
     assert switches == ["WSPOOL_VLLM", "WSPOOL_SGLANG", "WSPOOL_TOKENSPEED"]
-    assert set(switches) <= set(EXTRA_ENV_VARS)
+    assert set(switches) <= set(all_extra_env_vars())
 
 
 def test_plugin_variables_that_are_unset_keep_wspool_on() -> None:
     """An engine with an allowlist and a denylist variable, neither set, selects wspool; set but empty too."""
-    both = EngineInfo(**{**INFO.__dict__, "allowlist_var": "DEMO_PLUGINS"})
+    both = EngineSpec(**{**INFO.__dict__, "allowlist_var": "DEMO_PLUGINS"})
     assert both.selection({}) is None and both.selection({"DEMO_DISABLE_PLUGINS": ""}) is None
     assert both.selection({"DEMO_PLUGINS": "wspool"}) is None
     assert both.selection({"DEMO_PLUGINS": ""}) == "DEMO_PLUGINS='' does not name wspool"
@@ -249,7 +251,7 @@ def test_load_answers_true_or_false_for_every_outcome(
     """load() returns True when active and False (never another falsy value) whatever kept it from patching."""
 
     class Old(_Demo):
-        info = EngineInfo(**{**INFO.__dict__, "supported": "<1"})
+        info = EngineSpec(**{**INFO.__dict__, "supported": "<1"})
 
     monkeypatch.setenv("WSPOOL_DEMO", "0")
     assert _Demo(_targets()).load() is False
@@ -290,7 +292,7 @@ def test_an_allowlist_without_wspool_says_the_fix_and_a_denylist_is_the_users_ch
     """An allowlist that omits wspool is a problem naming the variable to fix; a denylist naming it has none."""
 
     class Listed(_Demo):
-        info = EngineInfo(**{**INFO.__dict__, "allowlist_var": "DEMO_PLUGINS"})
+        info = EngineSpec(**{**INFO.__dict__, "allowlist_var": "DEMO_PLUGINS"})
 
     demo = Listed(_targets())
     (allow,) = demo.preflight({"DEMO_PLUGINS": "other"}).refusals

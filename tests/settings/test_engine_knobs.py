@@ -8,7 +8,9 @@ built-in defaults (README, "Configuration").
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,8 @@ import pytest
 import wspool
 from wspool.cli import main
 from wspool.errors import ConfigError
-from wspool.settings.profiles import shipped_config
+from wspool.settings.profiles import engine_knobs, shipped_config
 from wspool.settings.schema import load_settings, load_settings_with_provenance
-from wspool.settings.sources import ENGINE_KNOBS
 
 VLLM = "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"
 SGLANG = "SGLANG_FLASHINFER_WORKSPACE_SIZE"
@@ -51,7 +52,7 @@ def _key(pool: str, rule: str) -> tuple[str, str, str, str]:
 
 def test_the_knobs_are_the_engines_workspace_variables() -> None:
     """wspool honours exactly vLLM's, SGLang's and TokenSpeed's workspace variables, each for its engine's rules."""
-    assert sorted((name, engine, list(keys)) for name, engine, keys in ENGINE_KNOBS) == sorted(
+    assert sorted((knob.name, knob.engine, list(knob.keys)) for knob in engine_knobs()) == sorted(
         [(name, engine, keys) for name, engine, _, keys in KNOBS] + MIB_KNOBS
     )
 
@@ -226,3 +227,121 @@ def test_show_says_the_users_file_wins(
     row = rows["pools.flashinfer.rules.sglang"]
     assert (row["value"], row["source"]) == ("300MiB", f"YAML file {path}")
     assert row["overrides"] == [{"source": f"SGLang's variable {SGLANG}", "value": GiB}]
+
+
+STAND_IN_SPEC = """\
+name: StandIn
+distribution: pytest
+supported: ">=1"
+order: 4
+entry_point: {group: standin.plugins, object: "wspool.integrations.standin:register"}
+switch: WSPOOL_STANDIN
+device: WSPOOL_STANDIN_DEVICE
+denylist: STANDIN_DISABLE_PLUGINS
+variables:
+  STANDIN_WORKSPACE_MB: {unit: MiB, sizes: [standin_scratch.default, flashinfer.standin]}
+pools: [standin_scratch]
+facts: [standin_bytes]
+"""
+STAND_IN_PACKAGE = """\
+import logging
+
+from wspool.integrations.patching import Integration, entry_points
+from wspool.settings.profiles import engine_spec
+
+
+class StandIn(Integration):
+    info = engine_spec("standin")
+
+    def groups(self):
+        return ()
+
+
+INTEGRATION = StandIn(logging.getLogger("wspool.test.standin"))
+register, unregister, patched = entry_points(INTEGRATION)
+"""
+
+
+@pytest.fixture
+def stand_in_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """An engine package added as a new engine is: one folder under wspool.integrations, its spec and its module."""
+    import sys
+
+    import wspool.integrations
+    from wspool.settings.profiles import engine_specs
+
+    package = tmp_path / "standin"
+    package.mkdir()
+    (package / "engine.yaml").write_text(STAND_IN_SPEC)
+    (package / "__init__.py").write_text(STAND_IN_PACKAGE)
+    monkeypatch.setattr(wspool.integrations, "__path__", [*wspool.integrations.__path__, str(tmp_path)])
+    engine_specs.cache_clear()
+    yield
+    engine_specs.cache_clear()
+    sys.modules.pop("wspool.integrations.standin", None)
+
+
+def test_a_new_engine_package_alone_is_read_by_the_settings_and_doctor(
+    monkeypatch: pytest.MonkeyPatch, stand_in_engine: None
+) -> None:
+    """An engine package with its engine.yaml, and nothing else changed: its switch, device and workspace variable
+    are the settings' own, and doctor lists it with what its variable sets."""
+    from wspool.cli import doctor
+    from wspool.settings.profiles import engine_spec, engine_specs
+
+    assert [spec.key for spec in engine_specs()] == ["vllm", "sglang", "tokenspeed", "standin"]
+    assert engine_spec("standin").engine_variables == ("STANDIN_WORKSPACE_MB",)
+    monkeypatch.setenv("WSPOOL_STANDIN", "1")
+    monkeypatch.setenv("WSPOOL_STANDIN_DEVICE", "cpu")
+    monkeypatch.setenv("STANDIN_WORKSPACE_MB", "3")
+    settings, provenance = load_settings_with_provenance()
+    assert settings.pools["standin_scratch"].rules["default"] == str(3 * MiB)
+    assert settings.pools["flashinfer"].rules["standin"] == str(3 * MiB)
+    assert provenance.source_of(_key("standin_scratch", "default")) == "StandIn's variable STANDIN_WORKSPACE_MB"
+    monkeypatch.setenv("STANDIN_WORKSPACE_MB", "3MiB")
+    with pytest.raises(
+        ConfigError,
+        match=r"^invalid environment variable STANDIN_WORKSPACE_MB = '3MiB': StandIn "
+        r"reads it as a positive whole number of MiB, and wspool sizes pools\.standin_scratch\.rules",
+    ):
+        load_settings()  # fmt: skip
+    monkeypatch.setenv("STANDIN_WORKSPACE_MB", "3")
+    (engine,) = [e for e in doctor.diagnose()["engines"] if e["key"] == "standin"]
+    assert engine["name"] == "StandIn" and engine["switch"] == {"variable": "WSPOOL_STANDIN", "value": "1", "on": True}
+    (variable,) = engine["engine_variables"]
+    assert variable["value"] == "3" and [s["key"] for s in variable["sets"]] == [
+        "pools.standin_scratch.rules.default",
+        "pools.flashinfer.rules.standin",
+    ]
+    assert variable["sets"][0]["source"] == "StandIn's variable STANDIN_WORKSPACE_MB"
+    assert engine["why_inactive"] == ["wspool's entry point is not registered in standin.plugins"]
+
+
+def test_without_its_package_the_new_engines_variables_are_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in's switch is refused and its workspace variable ignored where its package is absent."""
+    monkeypatch.setenv("STANDIN_WORKSPACE_MB", "3")
+    assert "standin_scratch" not in load_settings().pools
+    monkeypatch.setenv("WSPOOL_STANDIN", "1")
+    with pytest.raises(ConfigError, match=r"^unknown environment variable\(s\) WSPOOL_STANDIN: no wspool setting"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("written", "instead", "error"),
+    [
+        ("switch: WSPOOL_STANDIN\n", "", r"switch must be a non-empty string"),
+        ("order: 4", "order: four", r"order must be a whole number"),
+        ("pools:", "pool:", r"unknown key 'pool' \(the keys are allowlist, denylist, "),
+        ("standin_scratch.default,", "standin_scratch,", r"variables\.STANDIN_WORKSPACE_MB\.sizes must list the keys"),
+        ("unit: MiB", "unit: MiBs", r"variables\.STANDIN_WORKSPACE_MB\.unit = 'MiBs' is not bytes or a size unit"),
+    ],
+)
+def test_a_malformed_engine_spec_is_an_error_naming_its_file_and_key(
+    stand_in_engine: None, tmp_path: Path, written: str, instead: str, error: str
+) -> None:
+    """A spec file with a key missing, mistyped or unknown fails naming the file and the key."""
+    from wspool.settings.profiles import engine_specs
+
+    (tmp_path / "standin" / "engine.yaml").write_text(STAND_IN_SPEC.replace(written, instead, 1))
+    with pytest.raises(ConfigError, match=rf"^engine spec {re.escape(str(tmp_path))}/standin/engine\.yaml: {error}"):
+        engine_specs()

@@ -19,7 +19,7 @@ from wspool.integrations.tokenspeed import buffers as tokenspeed_buffers
 from wspool.integrations.vllm import getters as vllm_workspaces
 from wspool.integrations.vllm.facts import FACT_NAMES
 from wspool.rules import compile_rule
-from wspool.settings.profiles import PROFILE_NAMES, shipped_config_names
+from wspool.settings.profiles import PROFILE_NAMES, engine_spec, shipped_config_names
 from wspool.settings.schema import (
     BUILTIN_DEFAULTS,
     DEVICE_FACTS,
@@ -31,6 +31,11 @@ from wspool.settings.schema import (
 )
 
 LSE_ENV = "WSPOOL_POOLS__FLASHINFER_MLA__RULES__LSE"
+#: The facts wspool's own ops pass (MLA decode, paged attention, the counters, the MLA pool's defaults).
+CORE_FACTS = frozenset(
+    {"batch_size", "q_len", "num_heads", "max_seq_len", "page_size", "dtype_bytes", "cp_world", "kv_lora_rank",
+     "qk_rope_head_dim", "qk_nope_head_dim", "num_tokens", "num_qo_heads", "num_kv_heads", "head_dim"}
+)  # fmt: skip
 
 
 def test_the_shape_facts_are_what_wspools_ops_pass() -> None:
@@ -57,6 +62,17 @@ def test_the_own_pools_are_the_pools_of_wspools_ops() -> None:
     sglang_pools = {w.pool for w in (*sglang.BUFFERS.values(), sglang.CUTE_DSL_WORKSPACE)}
     tokenspeed_pools = {w.pool for w in tokenspeed_buffers.WORKSPACES}
     assert {MLA_POOL, COUNTER_POOL, PAGED_POOL, INT_POOL} | plugin | sglang_pools | tokenspeed_pools == OWN_POOLS
+    # Each engine's spec names the pools its package serves (OWN_POOLS reads them there).
+    assert plugin | {INT_POOL} == engine_spec("vllm").pools
+    assert sglang_pools | {INT_POOL} == engine_spec("sglang").pools
+    assert tokenspeed_pools == engine_spec("tokenspeed").pools
+
+
+def test_each_engines_spec_lists_the_facts_its_package_passes() -> None:
+    """The facts beyond wspool's own ops' that an engine's extractors pass are in its spec (SHAPE_FACTS reads them)."""
+    assert {*sglang_facts.FACT_NAMES, "sglang_bytes"} - CORE_FACTS == engine_spec("sglang").facts
+    assert set(tokenspeed_buffers.FACT_NAMES) - CORE_FACTS == engine_spec("tokenspeed").facts
+    assert {*FACT_NAMES, "min_bytes"} - CORE_FACTS == engine_spec("vllm").facts
 
 
 @pytest.mark.parametrize("pool", sorted(OWN_POOLS))

@@ -24,9 +24,9 @@ from typing import Any
 from wspool import __version__
 from wspool.cli import wrap
 from wspool.errors import ConfigError, printable
-from wspool.integrations import ENGINES, RESERVE_ENV_VAR, integration
-from wspool.integrations.patching import EngineInfo, Preflight, parse_switch
-from wspool.settings.profiles import ProfileChoice, choose_profile
+from wspool.integrations import RESERVE_ENV_VAR, integration
+from wspool.integrations.patching import Preflight, parse_switch
+from wspool.settings.profiles import EngineSpec, ProfileChoice, choose_profile, engine_knobs, engine_specs
 from wspool.settings.schema import (
     LAYERS_KEYWORD,
     Provenance,
@@ -35,7 +35,6 @@ from wspool.settings.schema import (
     load_settings_with_provenance,
     profile_settings,
 )
-from wspool.settings.sources import ENGINE_KNOBS
 
 __all__ = ["FLASHINFER_DISTRIBUTION", "cmd_doctor", "diagnose", "format_report"]
 
@@ -65,7 +64,7 @@ def diagnose(config: str | None = None, environ: Mapping[str, str] | None = None
         "torch": torch_info,
         "devices": devices,
         "flashinfer": _flashinfer(problems),
-        "engines": [_engine(info, env, settings, configuration, provenance, problems) for info in ENGINES],
+        "engines": [_engine(info, env, settings, configuration, provenance, problems) for info in engine_specs()],
         "configuration": configuration,
         "problems": problems,
     }
@@ -215,7 +214,7 @@ def _flashinfer(problems: list[str]) -> dict[str, Any]:
 # -- engines -----------------------------------------------------------------------------------------------------
 
 
-def _entry_point(info: EngineInfo) -> dict[str, Any]:
+def _entry_point(info: EngineSpec) -> dict[str, Any]:
     """Whether wspool's entry point is registered in the engine's group, as the engine would find it."""
     found = [ep.value for ep in importlib.metadata.entry_points(group=info.entry_point_group) if ep.name == "wspool"]
     return {
@@ -235,7 +234,7 @@ def _switch(variable: str, env: Mapping[str, str]) -> bool | None:
 
 
 def _engine(
-    info: EngineInfo,
+    info: EngineSpec,
     env: Mapping[str, str],
     settings: WspoolSettings | None,
     configuration: Mapping[str, Any],
@@ -306,7 +305,7 @@ def _registry(settings: WspoolSettings | None, configuration: Mapping[str, Any])
 
 
 def _why_inactive(
-    info: EngineInfo, result: dict[str, Any], verdict: Preflight, valid: bool, problems: list[str]
+    info: EngineSpec, result: dict[str, Any], verdict: Preflight, valid: bool, problems: list[str]
 ) -> list[str]:
     """Why the engine would start without wspool: the preflight its load() runs, and its entry point.
 
@@ -334,7 +333,7 @@ def _why_inactive(
 
 def _engine_variable(name: str, env: Mapping[str, str], provenance: Provenance | None) -> dict[str, Any]:
     """An engine's own workspace variable: its value, and each key it sets with what wins there."""
-    keys = next((keys for variable, _, keys in ENGINE_KNOBS if variable == name), ())
+    keys = next((knob.keys for knob in engine_knobs() if knob.name == name), ())
     sets = []
     for pool, rule in keys:
         path = ("pools", pool, "rules", rule)

@@ -1,6 +1,7 @@
 """The one seam where an engine embeds wspool: declared engines, their switch, and load/unload.
 
-An integration is an :class:`EngineInfo` and an :class:`Integration` subclass
+An integration is its engine's spec (:class:`~wspool.settings.profiles.EngineSpec`,
+data in its package's ``engine.yaml``) and an :class:`Integration` subclass
 declaring its target groups as data (:mod:`wspool.targets`).
 :meth:`Integration.load`, the plugin entry point, never raises: it runs
 :meth:`Integration.preflight` (the switch, the engine's plugin selection, its
@@ -14,7 +15,6 @@ serving. Nothing here imports torch or an engine at import.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from wspool.errors import ConfigError, quote
+from wspool.settings.profiles import EngineSpec
 from wspool.targets import PartialUndoError, PatchPlan, PatchSet, TargetGroup
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from wspool.registry import PoolRegistry
 
 __all__ = [
-    "EngineInfo",
     "Handles",
     "Integration",
     "Preflight",
@@ -89,65 +89,6 @@ def device_variable(var: str, environ: Mapping[str, str] | None = None) -> torch
             f"invalid environment variable {var} = {raw[:80]!r}: not a device (cpu, cuda, cuda:1...); "
             f"set a device or unset it"
         ) from None
-
-
-def _names(raw: str) -> list[str]:
-    return [name.strip() for name in raw.split(",") if name.strip()]
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What wspool knows of one engine, readable without importing it.
-
-    ``key`` is the package under ``wspool.integrations``; ``supported`` a PEP 440
-    specifier set; ``allowlist_var``, when set, must name ``wspool``.
-    """
-
-    key: str
-    name: str
-    distribution: str
-    supported: str
-    entry_point_group: str
-    entry_point: str
-    switch_var: str
-    allowlist_var: str | None = None
-    denylist_var: str | None = None
-    engine_variables: tuple[str, ...] = ()
-
-    def installed_version(self) -> str | None:
-        """Return the installed engine's version from its metadata (never imports it), or ``None``."""
-        try:
-            return importlib.metadata.version(self.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    def supports(self, version: str) -> bool:
-        """Whether wspool supports ``version`` of the engine (pre-releases of a supported version count).
-
-        A pre-release or development release (``0.5.23rc0``, ``0.34.0.dev3``) is
-        judged by the release it precedes, which a lower bound such as ``>=0.5.23``
-        admits; a local label (``+cu130``) is ignored.
-        """
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import InvalidVersion, Version
-
-        try:
-            parsed = Version(version)
-        except InvalidVersion:
-            return False
-        release = Version(parsed.base_version) if parsed.is_prerelease else parsed
-        return release in SpecifierSet(self.supported, prereleases=True)
-
-    def selection(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """Return why the engine's own plugin variables keep wspool from loading, or ``None``."""
-        env = os.environ if environ is None else environ
-        if self.allowlist_var and env.get(self.allowlist_var) is not None:
-            allowed = _names(env[self.allowlist_var])
-            if "wspool" not in allowed:
-                return f"{self.allowlist_var}={env[self.allowlist_var]!r} does not name wspool"
-        if self.denylist_var and "wspool" in _names(env.get(self.denylist_var, "")):
-            return f"{self.denylist_var}={env[self.denylist_var]!r} names wspool"
-        return None
 
 
 def describe_config(environ: Mapping[str, str] | None = None) -> str:
@@ -325,17 +266,15 @@ class Preflight:
 class Integration:
     """One engine's integration: its targets as data over one patch set; load, unload, report.
 
-    Subclasses set :attr:`info` and :attr:`all_or_nothing`, implement :meth:`groups`,
-    and override :meth:`check`, :meth:`activate` and :meth:`deactivate` as needed.
+    Subclasses set :attr:`info` (their engine's spec) and :attr:`all_or_nothing`, implement
+    :meth:`groups`, and override :meth:`check`, :meth:`activate` and :meth:`deactivate` as needed.
     """
 
-    info: EngineInfo
+    info: EngineSpec
     #: A group that cannot be patched leaves the whole engine untouched.
     all_or_nothing = False
     #: The engine's pools for one registry: ``pools.of(registry)`` declares and checks them (``None``: none).
     pools: Any = None
-    #: The variable that names the device every buffer is served on (tests: ``cpu``), if any.
-    device_var: str | None = None
 
     def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
@@ -356,8 +295,8 @@ class Integration:
         Raises:
             ConfigError: What keeps the integration from serving the engine, naming the setting to change.
         """
-        if self.device_var is not None:
-            device_variable(self.device_var, environ)
+        if self.info.device_var is not None:  # names the device every buffer is served on (tests: cpu)
+            device_variable(self.info.device_var, environ)
         if self.pools is None:
             return describe_config(environ)
         self.pools.of(registry)

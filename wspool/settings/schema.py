@@ -43,7 +43,16 @@ from wspool.errors import (
     unknown_env_vars,
 )
 from wspool.rules import FUNCTIONS, MAX_MAGNITUDE, LiteralRule, compile_rule
-from wspool.settings.profiles import AUTO, PROFILE_NAMES, find_config_file, load_profile, shipped_name_of
+from wspool.settings.profiles import (
+    AUTO,
+    PROFILE_NAMES,
+    engine_knob_layers,
+    engine_knob_settings,
+    engine_specs,
+    find_config_file,
+    load_profile,
+    shipped_name_of,
+)
 from wspool.settings.sources import (
     CONFIG_ENV_VAR,
     MAX_CONFIG_DEPTH,
@@ -53,7 +62,6 @@ from wspool.settings.sources import (
     Provenance,
     SettingsLayer,
     Source,
-    engine_knob_settings,
     read_sources,
 )
 from wspool.units import MiB, format_size, parse_size, size_spelling_hint
@@ -83,6 +91,7 @@ __all__ = [
     "Provenance",
     "RuleSource",
     "WspoolSettings",
+    "all_extra_env_vars",
     "check_env_names",
     "check_pool_names",
     "check_rule_facts",
@@ -152,32 +161,30 @@ RESERVED_FACT_NAMES = frozenset({"pool", "rule", "lane", "device", "nbytes", "se
 
 #: The facts wspool's own ops and integrations pass to their pools' rules: MLA decode
 #: (``wspool.flashinfer.backends.call_facts``, the trtllm-gen counters), paged attention
-#: (``wspool.flashinfer.paged``), and the vLLM plugin (``wspool.integrations.vllm.facts``, its
-#: counters' ``min_bytes``), the SGLang integration (``wspool.integrations.sglang.facts``,
-#: with ``sglang_bytes``, what SGLang's own code would allocate) and the TokenSpeed integration
-#: (``wspool.integrations.tokenspeed.buffers``, with ``tokenspeed_bytes``). The one list of them:
-#: tests keep it in step with those modules.
+#: (``wspool.flashinfer.paged``), and each engine's, as its spec lists them (``facts``: the
+#: vLLM plugin's counters' ``min_bytes``, SGLang's ``sglang_bytes``, what its own code would
+#: allocate...; the specs as read when the settings are imported). The one list of them: tests
+#: keep it in step with those modules.
 SHAPE_FACTS = frozenset(
     {
         "batch_size", "q_len", "num_heads", "max_seq_len", "page_size", "dtype_bytes", "cp_world",
         "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
         "num_tokens", "num_qo_heads", "num_kv_heads", "head_dim",
-        "kv_dtype_size", "q_heads", "min_bytes", "sglang_bytes", "batch_tokens", "tokenspeed_bytes",
+        *(fact for spec in engine_specs() for fact in spec.facts),
     }
 )  # fmt: skip
 #: The facts a CUDA device supplies to every rule of every pool
 #: (:meth:`wspool.devices.DeviceDescription.facts`; a test keeps the two in step). Kept here,
 #: beside :data:`SHAPE_FACTS`, so the settings check a rule's names without importing torch.
 DEVICE_FACTS = ("sm_count", "cc_major", "cc_minor", "device_memory")
-#: The pools of wspool's own ops and integrations. Their callers pass :data:`SHAPE_FACTS` and
-#: nothing else, so a rule of theirs that reads another name (not a device fact or one of the
-#: pool's default facts either) can never resolve: it is refused when the configuration loads.
+#: The pools of wspool's own ops and of the engines' integrations (each spec's ``pools``). Their
+#: callers pass :data:`SHAPE_FACTS` and nothing else, so a rule of theirs that reads another name
+#: (not a device fact or one of the pool's default facts either) can never resolve: it is refused
+#: when the configuration loads.
 OWN_POOLS = frozenset(
     {
-        "flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_mla_sparse", "flashinfer_counters",
-        "flashinfer_dsv4", "flashinfer_dash", "flashinfer_int",
-        "sglang_trtllm_mla", "sglang_trtllm_mha", "sglang_dsa_sparse_mla", "sglang_dsa_trtllm", "sglang_trtllm_dsv4",
-        "tokenspeed_scratch", "tokenspeed_trtllm_mla", "tokenspeed_dsa",
+        "flashinfer_mla", "flashinfer", "flashinfer_mla_counters", "flashinfer_int",
+        *(pool for spec in engine_specs() for pool in spec.pools),
     }
 )  # fmt: skip
 
@@ -295,7 +302,7 @@ def check_env_names(
     Args:
         setting_names: The top-level settings; default :class:`WspoolSettings`' fields.
         extra_env_vars: ``WSPOOL_*`` variables that are not settings but are read elsewhere;
-            default :data:`EXTRA_ENV_VARS`.
+            default :func:`all_extra_env_vars`.
         environ: The environment; default ``os.environ``.
 
     Raises:
@@ -303,7 +310,7 @@ def check_env_names(
     """
     environ = os.environ if environ is None else environ
     fields = {name.upper() for name in (WspoolSettings.model_fields if setting_names is None else setting_names)}
-    extra = tuple(EXTRA_ENV_VARS if extra_env_vars is None else extra_env_vars)
+    extra = all_extra_env_vars() if extra_env_vars is None else tuple(extra_env_vars)
     unknown, miscased = [], []
     for name in sorted(environ):
         upper = name.upper()
@@ -387,21 +394,22 @@ def check_shared_pools(settings: WspoolSettings, provenance: Provenance | None =
 #: below the code overrides, read once: the environment, the YAML file, the engine knobs, a profile.
 LAYERS_KEYWORD = "_wspool_layers"
 
-#: ``WSPOOL_*`` variables that are not settings but are read elsewhere; any other
-#: ``WSPOOL_*`` variable must name a setting (a misspelt one is an error, not ignored).
-#: The vLLM plugin reads ``WSPOOL_VLLM`` and ``WSPOOL_VLLM_DEVICE``; the SGLang integration
-#: ``WSPOOL_SGLANG`` and ``WSPOOL_SGLANG_DEVICE``; every engine's reservation ``WSPOOL_RESERVE``
-#: and ``WSPOOL_STATS_DIR``.
-EXTRA_ENV_VARS: tuple[str, ...] = (
-    CONFIG_ENV_VAR,
-    "WSPOOL_VLLM",
-    "WSPOOL_VLLM_DEVICE",
-    "WSPOOL_SGLANG",
-    "WSPOOL_SGLANG_DEVICE",
-    "WSPOOL_TOKENSPEED",
-    "WSPOOL_RESERVE",
-    "WSPOOL_STATS_DIR",
-)
+#: wspool's own ``WSPOOL_*`` variables that are not settings but are read elsewhere: the
+#: configuration file's, and every engine's reservation ``WSPOOL_RESERVE`` and ``WSPOOL_STATS_DIR``.
+#: With the engines' switches and devices (:func:`all_extra_env_vars`), any other ``WSPOOL_*``
+#: variable must name a setting (a misspelt one is an error, not ignored).
+EXTRA_ENV_VARS: tuple[str, ...] = (CONFIG_ENV_VAR, "WSPOOL_RESERVE", "WSPOOL_STATS_DIR")
+
+
+def all_extra_env_vars() -> tuple[str, ...]:
+    """Return every ``WSPOOL_*`` variable that is not a setting: :data:`EXTRA_ENV_VARS` and each engine's.
+
+    An engine's are its switch and device variable, as its spec names them
+    (:func:`~wspool.settings.profiles.engine_specs`: ``WSPOOL_VLLM``, ``WSPOOL_VLLM_DEVICE``...).
+    """
+    engines = (name for spec in engine_specs() for name in spec.wspool_variables)
+    return (EXTRA_ENV_VARS[0], *engines, *EXTRA_ENV_VARS[1:])
+
 
 #: vLLM's fixed sizes (its FlashInfer MLA backend after PR #47074): 128 MiB for plain MLA
 #: decode, 256 MiB when the LSE is returned. FlashInfer paged attention (pool ``flashinfer``)
@@ -597,7 +605,7 @@ def _load(
     check_env_names()
     path, how = find_config_file(config_file)
     shipped = shipped_name_of(path) if path is not None else None
-    return _build(read_sources(WspoolSettings, overrides, path, how, shipped), profile)
+    return _build(read_sources(WspoolSettings, overrides, path, how, shipped, engine_knob_layers()), profile)
 
 
 def _build(inputs: LoadInputs, profile: str | None) -> tuple[WspoolSettings, Provenance]:

@@ -32,12 +32,10 @@ from wspool.errors import (
     quote,
     setting_names,
 )
-from wspool.units import KiB, MiB, format_size
+from wspool.units import KiB, format_size
 
 __all__ = [
     "CONFIG_ENV_VAR",
-    "ENGINE_KNOBS",
-    "ENGINE_KNOB_UNITS",
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
@@ -48,8 +46,6 @@ __all__ = [
     "Source",
     "config_file_from",
     "deep_copy",
-    "engine_knob_layers",
-    "engine_knob_settings",
     "parse_yaml",
     "read_sources",
     "read_text_file",
@@ -467,82 +463,6 @@ def _check_size_and_depth(data: object, where: str, config: bool, error: type[Co
             stack.extend((child, depth + 1) for child in node)
 
 
-#: (variable, engine, the (pool, rule) keys it sets). Each key is the rule that sizes the buffer
-#: the engine sizes with that variable (wspool.integrations' vLLM, SGLang and TokenSpeed
-#: workspaces); the engines' variables set no key in common. A variable counts bytes unless
-#: :data:`ENGINE_KNOB_UNITS` names another unit.
-ENGINE_KNOBS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
-    (
-        "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE",
-        "vLLM",
-        # FlashInferMetadataBuilder's workspace (batch-invariant mode takes 2 GiB whatever the
-        # variable says, as in vLLM) and sparse FlashInfer MLA's.
-        (("flashinfer", "vllm"), ("flashinfer_mla_sparse", "default")),
-    ),
-    (
-        "SGLANG_FLASHINFER_WORKSPACE_SIZE",
-        "SGLang",
-        # flashinfer_workspace, flashinfer_mla_workspace and dsa_flashinfer_sparse_mla_workspace:
-        # the workspaces SGLang sizes with this variable alone (deterministic inference takes
-        # 2 GiB through its own rule, as in SGLang).
-        (("flashinfer", "sglang"), ("flashinfer_mla", "sglang_mla"), ("sglang_dsa_sparse_mla", "default")),
-    ),
-    # The TokenSpeed integration's rules for the workspaces TokenSpeed sizes with each variable.
-    ("TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB", "TokenSpeed", (("tokenspeed_scratch", "trtllm_mha"),)),
-    ("TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB", "TokenSpeed", (("tokenspeed_trtllm_mla", "default"),)),
-    ("FLASHINFER_WORKSPACE_SIZE", "TokenSpeed", (("flashinfer", "tokenspeed_flashmla"),)),
-)
-
-#: The unit of each engine variable that does not count bytes: ``(bytes per unit, its name)``.
-ENGINE_KNOB_UNITS: Mapping[str, tuple[int, str]] = {
-    "TOKENSPEED_WORKSPACE_TRTLLM_MHA_MB": (MiB, "MiB"),
-    "TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB": (MiB, "MiB"),
-}
-
-
-def engine_knob_layers(environ: Mapping[str, str] | None = None) -> list[Source]:
-    """Return a :class:`Source` of kind ``engine`` for each engine variable that is set.
-
-    Args:
-        environ: The environment to read; default ``os.environ``.
-
-    Raises:
-        ConfigError: A variable is set to something other than a positive whole number of bytes.
-    """
-    environ = os.environ if environ is None else environ
-    layers = []
-    for name, engine, keys in ENGINE_KNOBS:
-        raw = environ.get(name, "").strip()
-        if not raw:
-            continue
-        unit, unit_name = ENGINE_KNOB_UNITS.get(name, (1, "bytes"))
-        try:
-            nbytes = int(raw, 10) * unit
-        except ValueError:
-            nbytes = 0
-        if nbytes <= 0:
-            names = ", ".join(setting_names(("pools", pool, "rules", rule))[0] for pool, rule in keys)
-            raise ConfigError(
-                f"invalid environment variable {name} = {raw[:80]!r}: {engine} reads it as a positive whole "
-                f"number of {unit_name}, and wspool sizes {names} with it; fix or unset it (a rule for those keys "
-                f"in your YAML file or a WSPOOL_* variable takes precedence over it)"
-            )
-        data: dict[str, Any] = {"pools": {}}
-        for pool, rule in keys:
-            data["pools"].setdefault(pool, {"rules": {}})["rules"][rule] = nbytes
-        layers.append(Source("engine", data, name=name, engine=engine))
-    return layers
-
-
-def engine_knob_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Return the settings of every engine variable that is set, merged (they set no key in common)."""
-    merged: dict[str, Any] = {"pools": {}}
-    for layer in engine_knob_layers(environ):
-        for pool, config in layer.data["pools"].items():
-            merged["pools"].setdefault(pool, {"rules": {}})["rules"].update(config["rules"])
-    return merged if merged["pools"] else {}
-
-
 @dataclass(frozen=True)
 class LoadInputs:
     """What one load read, highest precedence first; settings built from equal sources are equal."""
@@ -561,6 +481,7 @@ def read_sources(
     path: Path | None,
     how: str = "",
     shipped: str | None = None,
+    engines: Sequence[Source] = (),
 ) -> LoadInputs:
     """Read every source of one load once: ``WSPOOL_*``, the YAML file, the engines' variables.
 
@@ -570,6 +491,8 @@ def read_sources(
         path: The YAML file, or ``None``.
         how: How the file was named (``"named by WSPOOL_CONFIG"``), for messages.
         shipped: The shipped configuration ``path`` is, or ``None`` for the user's own file.
+        engines: The engines' variables that are set, one layer each
+            (:func:`wspool.settings.profiles.engine_knob_layers`).
 
     Raises:
         ConfigError: The file is missing or not valid YAML, or a ``WSPOOL_*`` value is not the JSON its key needs.
@@ -579,7 +502,6 @@ def read_sources(
         env_data = EnvSettingsSource(settings_cls)()
     except (SettingsError, RecursionError) as exc:
         raise env_error(exc) from None
-    engines = engine_knob_layers()
     sources = [Source("environment", env_data)]
     if path is None:
         sources += engines

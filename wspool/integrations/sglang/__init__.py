@@ -27,7 +27,7 @@ from typing import Any
 
 import wspool
 from wspool.bounds import FactLimit, Reservation
-from wspool.integrations import RESERVE_ENV_VAR, SGLANG
+from wspool.integrations import RESERVE_ENV_VAR
 from wspool.integrations.patching import Integration, entry_points
 from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.sglang import buffers, wrappers
@@ -41,6 +41,7 @@ from wspool.integrations.sglang.buffers import (
     serve,
 )
 from wspool.registry import get_registry
+from wspool.settings.profiles import engine_spec
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
@@ -270,10 +271,9 @@ def _reserving(original: Callable[..., Any]) -> Callable[..., Any]:
 class SglangIntegration(Integration):
     """SGLang's integration: :data:`TARGETS`, all or nothing."""
 
-    info = SGLANG
+    info = engine_spec("sglang")
     all_or_nothing = True
     pools = buffers.SglangPools
-    device_var = buffers.DEVICE_ENV_VAR
 
     def groups(self) -> tuple[TargetGroup, ...]:
         """Return :data:`GROUPS`."""
@@ -304,7 +304,7 @@ INTEGRATION = SglangIntegration(logger)
 
 #: ``0`` (or ``false``, ``off``, ``no``) leaves SGLang untouched although the integration loads; other values
 #: are refused.
-ENABLE_ENV_VAR = SGLANG.switch_var
+ENABLE_ENV_VAR = SglangIntegration.info.switch_var
 
 
 register, unregister, patched = entry_points(INTEGRATION)

@@ -26,12 +26,13 @@ import torch
 
 import wspool
 from wspool.bounds import FactLimit, Reservation
-from wspool.integrations import RESERVE_ENV_VAR, TOKENSPEED
+from wspool.integrations import RESERVE_ENV_VAR
 from wspool.integrations.patching import Integration, Reporter, entry_points, replacing
 from wspool.integrations.reserving import reserve_for_engine
 from wspool.integrations.tokenspeed import buffers
 from wspool.integrations.tokenspeed.buffers import TOKENSPEED_POOLS, WORKSPACES
 from wspool.registry import get_registry
+from wspool.settings.profiles import engine_spec
 from wspool.targets import Target, TargetGroup
 
 __all__ = [
@@ -180,7 +181,7 @@ def reserve_before_cache(attn_config: Any, gpu_id: int) -> Reservation | None:
 class TokenspeedIntegration(Integration):
     """TokenSpeed's integration: :data:`TARGETS`, all or nothing, each reported to TokenSpeed's loader."""
 
-    info = TOKENSPEED
+    info = engine_spec("tokenspeed")
     all_or_nothing = True
     pools = buffers.TokenspeedPools
 
@@ -199,7 +200,7 @@ INTEGRATION = TokenspeedIntegration(logger)
 
 #: ``0`` (or ``false``, ``off``, ``no``) leaves TokenSpeed untouched although the plugin loads; other values
 #: are refused.
-ENABLE_ENV_VAR = TOKENSPEED.switch_var
+ENABLE_ENV_VAR = TokenspeedIntegration.info.switch_var
 
 
 register, unregister, patched = entry_points(INTEGRATION)

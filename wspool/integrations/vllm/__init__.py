@@ -31,7 +31,6 @@ import torch
 from wspool.bounds import Reservation
 from wspool.devices import DeviceLike
 from wspool.errors import WspoolError
-from wspool.integrations import VLLM
 from wspool.integrations.patching import Integration, entry_points, replacing
 from wspool.integrations.reserving import RESERVE_ENV_VAR, reserve_for_engine, write_snapshot
 from wspool.integrations.vllm import getters as ws
@@ -39,9 +38,9 @@ from wspool.integrations.vllm import internals, wrappers
 from wspool.integrations.vllm.facts import limits_from_config
 from wspool.integrations.vllm.getters import DEVICE_ENV_VAR
 from wspool.registry import PoolRegistry, get_registry
-from wspool.settings.schema import VLLM_FIXED_MLA_WORKSPACE_BYTES
+from wspool.settings.profiles import engine_spec
 from wspool.targets import Target, TargetGroup
-from wspool.units import parse_size
+from wspool.units import MiB, parse_size
 
 __all__ = [
     "DEVICE_ENV_VAR",
@@ -109,10 +108,15 @@ def _locking(original: Callable[..., Any], frozen: bool) -> Callable[..., Any]:
     return wrapper
 
 
+#: vLLM's fixed sizes of its FlashInfer MLA workspace (since PR #47074), for code that imports them;
+#: the sizes served come from the configuration (whose built-in defaults are these).
+FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE = 128 * MiB
+FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE = 256 * MiB
+
 #: vLLM's own sizes of the buffers a reservation covers, by (pool, rule): the log line compares them.
 _VLLM_CONSTANTS: dict[tuple[str, str], int] = {
-    (ws.POOL_MLA, "default"): VLLM_FIXED_MLA_WORKSPACE_BYTES["default"],
-    (ws.POOL_MLA, "lse"): VLLM_FIXED_MLA_WORKSPACE_BYTES["lse"],
+    (ws.POOL_MLA, "default"): FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE,
+    (ws.POOL_MLA, "lse"): FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE,
     **{
         (pool, rule): parse_size(size)
         for pool in (ws.POOL_PAGED, ws.POOL_SPARSE)
@@ -393,9 +397,8 @@ TARGETS: tuple[Target, ...] = tuple(target for group in GROUPS for target in gro
 class VllmIntegration(Integration):
     """vLLM's integration: :data:`GROUPS` patched group by group, each all or none."""
 
-    info = VLLM
+    info = engine_spec("vllm")
     pools = ws.VllmPools
-    device_var = DEVICE_ENV_VAR
 
     def groups(self) -> tuple[TargetGroup, ...]:
         """Return :data:`GROUPS`."""
@@ -438,15 +441,11 @@ INTEGRATION = VllmIntegration(logger)
 
 
 #: ``0`` (or ``false``, ``off``, ``no``) leaves vLLM untouched although the plugin loads; other values are refused.
-ENABLE_ENV_VAR = VLLM.switch_var
+ENABLE_ENV_VAR = VllmIntegration.info.switch_var
 
 
 register, unregister, patched = entry_points(INTEGRATION)
 
-
-#: vLLM's fixed sizes, for code that imports them; the sizes served come from the configuration.
-FLASHINFER_MLA_WORKSPACE_BUFFER_SIZE = VLLM_FIXED_MLA_WORKSPACE_BYTES["default"]
-FLASHINFER_MLA_LSE_WORKSPACE_BUFFER_SIZE = VLLM_FIXED_MLA_WORKSPACE_BYTES["lse"]
 
 _DROP_IN_POOL = "flashinfer_mla"
 _DROP_IN_DEVICE = "cuda"  # the current CUDA device at each call (tests point it at the CPU)
