@@ -283,7 +283,7 @@ def _own_buffer_cases() -> list[tuple[str, dict[str, str], str, str]]:
     cases += [("sglang", {}, shared(w.pool), rf"pool '{w.pool}' must have its own buffer")
               for w in BUFFERS.values() if w.own_buffer]  # fmt: skip
     cases += [("tokenspeed", {}, shared(w.pool), rf"pool '{w.pool}' must have its own buffer")
-              for w in WORKSPACES if w.zeroed]  # fmt: skip
+              for w in WORKSPACES if w.own_buffer]  # fmt: skip
     flashmla_buffer = "flashinfer_mla" if FLASHMLA.pool == "flashinfer" else FLASHMLA.pool  # the built-in sharing
     cases.append(("tokenspeed", {}, shared("tokenspeed_scratch", flashmla_buffer), r"shares pool 'tokenspeed_scratch'"))
     return cases

@@ -39,6 +39,7 @@ __all__ = [
     "Refusal",
     "Reporter",
     "SaidOnce",
+    "Workspace",
     "declared_rules",
     "describe_config",
     "device_variable",
@@ -101,6 +102,34 @@ def describe_config(environ: Mapping[str, str] | None = None) -> str:
     if not os.path.isfile(named) and named in shipped_config_names():
         return f"config {named} (shipped)"
     return f"config {named}"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """One of an engine's workspaces and the pool rule that serves it: what an integration declares.
+
+    Attributes:
+        name: The engine's name for it (``get_buffer``'s, a module global's...), for log lines.
+        pool: The wspool pool.
+        rule: The pool's rule that sizes it.
+        own_buffer: The engine zeroes it because a kernel keeps semaphores, counters or
+            state in it between launches, so its pool never shares a buffer (:func:`require_own_buffers`).
+        variable: The engine's variable that sizes it, if any.
+        deterministic_rule: The rule used instead while the engine's deterministic
+            inference is on (the engine then overwrites its size), if any.
+    """
+
+    name: str
+    pool: str
+    rule: str
+    own_buffer: bool = False
+    variable: str | None = None
+    deterministic_rule: str | None = None
+
+    @property
+    def setting(self) -> str:
+        """The rule's YAML key."""
+        return f"pools.{self.pool}.rules.{self.rule}"
 
 
 def declared_rules(rules: Iterable[tuple[str, str]], size: str) -> Mapping[str, Mapping[str, str]]:

@@ -21,9 +21,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from wspool.bounds import FactLimit, Reservation, apply_reservation, plan_reservation
 from wspool.devices import DeviceLike
@@ -36,6 +36,7 @@ from wspool.units import format_size
 __all__ = [
     "RESERVE_ENV_VAR",
     "STATS_DIR_ENV_VAR",
+    "engine_plan",
     "read_snapshots",
     "reserve_for_engine",
     "reserving_enabled",
@@ -47,6 +48,7 @@ STATS_DIR_ENV_VAR = "WSPOOL_STATS_DIR"
 
 logger = logging.getLogger(__name__)
 _exit_hooked = threading.Event()
+_Plan = TypeVar("_Plan")
 
 
 def reserving_enabled() -> bool:
@@ -70,6 +72,25 @@ def _rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
+
+
+def engine_plan(
+    engine: str, plan: Callable[[], _Plan], pools: Callable[[PoolRegistry], object]
+) -> tuple[_Plan, PoolRegistry] | None:
+    """Return what ``plan`` reads of the engine's configuration, and the registry in force with the engine's pools.
+
+    ``pools(registry)`` declares and checks them. Where either raises (the engine's
+    configuration changed shape, a pool is misconfigured) the reservation is left
+    out with one warning, ``None``: the pools grow on first use.
+    """
+    try:
+        planned = plan()
+        registry = get_registry()
+        pools(registry)
+    except Exception as exc:
+        logger.warning("wspool: %s's pools not reserved: %s: %s", engine, type(exc).__name__, exc)
+        return None
+    return planned, registry
 
 
 def reserve_for_engine(

@@ -29,7 +29,7 @@ import wspool
 from wspool.bounds import FactLimit, Reservation
 from wspool.integrations import RESERVE_ENV_VAR
 from wspool.integrations.patching import Integration, entry_points
-from wspool.integrations.reserving import reserve_for_engine
+from wspool.integrations.reserving import engine_plan, reserve_for_engine
 from wspool.integrations.sglang import buffers, wrappers
 from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang.buffers import (
@@ -40,7 +40,6 @@ from wspool.integrations.sglang.buffers import (
     configure,
     serve,
 )
-from wspool.registry import get_registry
 from wspool.settings.profiles import engine_spec
 from wspool.targets import Target, TargetGroup
 
@@ -231,19 +230,10 @@ def reserve_before_kv_pool(configurator: Any) -> Reservation | None:
     """Reserve the pools SGLang's attention backends call before it measures memory for its KV pool; never raises."""
     if getattr(configurator, "is_draft_worker", False):
         return None  # the target model's worker reserves; a draft worker shares its process's pools
-    try:
-        context = importlib.import_module("sglang.srt.runtime_context")
-        kernel = _context_value(context.get_exec)
-        names = [getattr(getattr(kernel, "kernel", None), key, None) for key in _BACKEND_KEYS]
-        deterministic = bool(getattr(getattr(kernel, "deterministic", None), "enable_deterministic_inference", False))
-        hf = getattr(getattr(configurator, "model_config", None), "hf_config", None)
-        rules, sglang_bytes = reservation_plan(names, getattr(hf, "architectures", None) or (), deterministic)
-        limits = limits_from_server(configurator, sglang_bytes)
-        registry = get_registry()
-        buffers.SglangPools.of(registry)
-    except Exception as exc:  # SGLang's configuration changed shape: leave its pools to grow on first use
-        logger.warning("wspool: SGLang's pools not reserved: %s: %s", type(exc).__name__, exc)
+    planned = engine_plan("SGLang", lambda: _reservation_of(configurator), buffers.SglangPools.of)
+    if planned is None:
         return None
+    (rules, sglang_bytes, limits), registry = planned
     override = buffers.device_override()
     gpu = getattr(configurator, "gpu_id", 0)
     device = override or (f"cuda:{gpu}" if str(getattr(configurator, "device", "cuda")) == "cuda" else "cpu")
@@ -251,6 +241,17 @@ def reserve_before_kv_pool(configurator: Any) -> Reservation | None:
     return reserve_for_engine(
         "SGLang", limits, rules, device=device, lanes=[wspool.current_lane()], engine_bytes=engine, registry=registry
     )
+
+
+def _reservation_of(configurator: Any) -> tuple[dict[str, list[str]], int | None, dict[str, FactLimit]]:
+    """The pools and rules SGLang's backends call, SGLang's own size, and the limits of its configuration."""
+    context = importlib.import_module("sglang.srt.runtime_context")
+    kernel = _context_value(context.get_exec)
+    names = [getattr(getattr(kernel, "kernel", None), key, None) for key in _BACKEND_KEYS]
+    deterministic = bool(getattr(getattr(kernel, "deterministic", None), "enable_deterministic_inference", False))
+    hf = getattr(getattr(configurator, "model_config", None), "hf_config", None)
+    rules, sglang_bytes = reservation_plan(names, getattr(hf, "architectures", None) or (), deterministic)
+    return rules, sglang_bytes, limits_from_server(configurator, sglang_bytes)
 
 
 _BACKEND_KEYS = ("attention_backend", "decode_attention_backend", "prefill_attention_backend")

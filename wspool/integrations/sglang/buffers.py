@@ -33,7 +33,14 @@ import torch
 
 import wspool
 from wspool.errors import RuleError, missing_facts
-from wspool.integrations.patching import Handles, SaidOnce, declared_rules, device_variable, require_own_buffers
+from wspool.integrations.patching import (
+    Handles,
+    SaidOnce,
+    Workspace,
+    declared_rules,
+    device_variable,
+    require_own_buffers,
+)
 from wspool.integrations.reserving import write_snapshot
 from wspool.integrations.sglang import facts as facts_of
 from wspool.integrations.sglang import wrappers as sglang_wrappers
@@ -45,7 +52,6 @@ __all__ = [
     "DEVICE_ENV_VAR",
     "SGLANG_POOLS",
     "SglangPools",
-    "Workspace",
     "configure",
     "device_override",
     "forget_globals",
@@ -60,27 +66,6 @@ DEVICE_ENV_VAR = "WSPOOL_SGLANG_DEVICE"
 
 # SGLang configures the root logger (logging.basicConfig), so this module's own logger shows with its lines.
 logger = logging.getLogger("wspool.integrations.sglang")
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """One SGLang workspace and the pool that serves it.
-
-    Attributes:
-        name: SGLang's name for it (``get_buffer``'s, or the module global's).
-        pool: The wspool pool.
-        rule: The pool's rule that sizes it.
-        own_buffer: SGLang zeroes it because a kernel keeps semaphores or counters
-            in it, so its pool must never share a buffer with a scratch pool.
-        deterministic_rule: The rule used instead while SGLang's deterministic
-            inference is on (SGLang then overwrites its size variable), if any.
-    """
-
-    name: str
-    pool: str
-    rule: str
-    own_buffer: bool = False
-    deterministic_rule: str | None = None
 
 
 #: SGLang's ``get_buffer`` names served from pools. ``flashinfer`` and ``flashinfer_mla`` are the

@@ -28,10 +28,9 @@ import wspool
 from wspool.bounds import FactLimit, Reservation
 from wspool.integrations import RESERVE_ENV_VAR
 from wspool.integrations.patching import Integration, Reporter, entry_points, replacing
-from wspool.integrations.reserving import reserve_for_engine
+from wspool.integrations.reserving import engine_plan, reserve_for_engine
 from wspool.integrations.tokenspeed import buffers
 from wspool.integrations.tokenspeed.buffers import TOKENSPEED_POOLS, WORKSPACES
-from wspool.registry import get_registry
 from wspool.settings.profiles import engine_spec
 from wspool.targets import Target, TargetGroup
 
@@ -159,15 +158,16 @@ def reservation_plan(backend: str | None) -> tuple[dict[str, list[str]], int | N
 
 def reserve_before_cache(attn_config: Any, gpu_id: int) -> Reservation | None:
     """Reserve the workspace of ``attn_config``'s softmax backend before TokenSpeed measures its cache; never raises."""
-    try:
+
+    def plan() -> tuple[dict[str, list[str]], int | None]:
         configs = importlib.import_module(_ATTENTION + "configs.base")
         softmax = attn_config.component(configs.SoftmaxAttnConfig)
-        rules, nbytes = reservation_plan(getattr(softmax, "backend_name", None))
-        registry = get_registry()
-        buffers.TokenspeedPools.of(registry)
-    except Exception as exc:  # TokenSpeed's configuration changed shape: leave its pools to grow on first use
-        logger.warning("wspool: TokenSpeed's pools not reserved: %s: %s", type(exc).__name__, exc)
+        return reservation_plan(getattr(softmax, "backend_name", None))
+
+    planned = engine_plan("TokenSpeed", plan, buffers.TokenspeedPools.of)
+    if planned is None:
         return None
+    (rules, nbytes), registry = planned
     device = torch.device(getattr(attn_config, "device", "cuda"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", gpu_id)

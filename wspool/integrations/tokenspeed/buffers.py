@@ -29,7 +29,6 @@ import importlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -37,7 +36,7 @@ import torch
 
 import wspool
 from wspool.errors import ConfigError, RuleError, missing_facts
-from wspool.integrations.patching import Handles, SaidOnce, declared_rules, require_own_buffers
+from wspool.integrations.patching import Handles, SaidOnce, Workspace, declared_rules, require_own_buffers
 from wspool.units import MiB, ceil_div, format_size, round_up
 
 __all__ = [
@@ -53,7 +52,6 @@ __all__ = [
     "WORKSPACES",
     "ServedWorkspacePool",
     "TokenspeedPools",
-    "Workspace",
     "dsa_workspace",
     "dsa_workspace_bytes",
     "flashmla_module",
@@ -70,31 +68,6 @@ logger = logging.getLogger("wspool.integrations.tokenspeed")
 ALIGN_BYTES = 256
 
 
-@dataclass(frozen=True)
-class Workspace:
-    """One TokenSpeed workspace and the pool rule that serves it.
-
-    Attributes:
-        name: What TokenSpeed calls it, for the log lines.
-        pool: The wspool pool.
-        rule: The pool's rule that sizes it.
-        zeroed: TokenSpeed zeroes it (a kernel keeps state in it between
-            launches), so its pool has a buffer of its own.
-        variable: TokenSpeed's variable that sizes it, if any.
-    """
-
-    name: str
-    pool: str
-    rule: str
-    zeroed: bool = False
-    variable: str | None = None
-
-    @property
-    def setting(self) -> str:
-        """The rule's YAML key."""
-        return f"pools.{self.pool}.rules.{self.rule}"
-
-
 #: The shared block (``WorkspacePool.allocate``): each request's total, as TokenSpeed carves it.
 BLOCK = Workspace("WorkspacePool block", "tokenspeed_scratch", "block")
 #: trtllm MHA's draw from the block, per backend.
@@ -106,7 +79,7 @@ TRTLLM_MLA = Workspace(
     "trtllm-gen MLA workspace",
     "tokenspeed_trtllm_mla",
     "default",
-    zeroed=True,
+    own_buffer=True,
     variable="TOKENSPEED_WORKSPACE_TRTLLM_MLA_MB",
 )
 #: FlashMLA's FlashInfer prefill workspace (``FlashMLABackend``'s ``_global_workspace_buffer``).
@@ -114,7 +87,7 @@ FLASHMLA = Workspace(
     "FlashMLA's FlashInfer prefill workspace", "flashinfer", "tokenspeed_flashmla", variable="FLASHINFER_WORKSPACE_SIZE"
 )
 #: DSA sparse MLA's zeroed workspace (``_get_dsa_sparse_workspace``).
-DSA = Workspace("DSA sparse MLA workspace", "tokenspeed_dsa", "default", zeroed=True)
+DSA = Workspace("DSA sparse MLA workspace", "tokenspeed_dsa", "default", own_buffer=True)
 
 #: Every workspace the integration serves.
 WORKSPACES: tuple[Workspace, ...] = (BLOCK, TRTLLM_MHA, TRTLLM_MLA, FLASHMLA, DSA)
@@ -146,7 +119,7 @@ class TokenspeedPools:
         zeroed = {
             w.pool: f"TokenSpeed zeroes its {w.name}: the kernel keeps state in it between launches"
             for w in WORKSPACES
-            if w.zeroed
+            if w.own_buffer
         }
         require_own_buffers(registry, zeroed, nor_hosts=True)
         if registry.buffer_pool(FLASHMLA.pool) == registry.buffer_pool(_SCRATCH):
