@@ -1,7 +1,7 @@
 """Memory accounting: what a registry's buffers hold, per backend, beside PyTorch's figures.
 
 One row per buffer (pool, device, lane), with the bytes FlashInfer's wrappers
-hold themselves (tracked weakly per pool, :mod:`wspool.regions`' included) and,
+hold themselves (tracked weakly per pool, wspool's int workspace regions included) and,
 on CUDA, PyTorch's allocated and reserved bytes. Reading has no side effects and
 creates no CUDA context; thread-safe. Tables and figures: docs/kernels.md.
 """
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from wspool.pool import PoolSource, WorkspacePool
 
 __all__ = [
-    "FLASHINFER_INT_DEFAULT_BYTES",
     "KernelBufferStats",
     "dry_run",
     "kernel_buffer_stats",
@@ -33,10 +32,6 @@ __all__ = [
     "memory_summary",
     "track_kernel_buffers",
 ]
-
-
-#: What FlashInfer allocates per wrapper for its int workspace (and as much again pinned) by default.
-FLASHINFER_INT_DEFAULT_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -61,13 +56,24 @@ class _Tracked:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.entries: dict[int, tuple[weakref.ref[Any], str, str, str, tuple[int, ...]]] = {}
+        self.default_int_bytes = 0
 
 
 def track_kernel_buffers(
-    registry: PoolSource, pool: WorkspacePool, wrapper: Any, supplied: Iterable[torch.Tensor] = ()
+    registry: PoolSource,
+    pool: WorkspacePool,
+    wrapper: Any,
+    supplied: Iterable[torch.Tensor] = (),
+    *,
+    default_int_bytes: int,
 ) -> None:
-    """Count ``wrapper``'s own buffers, less ``supplied`` ones, against ``pool`` for as long as it lives."""
+    """Count ``wrapper``'s own buffers, less ``supplied`` ones, against ``pool`` for as long as it lives.
+
+    ``default_int_bytes``: what the kernel library allocates per wrapper for its int
+    workspace (and as much again pinned) when given none, for the summary's comparison.
+    """
     tracked = registry.state(_Tracked)
+    tracked.default_int_bytes = default_int_bytes
     key = id(wrapper)
     found = tracked.entries.get(key)
     if found is not None and found[0]() is wrapper:
@@ -228,6 +234,8 @@ def _backends_text(backends: Mapping[str, Mapping[str, int]]) -> str:
 def memory_summary(registry: PoolSource) -> str:
     """Return a table of the registry's buffers, with totals per device and PyTorch's figures."""
     data = memory_stats(registry)
+    tracked = registry.peek_state(_Tracked)
+    default_int_bytes = 0 if tracked is None else tracked.default_int_bytes
     header = ("pool", "device", "lane", "capacity", "peak request", "grows", "backends (requests per rule)")
     rows = [
         (
@@ -255,7 +263,7 @@ def memory_summary(registry: PoolSource) -> str:
             if k["bound_wrappers"]
             else ""
         )
-        default = format_size(k["wrappers"] * FLASHINFER_INT_DEFAULT_BYTES)
+        default = format_size(k["wrappers"] * default_int_bytes)
         lines.append(
             f"FlashInfer's own buffers on {k['pool']} {k['device']} lane {k['lane']}: {k['wrappers']} wrapper(s)"
             f"{bound} hold {format_size(k['device_bytes'])} more on the device, "

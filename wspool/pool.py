@@ -640,7 +640,10 @@ class WorkspacePool:
 
 
 class RegionsView(Protocol):
-    """What accounting reads of a registry's wrapper regions (:class:`wspool.regions.WrapperRegions`)."""
+    """What accounting reads of a registry's wrapper regions, the registry state under this key.
+
+    :class:`wspool.flashinfer.wrapper_buffers.WrapperRegions` is one.
+    """
 
     def binding(self, wrapper: Any) -> Any: ...
 

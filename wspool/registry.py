@@ -33,9 +33,8 @@ from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, RuleError, describe_setting, unknown_rule
 from wspool.freeze import FreezeState
 from wspool.handles import EPOCH, WorkspaceHandle, bump_epoch
-from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, WorkspacePool
+from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, RegionsView, WorkspacePool
 from wspool.profile_views import ProfileView, check_rule_facts
-from wspool.regions import WrapperRegions, existing_regions
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS, WspoolSettings, load_settings, profile_settings
 
@@ -468,9 +467,9 @@ class PoolRegistry:
         """Return this registry's object of type ``kind`` if one was made, without making it."""
         return self._states.get(kind)  # type: ignore[return-value]
 
-    def existing_wrapper_regions(self) -> WrapperRegions | None:
+    def existing_wrapper_regions(self) -> RegionsView | None:
         """Return this registry's regions for kernel wrappers' own buffers if any were made (makes none)."""
-        return existing_regions(self)
+        return self.peek_state(RegionsView)  # type: ignore[type-abstract]  # the key FlashInfer's regions use
 
     # -- reserve, warm up, freeze, release, report --------------------------------
 

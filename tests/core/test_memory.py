@@ -15,6 +15,7 @@ from wspool.cli import main
 from wspool.memory import dry_run, kernel_buffer_stats, mem_pool_allocator, track_kernel_buffers
 
 MiB = 1 << 20
+DEFAULT_INT = 8 * MiB  # what FlashInfer allocates per wrapper by default, as its side of wspool passes
 FACTS = ["--fact", "sm_count=132", "--fact", "head_dim=128", "--fact", "num_qo_heads=32"]
 
 
@@ -140,7 +141,7 @@ def test_live_wrappers_are_counted_per_pool_and_dropped_ones_are_not() -> None:
     index = torch.zeros(9, dtype=torch.int32)
     first, second = FakeWrapper(workspace, index), FakeWrapper(workspace, index)
     for wrapper in (first, second, first):
-        track_kernel_buffers(reg, pool, wrapper, supplied=[index])
+        track_kernel_buffers(reg, pool, wrapper, supplied=[index], default_int_bytes=DEFAULT_INT)
     (stats,) = kernel_buffer_stats(reg)
     assert (stats.pool, stats.device, stats.lane, stats.wrappers) == ("p", "cpu", "main", 2)
     assert (stats.device_bytes, stats.pinned_host_bytes) == (2 * 9 * MiB, 0)
@@ -153,7 +154,7 @@ def test_memory_summary_shows_the_wrappers_buffers() -> None:
     """memory_summary and memory_stats report the wrappers' own bytes next to the pool's."""
     reg = wspool.PoolRegistry.from_config(pools={"p": {"rules": {"default": "1MiB"}}})
     wrapper = FakeWrapper(reg.workspace("p", "cpu"), torch.zeros(1))
-    track_kernel_buffers(reg, reg.pool("p", "cpu"), wrapper)
+    track_kernel_buffers(reg, reg.pool("p", "cpu"), wrapper, default_int_bytes=DEFAULT_INT)
     summary = reg.memory_summary()
     line = (
         "FlashInfer's own buffers on p cpu lane main: 1 wrapper(s) hold 9MiB more on the device, 0B pinned host "

@@ -1,4 +1,4 @@
-"""Tests for wspool.flashinfer.wrapper_buffers and wspool.regions on the CPU.
+"""Tests for wspool.flashinfer.wrapper_buffers on the CPU.
 
 The rules against FlashInfer's planners' carves, the MLA constructor hook
 against FlashInfer's real backend class, sharing through the CPU doubles
@@ -8,8 +8,10 @@ shows as a wrong result), and what the statistics report.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -36,7 +38,7 @@ from wspool.flashinfer import (
 )
 from wspool.flashinfer.mla import MLA_FLOAT_CARVES
 from wspool.flashinfer.refusals import grow_after_overflow
-from wspool.regions import WrapperBinding, binding_of, wrapper_regions
+from wspool.flashinfer.wrapper_buffers import WrapperBinding, binding_of, wrapper_regions
 from wspool.units import MiB, ceil_div, round_up
 
 # -- the rules against the planners' carves (FlashInfer's scheduler.cuh) ----------------------
@@ -341,6 +343,39 @@ def test_a_wrapper_bound_before_keep_flashinfer_buffers_is_answered_with_its_reg
     assert wrapper_buffers.int_setting_of(kept) is None
     ((stats,),) = [registry.memory_stats()["int_regions"]]
     assert (stats["wrappers"], stats["regions"], stats["region_bytes"]) == (1, 1, grown.region.nbytes)  # type: ignore[union-attr]
+
+
+def test_bind_recorded_says_what_was_done_with_each_wrapper_for_as_long_as_it_lives(
+    fresh_hook: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's wrapper is recorded with its rule, or why it keeps FlashInfer's buffers, while it lives."""
+    import flashinfer
+
+    float_ws = torch.zeros(MiB, dtype=torch.uint8)
+    facts = {"batch_size": 4, "num_tokens": 64, "num_qo_heads": 8, "num_kv_heads": 2, "sm_count": 132}
+    bound, kept, mla = PrefillWrapperDouble(float_ws, backend="fa2"), _Wrapper(), _Wrapper()
+
+    def bind(wrapper: object, rule: str) -> wrapper_buffers.WrapperRecord:
+        return wrapper_buffers.bind_recorded(
+            wrapper, float_ws, kind=rule, rule=rule, facts=facts, lane="main", label=f"engine-{rule}"
+        )
+
+    record = bind(bound, "prefill")
+    assert wrapper_buffers.wrapper_record(bound) is record and (record.rule, record.why) == ("prefill", None)
+    assert binding_of(bound).kind == "engine-prefill"  # type: ignore[union-attr]
+    monkeypatch.setattr(flashinfer, "__version__", "9.9")
+    unread = bind(mla, "mla")
+    assert unread.rule is None and "FlashInfer 9.9 is not a version whose MLA backend wspool has read" in str(
+        unread.why
+    )
+    wrapper_buffers.keep_flashinfer_buffers(wspool.get_registry())
+    left = bind(kept, "prefill")
+    assert (left.rule, left.why) == (None, "the registry keeps FlashInfer's buffers") and binding_of(kept) is None
+    assert wrapper_buffers.wrapper_record(kept) is left and wrapper_buffers.wrapper_record(_Wrapper()) is None
+    gone = weakref.ref(left)
+    del kept, left
+    gc.collect()
+    assert gone() is None and wrapper_buffers.wrapper_record(mla) is unread
 
 
 # -- wspool's own paged plans (the doubles) --------------------------------------------------

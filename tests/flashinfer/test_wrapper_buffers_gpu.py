@@ -18,7 +18,7 @@ from tests.helpers.mla_inputs import MLAInputs, make_inputs
 from wspool.errors import WorkspaceConflictError, WorkspaceLimitError
 from wspool.flashinfer import mla_decode_plan, mla_decode_reference, wrapper_buffers
 from wspool.flashinfer.kernels import load_flashinfer_attention
-from wspool.regions import WrapperBinding, binding_of, wrapper_regions
+from wspool.flashinfer.wrapper_buffers import WrapperBinding, binding_of, wrapper_regions
 from wspool.tools.graph_plans import BATCH_SIZES, measure_graph_plans
 from wspool.units import MiB
 

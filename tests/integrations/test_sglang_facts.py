@@ -128,3 +128,27 @@ def test_a_reader_that_raises_leaves_its_facts_out() -> None:
         facts = sf.current_facts()
     assert not {"num_heads", "num_qo_heads", "num_kv_heads", "cp_world", "q_len"} & set(facts)
     assert facts["head_dim"] == 128 and facts["batch_size"] == 256
+
+
+def _unpublished() -> Any:
+    raise ValueError("config bag 'schedule' not published")  # as SGLang's accessor raises
+
+
+def test_prefill_rows_follow_sglangs_limits() -> None:
+    """The largest extend: the chunk or max_prefill_tokens, unchunked a whole context too, verify rows; else None."""
+    limits = SimpleNamespace(max_prefill_tokens=16384, chunked_prefill_size=8192)
+    sf.set_context_readers(None, None, lambda: limits, lambda: 8192)
+    try:
+        assert sf.prefill_rows(131072, 8, 1) == 16384  # chunked: no batch holds a whole long prompt
+        assert sf.prefill_rows(131072, 8, 1, whole_prompts=True) == 131072
+        assert sf.prefill_rows(4096, 1024, 16) == 16384  # verify: 1024 requests x 16 draft tokens
+        limits.max_prefill_tokens = 0  # unset: the chunk ceiling still bounds it
+        assert sf.prefill_rows(4096, 8, 1) == 8192
+        limits.chunked_prefill_size = -1  # chunked prefill off: a first request of a whole context, alone
+        assert sf.prefill_rows(131072, 8, 1) == 131072
+        sf.set_context_readers(None, None, _unpublished, lambda: 8192)
+        assert sf.prefill_rows(4096, 8, 1) is None
+        sf.set_context_readers(None, None)
+        assert sf.prefill_rows(4096, 8, 1) is None
+    finally:
+        sf.set_context_readers(None, None)

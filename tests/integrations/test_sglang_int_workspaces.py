@@ -38,10 +38,10 @@ from tests.helpers.sglang_model import publish_tiny_llama
 from wspool.devices import fake_device
 from wspool.errors import RuleError
 from wspool.flashinfer import wrapper_buffers
+from wspool.flashinfer.wrapper_buffers import FLASHINFER_INT_DEFAULT_BYTES, binding_of
 from wspool.integrations import sglang as sg
+from wspool.integrations.sglang import facts as sf
 from wspool.integrations.sglang import wrappers as sw
-from wspool.memory import FLASHINFER_INT_DEFAULT_BYTES
-from wspool.regions import binding_of
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -256,35 +256,11 @@ def test_new_workspace_backends_and_draft_steps_are_bound(srt: SGLang, loaded: N
     _assert_bound(step.decode_wrappers[0], _expected("prefill", **facts))
 
 
-def _unpublished() -> Any:
-    raise ValueError("config bag 'schedule' not published")  # as SGLang's accessor raises
-
-
-def test_prefill_rows_follow_sglangs_limits() -> None:
-    """The largest extend: the chunk or max_prefill_tokens, unchunked a whole context too, verify rows; else None."""
-    limits = SimpleNamespace(max_prefill_tokens=16384, chunked_prefill_size=8192)
-    sw.configure(lambda: limits, lambda: 8192)
-    try:
-        assert sw.prefill_rows(131072, 8, 1) == 16384  # chunked: no batch holds a whole long prompt
-        assert sw.prefill_rows(131072, 8, 1, whole_prompts=True) == 131072
-        assert sw.prefill_rows(4096, 1024, 16) == 16384  # verify: 1024 requests x 16 draft tokens
-        limits.max_prefill_tokens = 0  # unset: the chunk ceiling still bounds it
-        assert sw.prefill_rows(4096, 8, 1) == 8192
-        limits.chunked_prefill_size = -1  # chunked prefill off: a first request of a whole context, alone
-        assert sw.prefill_rows(131072, 8, 1) == 131072
-        sw.configure(_unpublished, lambda: 8192)
-        assert sw.prefill_rows(4096, 8, 1) is None
-        sw.configure(None, None)
-        assert sw.prefill_rows(4096, 8, 1) is None
-    finally:
-        sw.configure(None, None)
-
-
 def test_unpublished_limits_leave_prefill_wrappers_to_flashinfer(
     srt: SGLang, loaded: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Where SGLang's limits cannot be read, the prefill wrappers keep FlashInfer's buffers; decode is bound."""
-    sw.configure(None, None)
+    sf.set_context_readers(srt.rc.get_parallel, srt.rc.get_spec)  # as loaded, less the scheduling limits
     backend = srt.paged.FlashInferAttnBackend(_runner(srt))
     assert binding_of(backend.decode_wrappers[0]) is not None
     assert all(binding_of(w) is None for w in (*backend.prefill_wrappers_paged, *backend.prefill_wrappers_verify))

@@ -32,11 +32,9 @@ from tests.helpers.paged_doubles import DecodeWrapperDouble, PrefillWrapperDoubl
 from wspool.devices import DeviceDescription, fake_device
 from wspool.errors import RuleError
 from wspool.flashinfer import wrapper_buffers
-from wspool.flashinfer.wrapper_buffers import planner_backend
+from wspool.flashinfer.wrapper_buffers import FLASHINFER_INT_DEFAULT_BYTES, binding_of, planner_backend, wrapper_record
 from wspool.integrations import vllm as plugin
-from wspool.integrations.vllm.wrappers import step_bounds, wrapper_record
-from wspool.memory import FLASHINFER_INT_DEFAULT_BYTES
-from wspool.regions import binding_of
+from wspool.integrations.vllm.wrappers import step_bounds
 from wspool.units import ceil_div, round_up
 
 PAGED = "vllm.v1.attention.backends.flashinfer"

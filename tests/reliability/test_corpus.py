@@ -28,8 +28,7 @@ import torch
 import wspool
 from wspool.cli import main
 from wspool.errors import ConfigError, RuleError
-from wspool.flashinfer.wrapper_buffers import declare_int_pool
-from wspool.regions import WrapperBinding, wrapper_regions
+from wspool.flashinfer.wrapper_buffers import WrapperBinding, declare_int_pool, wrapper_regions
 from wspool.settings.schema import load_settings
 
 CORPUS = Path(__file__).parent / "corpus"

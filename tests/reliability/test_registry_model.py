@@ -55,7 +55,7 @@ import wspool.pool
 from tests.helpers.registry import make_registry
 from wspool.distributed import AgreementFrozenError, AgreementLimitError, agree
 from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError
-from wspool.regions import WrapperRegions, wrapper_regions
+from wspool.flashinfer.wrapper_buffers import WrapperRegions, wrapper_regions
 
 KiB = 1024
 PROFILES = {

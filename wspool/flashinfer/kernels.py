@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from wspool.flashinfer.backends import PRIVATE_NAMES_READ, DCPArgs, int8_view
+from wspool.flashinfer.wrapper_buffers import PlanOwner, binding_of
 from wspool.pool import WorkspacePool
-from wspool.regions import PlanOwner, binding_of
 
 __all__ = [
     "TRTLLM_DECODE_KEYWORDS",

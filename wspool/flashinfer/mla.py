@@ -21,9 +21,9 @@ from wspool.flashinfer.backends import BLACKWELL_BACKENDS, DCPArgs, check_dcp, c
 from wspool.flashinfer.layouts import StepConstants, check_page_table, step_constants, wrapper_metadata
 from wspool.flashinfer.reference import mla_decode_reference_into
 from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
+from wspool.flashinfer.wrapper_buffers import FLASHINFER_INT_DEFAULT_BYTES, PlanOwner
 from wspool.memory import track_kernel_buffers
 from wspool.pool import WorkspacePool
-from wspool.regions import PlanOwner
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
@@ -581,7 +581,13 @@ class MLADecodePlan:
             group=group,
             facts={"sm_count": self.facts["sm_count"]},
         )
-        track_kernel_buffers(self._registry, self._pool, wrapper, self._graph_buffers or ())
+        track_kernel_buffers(
+            self._registry,
+            self._pool,
+            wrapper,
+            self._graph_buffers or (),
+            default_int_bytes=FLASHINFER_INT_DEFAULT_BYTES,
+        )
         return wrapper
 
     def _conflict(self) -> WorkspaceConflictError:

@@ -22,8 +22,8 @@ from wspool.flashinfer import backends, kernels, wrapper_buffers
 from wspool.flashinfer.layouts import check_int_tensor, check_page_table, page_table_to_csr
 from wspool.flashinfer.reference import paged_attention_reference
 from wspool.flashinfer.refusals import MAX_RECOVERIES, grow_after_overflow
+from wspool.flashinfer.wrapper_buffers import FLASHINFER_INT_DEFAULT_BYTES, PlanOwner
 from wspool.memory import track_kernel_buffers
-from wspool.regions import PlanOwner
 from wspool.registry import PoolRegistry, get_registry
 from wspool.units import ceil_div
 
@@ -286,7 +286,9 @@ class PagedAttentionPlan:
             wrapper = cache.get(self._key)
             if wrapper is None:
                 wrapper = self._make_wrapper(workspace)
-                track_kernel_buffers(self._registry, self._pool, wrapper)
+                track_kernel_buffers(
+                    self._registry, self._pool, wrapper, default_int_bytes=FLASHINFER_INT_DEFAULT_BYTES
+                )
                 if self._pool.buffer is workspace:  # not replaced meanwhile by another thread
                     cache[self._key] = wrapper
             if self.int_rule is not None:  # a region that holds this step's plan (a larger one when it grew)

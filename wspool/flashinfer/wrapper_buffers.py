@@ -1,12 +1,15 @@
-"""FlashInfer wrappers' int workspaces and pinned copies, right-sized from wspool instead of 8 MiB each.
+"""FlashInfer wrappers' int workspaces and pinned copies: right-sized regions from wspool instead of 8 MiB each.
 
-A wrapper gets a region sized by a rule of pool ``flashinfer_int``
-(:data:`INT_RULES`). Paged wrappers take it through ``reset_workspace_buffer``;
-the MLA wrapper's backend takes it inside :func:`supplying`, through a
-constructor hook on :data:`READ_VERSIONS` only (:func:`mla_hook_status`).
-Wrappers bound with one group on one device and lane share a region; pinned
-copies are never shared. Device, capture and thread semantics:
-:mod:`wspool.regions`. Sizes, the hook and sharing: docs/wrapper-buffers.md.
+The one home of the concept: the regions (:class:`WrapperRegions`, per registry),
+their sizes (pool ``flashinfer_int``'s :data:`INT_RULES`; FlashInfer's own is
+:data:`FLASHINFER_INT_DEFAULT_BYTES`), how a wrapper takes one (paged wrappers
+through ``reset_workspace_buffer``, the MLA wrapper's backend inside
+:func:`supplying` through a constructor hook on :data:`READ_VERSIONS` only), and
+what an engine did with each wrapper it saw (:func:`bind_recorded`). Device: a
+region lives on the wrapper's device, its pinned copy in page-locked host memory
+(plain memory off CUDA). Capture: a region never moves, and none is allocated
+while the current stream captures. Threads: binding is thread-safe and allocates
+outside the lock; a supply holds for its thread or context. docs/wrapper-buffers.md.
 """
 
 from __future__ import annotations
@@ -16,29 +19,43 @@ import contextvars
 import functools
 import importlib
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import torch
 
-from wspool.devices import describe_device
-from wspool.errors import ConfigError, describe_setting
+from wspool.devices import describe_device, resolve_device
+from wspool.errors import ConfigError, WorkspaceFrozenError, WorkspaceLimitError, describe_setting
 from wspool.flashinfer.backends import READ_VERSIONS  # the versions whose MLA backend constructor was read
-from wspool.regions import WrapperBinding, binding_of, wrapper_regions
-from wspool.registry import PoolRegistry
+from wspool.freeze import cuda_capture_probe
+from wspool.pool import Allocator, PoolSource, RegionsView, zeros_allocator
+from wspool.registry import PoolRegistry, get_registry
 from wspool.rules import compile_rule
 from wspool.targets import PatchSet, Target, TargetGroup
+from wspool.units import format_size, round_up
 
 __all__ = [
+    "FLASHINFER_INT_DEFAULT_BYTES",
     "INT_POOL",
     "INT_RULES",
     "MLA_BACKEND_CLASS",
     "MLA_HOOK",
+    "PINNED_CHUNK_BYTES",
     "READ_VERSIONS",
+    "REGION_ALIGNMENT",
     "SUPPLIED",
     "SUPPLIED_BY_THREAD",
+    "IntRegion",
+    "PlanOwner",
+    "WrapperBinding",
+    "WrapperRecord",
+    "WrapperRegions",
     "bind_mla_wrapper",
     "bind_paged_wrapper",
+    "bind_recorded",
+    "binding_of",
     "call_supplying",
     "declare_int_pool",
     "install_mla_hook",
@@ -48,13 +65,281 @@ __all__ = [
     "mla_hook_status",
     "paged_int_rule",
     "planner_backend",
+    "record_wrapper",
     "supplying",
     "uninstall_mla_hook",
+    "wrapper_record",
+    "wrapper_regions",
 ]
 
 _R = TypeVar("_R")
 
 INT_POOL = "flashinfer_int"
+#: What FlashInfer allocates per wrapper for its int workspace (and as much again pinned) when given none.
+FLASHINFER_INT_DEFAULT_BYTES = 8 * 1024 * 1024
+
+#: Regions start on this boundary, as FlashInfer's planners assume of their int workspaces.
+REGION_ALIGNMENT = 16
+#: Pinned copies are carved from page-locked chunks of this size: PyTorch's pinned allocator
+#: rounds every block up to a power of two, so one block per copy would nearly double them.
+PINNED_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class PlanOwner:
+    """Which plan's metadata a region holds (``None`` before the first plan and mid-plan), seen by all its wrappers."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self) -> None:
+        self.owner: object | None = None
+
+
+class IntRegion:
+    """One int workspace (a zero-filled ``uint8`` tensor of its own allocation) as kernel wrappers get it."""
+
+    __slots__ = ("__weakref__", "device", "group", "lane", "record", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, group: Hashable | None, lane: str) -> None:
+        self.tensor = tensor
+        self.record = PlanOwner()
+        self.group = group
+        self.device = str(tensor.device)
+        self.lane = lane
+
+    @property
+    def nbytes(self) -> int:
+        """The region's size in bytes."""
+        return int(self.tensor.numel())
+
+
+class WrapperBinding:
+    """What wspool gave one wrapper: its int region, its own pinned copy if any, and the sizing rule's key."""
+
+    __slots__ = ("kind", "pinned", "region", "setting")
+
+    def __init__(self, region: IntRegion, pinned: torch.Tensor | None, kind: str, setting: str | None = None) -> None:
+        self.region, self.pinned, self.kind, self.setting = region, pinned, kind, setting
+
+
+@dataclass(frozen=True)
+class WrapperRecord:
+    """What an engine did with a wrapper it saw: ``rule`` sized its region, or (``None``) ``why`` it has none."""
+
+    kind: str
+    rule: str | None
+    facts: Mapping[str, int] = field(default_factory=dict)
+    why: str | None = None
+
+
+# Every registry's bindings, and what engines did with the wrappers they saw, by ``id(wrapper)``: (a weak
+# reference to the wrapper, its value). An entry leaves as its wrapper dies (the callback runs before the id can
+# name another object). Engines look them up per plan call: an id key spares the weak reference a look-up makes.
+_BOUND: dict[int, tuple[weakref.ref[Any], WrapperBinding]] = {}
+_RECORDS: dict[int, tuple[weakref.ref[Any], WrapperRecord]] = {}
+_V = TypeVar("_V")
+
+
+def binding_of(wrapper: Any) -> WrapperBinding | None:
+    """Return the region binding ``wrapper`` has in any registry, or ``None`` (any thread)."""
+    found = _BOUND.get(id(wrapper))
+    return None if found is None else found[1]
+
+
+def _remember(table: dict[int, tuple[weakref.ref[Any], _V]], wrapper: Any, value: _V) -> None:
+    key = id(wrapper)
+
+    # The table is bound here, not looked up as a global: a wrapper may die at interpreter exit
+    # after this module's globals were cleared, and its callback must still find the table.
+    def forget(ref: weakref.ref[Any], bound: dict[int, tuple[weakref.ref[Any], _V]] = table) -> None:
+        found = bound.get(key)
+        if found is not None and found[0] is ref:  # not a later wrapper's entry under a reused id
+            bound.pop(key, None)
+
+    table[key] = (weakref.ref(wrapper, forget), value)
+
+
+class WrapperRegions:
+    """A registry's regions for kernel wrappers' own buffers, keyed weakly by wrapper.
+
+    ``max_bytes`` reads pool ``pool``'s cap per device and lane; a device counts as
+    its tensors report it, however spelled. Thread-safe: two threads binding a
+    group's first wrappers may each allocate; the first to install wins.
+    """
+
+    def __init__(self, pool: str, max_bytes: Callable[[str], int | None], allocator: Allocator | None = None) -> None:
+        self.pool = pool
+        self._max_bytes = max_bytes
+        self._allocate = allocator or zeros_allocator
+        self._lock = threading.Lock()
+        self._bindings: weakref.WeakKeyDictionary[Any, WrapperBinding] = weakref.WeakKeyDictionary()
+        self._groups: weakref.WeakValueDictionary[tuple[str, str, Hashable], IntRegion] = weakref.WeakValueDictionary()
+        self._probes: dict[str, Callable[[], bool]] = {}
+        self._pinned_chunk: tuple[torch.Tensor, int] | None = None  # (chunk, bytes used)
+        self.declared = False  # pool ``pool`` is declared with INT_RULES
+        self.keep_flashinfer = False  # wrappers bound from now on keep FlashInfer's own buffers
+
+    def binding(self, wrapper: Any) -> WrapperBinding | None:
+        """Return what ``wrapper`` was bound to, or ``None``."""
+        return self._bindings.get(wrapper)
+
+    def bind(
+        self,
+        wrapper: Any,
+        *,
+        device: torch.device,
+        nbytes: int,
+        kind: str,
+        lane: str,
+        group: Hashable | None = None,
+        pinned: bool = False,
+        setting: str | None = None,
+        install: Callable[[WrapperBinding], None] | None = None,
+    ) -> WrapperBinding:
+        """Give ``wrapper`` (held weakly) an int region of at least ``nbytes``; return its binding.
+
+        Args:
+            group: Wrappers bound with one group, device and lane share one region;
+                the caller states their plans are never live at once. ``None``: its own.
+            pinned: Also make it a pinned host copy as large as the region.
+            install: Hands the new binding to the wrapper, outside the lock; the
+                binding is recorded only once it returns (what it raises propagates).
+
+        Raises:
+            WorkspaceFrozenError: A region would be allocated while the current stream captures.
+            WorkspaceLimitError: The regions would pass the pool's ``max_bytes``, or the device's memory.
+            ConfigError: ``device`` is ``cuda`` and torch can use no CUDA device here.
+        """
+        device = _as_tensors_report(device)
+        size = round_up(max(int(nbytes), REGION_ALIGNMENT), REGION_ALIGNMENT)
+        key = (str(device), lane, group)
+        region = self._groups.get(key) if group is not None else None
+        if region is None or region.nbytes < size:
+            region = self._new_region(device, size, group, lane, wrapper)
+            if group is not None:
+                with self._lock:
+                    installed = self._groups.get(key)
+                    if installed is not None and installed.nbytes >= size:
+                        region = installed  # another thread installed one first
+                    else:
+                        self._groups[key] = region
+        copy = self._pinned_copy(region.nbytes, device) if pinned else None
+        binding = WrapperBinding(region, copy, kind, setting)
+        if install is not None:
+            install(binding)
+        with self._lock:
+            previous = self._bindings.get(wrapper)
+            self._bindings[wrapper] = binding
+            _remember(_BOUND, wrapper, binding)
+        if previous is not None and previous.region is not region:
+            previous.region.record.owner = None  # the wrapper's plans no longer live there
+        return binding
+
+    def _new_region(
+        self, device: torch.device, size: int, group: Hashable | None, lane: str, wrapper: Any
+    ) -> IntRegion:
+        """Allocate a region for ``wrapper`` (outside the lock), refused while capturing or past the cap."""
+        where = str(device)
+        if device.type == "cuda":
+            probe = self._probes.get(where)
+            if probe is None:
+                probe = self._probes.setdefault(where, cuda_capture_probe(device))
+            if probe():
+                raise WorkspaceFrozenError(
+                    f"a {format_size(size)} int workspace region ({self.pool}) on {device} lane {lane} would be "
+                    "allocated during CUDA-graph capture; bind the wrapper (build it and plan it once) before capture"
+                )
+        limit = self._max_bytes(where)
+        if limit is not None:
+            with self._lock:  # the regions held once ``wrapper`` has moved, each once
+                live = {id(b.region): b.region for w, b in self._bindings.items() if w is not wrapper}
+            held = sum(r.nbytes for r in live.values() if r.device == where and r.lane == lane)
+            if held + size > limit:
+                raise WorkspaceLimitError(
+                    f"int workspace regions ({self.pool}) on {device} lane {lane} would hold {held + size} bytes, "
+                    f"over max_bytes {limit}; raise {describe_setting(('pools', self.pool, 'max_bytes'))}"
+                )
+        with torch.inference_mode(False):
+            try:
+                tensor = self._allocate(size, device)
+            except (RuntimeError, MemoryError) as exc:  # torch's OutOfMemoryError is a RuntimeError
+                raise WorkspaceLimitError(
+                    f"out of memory allocating a {format_size(size)} int workspace region ({self.pool}) on {device}"
+                ) from exc
+        return IntRegion(tensor, group, lane)
+
+    def _pinned_copy(self, size: int, device: torch.device) -> torch.Tensor:
+        """A pinned host copy of ``size`` bytes, cut from a page-locked chunk freed once no copy of it is alive."""
+        if device.type != "cuda":
+            with torch.inference_mode(False):
+                return torch.empty(size, dtype=torch.uint8)
+        while True:
+            with self._lock:
+                found = self._pinned_chunk
+                if found is not None and found[1] + size <= found[0].numel():
+                    chunk, used = found
+                    self._pinned_chunk = (chunk, round_up(used + size, REGION_ALIGNMENT))
+                    return chunk[used : used + size]
+            chunk_bytes = max(PINNED_CHUNK_BYTES, 1 << (size - 1).bit_length())
+            with torch.inference_mode(False):  # allocated outside the lock; installed unless another thread was first
+                new = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+            with self._lock:
+                current = self._pinned_chunk
+                if current is None or current[1] + size > current[0].numel():
+                    self._pinned_chunk = (new, 0)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Return the live regions per device and lane; ``pinned_chunk_bytes`` counts the chunks copies are cut from."""
+        with self._lock:
+            bindings = list(self._bindings.values())
+        totals: dict[tuple[str, str], dict[str, Any]] = {}
+        seen: set[int] = set()
+        chunks: set[int] = set()
+        for binding in bindings:
+            region = binding.region
+            counts = dict.fromkeys(("wrappers", "regions", "region_bytes", "pinned_bytes", "pinned_chunk_bytes"), 0)
+            entry = totals.setdefault(
+                (region.device, region.lane), {"device": region.device, "lane": region.lane, **counts, "kinds": {}}
+            )
+            entry["wrappers"] += 1
+            entry["kinds"][binding.kind] = entry["kinds"].get(binding.kind, 0) + 1
+            if binding.pinned is not None:
+                entry["pinned_bytes"] += binding.pinned.numel()
+                storage = binding.pinned.untyped_storage()
+                if storage.data_ptr() not in chunks:
+                    chunks.add(storage.data_ptr())
+                    entry["pinned_chunk_bytes"] += storage.nbytes()
+            if id(region) not in seen:
+                seen.add(id(region))
+                entry["regions"] += 1
+                entry["region_bytes"] += region.nbytes
+        return [totals[k] for k in sorted(totals)]
+
+
+def _as_tensors_report(device: torch.device) -> torch.device:
+    """Return ``device`` as a tensor on it reports it (``cuda`` -> ``cuda:<current>``, ``cpu:0`` -> ``cpu``)."""
+    if device.type == "cuda":
+        return resolve_device(device) if device.index is None else device
+    if device.type in ("cpu", "meta") and device.index is not None:
+        return torch.device(device.type)
+    return device
+
+
+def wrapper_regions(registry: PoolSource, pool: str = INT_POOL) -> WrapperRegions:
+    """Return ``registry``'s :class:`WrapperRegions` (made on first use), capped by ``pools.<pool>.max_bytes``."""
+
+    def max_bytes(device: str) -> int | None:
+        try:
+            return registry.spec(pool, device).max_bytes
+        except ConfigError:  # the pool is not declared (yet): no cap
+            return None
+
+    # Kept under the key accounting reads: the core cannot name this module's class.
+    made = registry.state(RegionsView, lambda: WrapperRegions(pool, max_bytes))  # type: ignore[type-abstract]
+    return cast(WrapperRegions, made)
+
+
+# -- sizes and the per-registry switch ------------------------------------------------------
+
 #: The int workspace rules. ``mla``: 9 int32 arrays of 16384 work items and 5 of one int32 per SM,
 #: each 16-byte aligned. ``decode``: 2 int32 arrays of P entries, P + 1 offsets, a chunk size and
 #: P split flags, P at most the batch or the planner's grid (at most 32 blocks per SM) per KV head.
@@ -75,30 +360,20 @@ MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchML
 #: The binding whose buffers an MLA backend built in this context takes (this thread or task only),
 #: set by :func:`supplying` around a plan.
 SUPPLIED: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
-#: The binding a synchronous plan call on each thread supplies, by ``threading.get_ident()``: set by
-#: :func:`call_supplying`, and by a call site that plans every step, around exactly the plan call.
-#: Read before :data:`SUPPLIED`; a context variable's set and reset cost grows with the context.
-#: A ``None`` entry (left once a call ends, to spare a deletion per call) supplies nothing.
+#: The binding a synchronous plan call on each thread supplies (read before :data:`SUPPLIED`, whose set and
+#: reset cost grows with the context), set around exactly the plan call; a ``None`` entry supplies nothing.
 SUPPLIED_BY_THREAD: dict[int, WrapperBinding | None] = {}
 _hook_lock = threading.Lock()
 
 
-class _IntPoolState:
-    """Per registry: whether pool ``flashinfer_int`` is declared, and whether wrappers keep FlashInfer's buffers."""
-
-    def __init__(self) -> None:
-        self.declared = False
-        self.keep_flashinfer = False
-
-
 def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
     """Let wrappers bound through ``registry`` from now on keep FlashInfer's own buffers (``keep=False`` undoes it)."""
-    registry.state(_IntPoolState).keep_flashinfer = keep
+    wrapper_regions(registry).keep_flashinfer = keep
 
 
 def declare_int_pool(registry: PoolRegistry) -> None:
     """Declare pool ``flashinfer_int`` with :data:`INT_RULES` (once per registry; configured rules win)."""
-    state = registry.state(_IntPoolState)
+    state = wrapper_regions(registry)
     if not state.declared:
         registry.declare_pool(INT_POOL, dict(INT_RULES))
         state.declared = True
@@ -162,7 +437,7 @@ def bind_paged_wrapper(
         WorkspaceLimitError: Past ``pools.flashinfer_int.max_bytes`` or the device's memory.
     """
     current = binding_of(wrapper)
-    if current is None and registry.state(_IntPoolState).keep_flashinfer:
+    if current is None and wrapper_regions(registry).keep_flashinfer:
         return None
     device = float_workspace.device
     nbytes = int_bytes(registry, rule, device, facts)
@@ -172,8 +447,7 @@ def bind_paged_wrapper(
     def reseat(binding: WrapperBinding) -> None:
         _reset_workspace_buffer(wrapper, float_workspace, binding.region.tensor)
 
-    regions = wrapper_regions(registry, INT_POOL)
-    return regions.bind(
+    return wrapper_regions(registry).bind(
         wrapper,
         device=device,
         nbytes=nbytes,
@@ -186,10 +460,9 @@ def bind_paged_wrapper(
 
 
 def _reset_workspace_buffer(wrapper: Any, float_workspace: torch.Tensor, int_workspace: torch.Tensor) -> None:
-    """Give ``wrapper`` ``int_workspace`` through ``reset_workspace_buffer``, all or nothing (docs/wrapper-buffers.md).
+    """Give ``wrapper`` ``int_workspace`` through ``reset_workspace_buffer``, all or nothing.
 
-    A failed pinned-copy allocation would leave a larger workspace with a smaller
-    copy its planner overruns, so the attributes the call changed are put back.
+    A failed pinned-copy allocation would leave a larger workspace with a smaller copy its planner overruns.
     """
     state: dict[str, Any] | None = getattr(wrapper, "__dict__", None)
     before = dict(state) if state is not None else None
@@ -312,12 +585,11 @@ def bind_mla_wrapper(
     current = binding_of(wrapper)
     if current is not None:
         return current
-    if registry.state(_IntPoolState).keep_flashinfer or install_mla_hook() is not None:
+    if wrapper_regions(registry).keep_flashinfer or install_mla_hook() is not None:
         return None
     nbytes = int_bytes(registry, "mla", device, facts or {})
     _check_mla_bytes(registry, device, facts or {}, nbytes)
-    regions = wrapper_regions(registry, INT_POOL)
-    return regions.bind(
+    return wrapper_regions(registry).bind(
         wrapper,
         device=device,
         nbytes=nbytes,
@@ -375,3 +647,50 @@ def supplying(wrapper: Any) -> Iterator[WrapperBinding | None]:
         yield binding
     finally:
         SUPPLIED.reset(token)
+
+
+# -- what engines did with their wrappers ----------------------------------------------------
+
+
+def wrapper_record(wrapper: Any) -> WrapperRecord | None:
+    """Return what an engine did with ``wrapper`` (:func:`record_wrapper`), or ``None`` if it never saw it."""
+    found = _RECORDS.get(id(wrapper))
+    return None if found is None else found[1]
+
+
+def record_wrapper(wrapper: Any, record: WrapperRecord) -> WrapperRecord:
+    """Remember ``record`` for ``wrapper`` (held weakly; its last record wins) and return it."""
+    found = _RECORDS.get(id(wrapper))
+    if found is None or found[1] is not record:
+        _remember(_RECORDS, wrapper, record)
+    return record
+
+
+def bind_recorded(
+    wrapper: Any,
+    float_workspace: torch.Tensor,
+    *,
+    kind: str,
+    rule: str,
+    facts: Mapping[str, int],
+    lane: str,
+    label: str,
+) -> WrapperRecord:
+    """Bind an engine's wrapper in the registry in force, on ``float_workspace``'s device; record and return it.
+
+    Rule ``mla`` binds a ``BatchMLAPagedAttentionWrapper`` (:func:`bind_mla_wrapper`),
+    another a paged wrapper (:func:`bind_paged_wrapper`, its binding named ``label``).
+    A wrapper left with FlashInfer's buffers is recorded with why. Raises as they do.
+    """
+    registry = get_registry()
+    if rule == "mla":
+        binding = bind_mla_wrapper(wrapper, registry=registry, device=float_workspace.device, lane=lane)
+    else:
+        binding = bind_paged_wrapper(
+            wrapper, float_workspace, registry=registry, rule=rule, facts=facts, lane=lane, kind=label
+        )
+    if binding is not None:
+        return record_wrapper(wrapper, WrapperRecord(kind, rule, facts))
+    kept = rule != "mla" or install_mla_hook() is None  # the hook's decision is cached
+    why = "the registry keeps FlashInfer's buffers" if kept else mla_hook_status()
+    return record_wrapper(wrapper, WrapperRecord(kind, None, facts, why))

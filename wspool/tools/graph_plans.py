@@ -219,7 +219,13 @@ def _capture_paged(
             paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last,
         )
-        track_kernel_buffers(registry, registry.pool(PAGED_POOL, device), wrapper, (indptr, indices, last))
+        track_kernel_buffers(
+            registry,
+            registry.pool(PAGED_POOL, device),
+            wrapper,
+            (indptr, indices, last),
+            default_int_bytes=wrapper_buffers.FLASHINFER_INT_DEFAULT_BYTES,
+        )
         if rule is not None:
             wrapper_buffers.bind_paged_wrapper(
                 wrapper,

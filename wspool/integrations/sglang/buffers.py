@@ -131,7 +131,7 @@ def configure(
     schedule: Callable[[], Any] | None = None,
     prefill_buffer_tokens: Callable[[], Any] | None = None,
 ) -> None:
-    """Tell the integration where SGLang keeps what it reads (:func:`register` does; tests call it too).
+    """Tell the integration where SGLang keeps what it reads, and forget what it said once (load and unload do).
 
     Args:
         device: Overrides every pool buffer's device (``"cpu"`` in tests); ``None``: the factory's.
@@ -143,8 +143,8 @@ def configure(
     """
     _settings.device = None if device is None else torch.device(device)
     _settings.deterministic = deterministic or _never
-    facts_of.set_context_readers(parallel, spec)
-    sglang_wrappers.configure(schedule, prefill_buffer_tokens)
+    facts_of.set_context_readers(parallel, spec, schedule, prefill_buffer_tokens)
+    SaidOnce.forget("SGLang")
 
 
 class SglangPools:

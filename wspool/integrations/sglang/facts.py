@@ -26,6 +26,7 @@ __all__ = [
     "building",
     "current_facts",
     "facts_from_runner",
+    "prefill_rows",
     "probe_factory",
     "set_context_readers",
 ]
@@ -129,13 +130,24 @@ def facts_from_runner(runner: Any, *, parallel: Any = None, spec: Any = None) ->
 
 
 _RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("wspool_sglang_runner", default=None)
-_context: tuple[Callable[[], Any] | None, Callable[[], Any] | None] = (None, None)
+_Reader = Callable[[], Any] | None
+# SGLang's runtime context readers: get_parallel, get_spec, get_schedule and max_prefill_buffer_tokens.
+_context: tuple[_Reader, _Reader, _Reader, _Reader] = (None, None, None, None)
 
 
-def set_context_readers(parallel: Callable[[], Any] | None, spec: Callable[[], Any] | None) -> None:
-    """Tell :func:`current_facts` how to read SGLang's parallel and speculative state (``None``: not at all)."""
+def set_context_readers(
+    parallel: _Reader, spec: _Reader, schedule: _Reader = None, prefill_buffer_tokens: _Reader = None
+) -> None:
+    """Tell :func:`current_facts` and :func:`prefill_rows` how to read SGLang's runtime context (``None``: not at all).
+
+    Args:
+        parallel: ``get_parallel`` (attention TP and DCP widths).
+        spec: ``get_spec`` (speculative draft tokens).
+        schedule: ``get_schedule`` (``max_prefill_tokens``, ``chunked_prefill_size``).
+        prefill_buffer_tokens: ``max_prefill_buffer_tokens`` (the chunk ceiling).
+    """
     global _context
-    _context = (parallel, spec)
+    _context = (parallel, spec, schedule, prefill_buffer_tokens)
 
 
 @contextmanager
@@ -153,7 +165,41 @@ def current_facts() -> dict[str, int]:
     runner = _RUNNER.get()
     if runner is None:
         return {}
-    get_parallel, get_spec = _context
+    get_parallel, get_spec, _, _ = _context
     parallel = (_read(get_parallel) or _UNKNOWN) if get_parallel is not None else None
     spec = (_read(get_spec) or _UNKNOWN) if get_spec is not None else None
     return facts_from_runner(runner, parallel=parallel, spec=spec)
+
+
+def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole_prompts: bool = False) -> int | None:
+    """Return the most query rows one extend batch of SGLang can carry, or ``None`` where SGLang's limits are unknown.
+
+    With chunked prefill SGLang cuts every batch to its chunk
+    (``max_prefill_buffer_tokens()``: ``chunked_prefill_size``, or pipeline
+    parallelism's larger dynamic chunk; the mixed decode tokens are charged to
+    it). Without, it admits one request of up to ``context_len`` tokens alone
+    and further ones only within ``max_prefill_tokens``. Target verify and
+    draft extend carry ``tokens_per_request`` rows per request.
+
+    Args:
+        context_len: The model's context length.
+        batch: The most requests in one batch.
+        tokens_per_request: Query rows per request in verify and draft extend.
+        whole_prompts: The scheduler may admit whole prompts although chunked prefill is
+            configured (SGLang turns it off for multimodal models on the Transformers
+            backend; diffusion LMs extend by blocks of their own budget).
+    """
+    _, _, schedule, buffer_tokens = _context
+    if schedule is None or buffer_tokens is None:
+        return None
+    try:
+        limits = schedule()
+        chunked = positive_int(limits.chunked_prefill_size) or 0
+        rows = max(
+            positive_int(limits.max_prefill_tokens) or 0,
+            positive_int(buffer_tokens()) or 0,
+            batch * tokens_per_request,
+        )
+    except Exception:  # SGLang's accessors raise while nothing is published
+        return None
+    return max(rows, context_len) if whole_prompts or not chunked else rows

@@ -7,8 +7,10 @@ integration patches :data:`SEAMS` and calls :func:`bind_eager_wrappers` from
 own, sized by a rule for the largest plan it can make: eager wrappers when the
 backend is built, CUDA-graph wrappers before their first plan, MLA wrappers at
 their first plan (each plan then runs with its region supplied). A wrapper is
-bound once and never shares. docs/sglang.md ("FlashInfer wrappers' int
-workspaces") lists each wrapper, its facts and what stays FlashInfer's.
+bound once and never shares. This module gives the facts and the seams;
+:mod:`wspool.flashinfer.wrapper_buffers` binds and records. docs/sglang.md
+("FlashInfer wrappers' int workspaces") lists each wrapper, its facts and what
+stays FlashInfer's.
 
 Device semantics: a region lives on the device of the wrapper's float
 workspace. Thread semantics: SGLang builds, captures and plans from its
@@ -23,7 +25,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,9 @@ import wspool
 from wspool.errors import RuleError
 from wspool.flashinfer import kernels, wrapper_buffers
 from wspool.flashinfer.backends import PRIVATE_NAMES_READ
+from wspool.flashinfer.wrapper_buffers import WrapperBinding, bind_recorded, binding_of, wrapper_record
 from wspool.integrations.patching import SaidOnce
 from wspool.integrations.sglang import facts as facts_of
-from wspool.regions import WrapperBinding, binding_of
 from wspool.targets import Target
 from wspool.units import format_size, positive_int
 
@@ -44,8 +45,6 @@ __all__ = [
     "SEAMS",
     "bind_eager_wrappers",
     "binding_graph_wrappers",
-    "configure",
-    "prefill_rows",
     "supplying_mla_decode",
     "supplying_mla_prefill",
 ]
@@ -54,52 +53,6 @@ logger = logging.getLogger(__name__)
 
 _PAGED = "sglang.srt.layers.attention.flashinfer_backend"
 _MLA = "sglang.srt.layers.attention.flashinfer_mla_backend"
-
-# SGLang's scheduling limits: get_schedule() and max_prefill_buffer_tokens() of its runtime context.
-_readers: tuple[Callable[[], Any] | None, Callable[[], Any] | None] = (None, None)
-
-
-def configure(schedule: Callable[[], Any] | None, prefill_buffer_tokens: Callable[[], Any] | None) -> None:
-    """Tell :func:`prefill_rows` how to read SGLang's scheduling limits (``None``: not at all), and forget what
-    was said once (the SGLang integration's ``configure`` calls it when it loads and unloads)."""
-    global _readers
-    _readers = (schedule, prefill_buffer_tokens)
-    SaidOnce.forget("SGLang")
-
-
-def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole_prompts: bool = False) -> int | None:
-    """Return the most query rows one extend batch of SGLang can carry, or ``None`` where SGLang's limits are unknown.
-
-    With chunked prefill SGLang cuts every batch to its chunk
-    (``max_prefill_buffer_tokens()``: ``chunked_prefill_size``, or pipeline
-    parallelism's larger dynamic chunk; the mixed decode tokens are charged to
-    it). Without, it admits one request of up to ``context_len`` tokens alone
-    and further ones only within ``max_prefill_tokens``. Target verify and
-    draft extend carry ``tokens_per_request`` rows per request.
-
-    Args:
-        context_len: The model's context length.
-        batch: The most requests in one batch.
-        tokens_per_request: Query rows per request in verify and draft extend.
-        whole_prompts: The scheduler may admit whole prompts although chunked prefill is
-            configured (SGLang turns it off for multimodal models on the Transformers
-            backend; diffusion LMs extend by blocks of their own budget).
-    """
-    schedule, buffer_tokens = _readers
-    if schedule is None or buffer_tokens is None:
-        return None
-    try:
-        limits = schedule()
-        chunked = positive_int(limits.chunked_prefill_size) or 0
-        rows = max(
-            positive_int(limits.max_prefill_tokens) or 0,
-            positive_int(buffer_tokens()) or 0,
-            batch * tokens_per_request,
-        )
-    except Exception:  # SGLang's accessors raise while nothing is published
-        return None
-    return max(rows, context_len) if whole_prompts or not chunked else rows
-
 
 # -- paged wrappers ------------------------------------------------------------------------
 
@@ -150,25 +103,20 @@ def _bind_paged(wrapper: Any, kind: str, rule: str, facts: Mapping[str, int]) ->
     ``None``: the registry keeps FlashInfer's buffers (``wrapper_buffers.keep_flashinfer_buffers``).
     """
     current = binding_of(wrapper)
-    if current is not None:  # never rebind: a captured graph holds the region's address
-        return current.region.nbytes
-    try:
-        binding = wrapper_buffers.bind_paged_wrapper(
-            wrapper,
-            _float_workspace(wrapper),
-            registry=wspool.get_registry(),
-            rule=rule,
-            facts=facts,
-            lane=wspool.current_lane(),
-            kind=f"sglang-{kind}",
-        )
-    except RuleError as exc:
-        given = ", ".join(f"{k}={v}" for k, v in facts.items())
-        raise RuleError(
-            f"{exc} (for SGLang's {kind} wrapper the integration passes {given} and the device's facts; "
-            "see docs/sglang.md)"
-        ) from exc
-    return None if binding is None else binding.region.nbytes
+    if current is None:  # never rebind: a captured graph holds the region's address
+        try:
+            bind_recorded(
+                wrapper, _float_workspace(wrapper), kind=kind, rule=rule, facts=facts, lane=wspool.current_lane(),
+                label=f"sglang-{kind}",
+            )  # fmt: skip
+        except RuleError as exc:
+            given = ", ".join(f"{k}={v}" for k, v in facts.items())
+            raise RuleError(
+                f"{exc} (for SGLang's {kind} wrapper the integration passes {given} and the device's facts; "
+                "see docs/sglang.md)"
+            ) from exc
+        current = binding_of(wrapper)
+    return None if current is None else current.region.nbytes
 
 
 def _describe(bound: Iterable[tuple[str, int | None]]) -> str:
@@ -195,7 +143,8 @@ def bind_eager_wrappers(backend: Any) -> None:
 
     Facts: B, the requests the backend's ``kv_indptr`` holds (SGLang writes every
     plan's indptr into it, the multi-step draft's ``topk`` branches included);
-    decode plans one query row per request, extend at most :func:`prefill_rows`.
+    decode plans one query row per request, extend at most
+    :func:`~wspool.integrations.sglang.facts.prefill_rows`.
     A backend whose attributes are not as read keeps FlashInfer's buffers (said once).
 
     Raises:
@@ -222,7 +171,7 @@ def bind_eager_wrappers(backend: Any) -> None:
         per_request = max(
             facts_of.current_facts().get("q_len", 1), positive_int(getattr(dllm, "block_size", None)) or 0
         )
-        rows = prefill_rows(
+        rows = facts_of.prefill_rows(
             int(backend.max_context_len),
             batch,
             per_request,
@@ -308,24 +257,19 @@ def binding_graph_wrappers(original: Callable[..., Any]) -> Callable[..., Any]:
 def _bind_mla(wrapper: Any) -> WrapperBinding | None:
     """Give an MLA wrapper its region and pinned copy before its first plan (nothing where the hook is not in place).
 
-    A wrapper left with FlashInfer's buffers is remembered, and its later plans pass straight through.
+    A wrapper left with FlashInfer's buffers is recorded, and its later plans pass straight through.
     """
-    binding = wrapper_buffers.bind_mla_wrapper(
-        wrapper,
-        registry=wspool.get_registry(),
-        device=_float_workspace(wrapper).device,
-        lane=wspool.current_lane(),
+    record = bind_recorded(
+        wrapper, _float_workspace(wrapper), kind="mla", rule="mla", facts={}, lane=wspool.current_lane(), label="mla"
     )
+    binding = binding_of(wrapper)
     if binding is None:
-        _left_alone.add(wrapper)
-        hooked = wrapper_buffers.install_mla_hook() is None  # cached after the first call
-        why = "the registry keeps FlashInfer's buffers" if hooked else wrapper_buffers.mla_hook_status()
         SaidOnce.of().say(
             logger,
             ("SGLang", "mla"),
             logging.INFO,
             "wspool: SGLang's FlashInfer MLA wrappers keep FlashInfer's int workspaces: %s",
-            why,
+            record.why,
         )
     else:
         size = format_size(binding.region.nbytes)
@@ -338,10 +282,6 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
             wrapper_buffers.INT_POOL,
         )
     return binding
-
-
-# MLA wrappers that keep FlashInfer's buffers: their plans pass straight through.
-_left_alone: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -367,7 +307,7 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
         **fast_decode_kwargs: Any,
     ) -> Any:
         binding = binding_of(wrapper)
-        if binding is None and wrapper not in _left_alone:
+        if binding is None and wrapper_record(wrapper) is None:
             binding = _bind_mla(wrapper)  # None: it keeps FlashInfer's buffers and plans as written
         # None supplies nothing, even inside an outer supply: that wrapper's region is not this one's.
         key = thread()
@@ -431,7 +371,7 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
         **kwargs: Any,
     ) -> Any:
         binding = binding_of(wrapper_paged)
-        if binding is None and not use_ragged and wrapper_paged not in _left_alone:
+        if binding is None and not use_ragged and wrapper_record(wrapper_paged) is None:
             binding = _bind_mla(wrapper_paged)
         return wrapper_buffers.call_supplying(
             binding,

@@ -3,35 +3,34 @@
 The plugin wraps the builder's ``_get_decode_wrapper`` and ``_get_prefill_wrapper``:
 a wrapper returned for the first time takes a region, on the device of the
 builder's float workspace, before vLLM plans it; wrappers no rule bounds keep
-FlashInfer's buffers (:func:`wrapper_record` says why). vLLM calls the getters
-outside capture, so a region is in place before any graph captures its wrapper.
-One thread per builder. Facts per wrapper: docs/vllm.md ("FlashInfer wrappers'
-int workspaces").
+FlashInfer's buffers (:func:`~wspool.flashinfer.wrapper_buffers.wrapper_record`
+says why). This module gives the facts; :mod:`wspool.flashinfer.wrapper_buffers`
+binds. vLLM calls the getters outside capture, so a region is in place before
+any graph captures its wrapper. One thread per builder. Facts per wrapper:
+docs/vllm.md ("FlashInfer wrappers' int workspaces").
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from wspool.flashinfer.wrapper_buffers import bind_paged_wrapper, paged_int_rule, planner_backend
+from wspool.flashinfer.wrapper_buffers import (
+    WrapperRecord,
+    bind_recorded,
+    paged_int_rule,
+    planner_backend,
+    record_wrapper,
+    wrapper_record,
+)
 from wspool.integrations.patching import SaidOnce, marked
 from wspool.integrations.vllm.facts import facts_from_config
 from wspool.integrations.vllm.getters import current_lane
-from wspool.registry import get_registry
 
-__all__ = [
-    "WrapperRecord",
-    "step_bounds",
-    "wrap_get_decode_wrapper",
-    "wrap_get_prefill_wrapper",
-    "wrapper_record",
-]
+__all__ = ["step_bounds", "wrap_get_decode_wrapper", "wrap_get_prefill_wrapper"]
 
 logger = logging.getLogger("vllm.wspool")
 
@@ -39,25 +38,6 @@ logger = logging.getLogger("vllm.wspool")
 _DECODE_CLASS = "BatchDecodeWithPagedKVCacheWrapper"
 _PREFILL_CLASS = "BatchPrefillWithPagedKVCacheWrapper"
 _DCP_CLASS = "BatchDCPPrefillWrapper"
-
-
-@dataclass(frozen=True)
-class WrapperRecord:
-    """What the plugin did with one wrapper a builder returned (``rule`` ``None``: it keeps FlashInfer's buffers)."""
-
-    kind: str
-    rule: str | None
-    facts: Mapping[str, int]
-    why: str | None = None
-
-
-# Every wrapper the getters returned, bound or left alone: the per-step check is one look-up here.
-_records: weakref.WeakKeyDictionary[Any, WrapperRecord] = weakref.WeakKeyDictionary()
-
-
-def wrapper_record(wrapper: Any) -> WrapperRecord | None:
-    """Return what the plugin did with ``wrapper`` (or with vLLM's DCP wrapper holding it), or ``None`` if unseen."""
-    return _records.get(wrapper)
 
 
 def step_bounds(config: Any) -> tuple[int, int]:
@@ -72,21 +52,27 @@ def step_bounds(config: Any) -> tuple[int, int]:
     return seqs, max(batched, seqs * facts.get("q_len", 1))
 
 
-def _left_alone(kind: str, facts: Mapping[str, int], why: str, level: int = logging.INFO) -> WrapperRecord:
-    said = f"vLLM's {kind} wrapper keeps FlashInfer's 8 MiB int workspace and pinned copy: {why}"
+def _left_alone(record: WrapperRecord, level: int = logging.INFO) -> WrapperRecord:
+    said = f"vLLM's {record.kind} wrapper keeps FlashInfer's 8 MiB int workspace and pinned copy: {record.why}"
     SaidOnce.of().say(logger, ("vLLM", said), level, "wspool: %s", said)
-    return WrapperRecord(kind, None, facts, why)
+    return record
+
+
+def _leave(wrapper: Any, kind: str, facts: Mapping[str, int], why: str, level: int = logging.INFO) -> WrapperRecord:
+    return _left_alone(record_wrapper(wrapper, WrapperRecord(kind, None, facts, why)), level)
 
 
 def _bind(
     builder: Any, wrapper: Any, *, kind: str, planner: str, facts: Mapping[str, int], dtypes: tuple[Any, ...]
 ) -> WrapperRecord:
-    """Give ``wrapper`` a region for ``facts`` where its planner has a rule; return the record."""
+    """Give ``wrapper`` a region for ``facts`` where its planner has a rule; record and return what was done."""
     # The backend it was built with: FlashInfer keeps it until its first plan resolves "auto".
     backend = getattr(wrapper, "_backend", None)
     workspace = getattr(builder, "_workspace_buffer", None)
     if not isinstance(backend, str) or not isinstance(workspace, torch.Tensor):
-        return _left_alone(kind, facts, "its backend or the builder's float workspace is not where wspool reads them")
+        return _leave(
+            wrapper, kind, facts, "its backend or the builder's float workspace is not where wspool reads them"
+        )
     device = workspace.device
     rule = paged_int_rule(
         planner,
@@ -96,13 +82,11 @@ def _bind(
     )
     if rule is None:
         why = f"backend {backend!r} on {device} may plan with fa3, trtllm-gen or another planner no rule bounds"
-        return _left_alone(kind, facts, why)
-    binding = bind_paged_wrapper(
-        wrapper, workspace, registry=get_registry(), rule=rule, facts=facts, lane=current_lane(), kind=f"vllm-{kind}"
+        return _leave(wrapper, kind, facts, why)
+    record = bind_recorded(
+        wrapper, workspace, kind=kind, rule=rule, facts=facts, lane=current_lane(), label=f"vllm-{kind}"
     )
-    if binding is None:
-        return _left_alone(kind, facts, "the registry keeps FlashInfer's buffers")
-    return WrapperRecord(kind, rule, facts)
+    return record if record.rule is not None else _left_alone(record)
 
 
 def _facts(builder: Any, batch_size: int, num_tokens: int, num_qo_heads: int) -> dict[str, int]:
@@ -129,9 +113,9 @@ def _record_decode(
             facts = _facts(builder, max(step, batch_size), max(step, batch_size * q_len), heads)
         dtypes = (builder.q_data_type_decode, builder.kv_cache_dtype)
     except (AttributeError, LookupError, TypeError, ValueError) as exc:
-        return _left_alone(kind, {}, f"the builder does not give its bounds ({exc})", logging.WARNING)
+        return _leave(wrapper, kind, {}, f"the builder does not give its bounds ({exc})", logging.WARNING)
     if type(wrapper) is not namespace.get(_DECODE_CLASS):
-        return _left_alone(kind, facts, f"it is a {type(wrapper).__name__}, not FlashInfer's {_DECODE_CLASS}")
+        return _leave(wrapper, kind, facts, f"it is a {type(wrapper).__name__}, not FlashInfer's {_DECODE_CLASS}")
     return _bind(builder, wrapper, kind=kind, planner="decode", facts=facts, dtypes=dtypes)
 
 
@@ -144,15 +128,13 @@ def _record_prefill(namespace: Mapping[str, Any], builder: Any, wrapper: Any) ->
         facts = _facts(builder, seqs, step, heads)
         dtypes = (builder.q_data_type_prefill, builder.kv_cache_dtype)
     except (AttributeError, LookupError, TypeError, ValueError) as exc:
-        return _left_alone(kind, {}, f"the builder does not give its bounds ({exc})", logging.WARNING)
+        return _leave(wrapper, kind, {}, f"the builder does not give its bounds ({exc})", logging.WARNING)
     # vLLM's DCP wrapper plans its context pass on a paged prefill wrapper of its own, over the gathered heads.
     target = getattr(wrapper, "_native_context", None) if dcp else wrapper
     if type(target) is not namespace.get(_PREFILL_CLASS):
-        return _left_alone(kind, facts, f"it is a {type(target).__name__}, not FlashInfer's {_PREFILL_CLASS}")
+        return _leave(wrapper, kind, facts, f"it is a {type(target).__name__}, not FlashInfer's {_PREFILL_CLASS}")
     record = _bind(builder, target, kind=kind, planner="prefill", facts=facts, dtypes=dtypes)
-    if dcp:
-        _records[target] = record
-    return record
+    return record_wrapper(wrapper, record)  # a DCP wrapper answers with its context wrapper's record
 
 
 def wrap_get_decode_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -165,8 +147,8 @@ def wrap_get_decode_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def _get_decode_wrapper(self: Any, batch_size: int, use_cudagraph: bool = False, q_len_per_req: int = 1) -> Any:
         wrapper = original(self, batch_size, use_cudagraph, q_len_per_req)
-        if wrapper not in _records:
-            _records[wrapper] = _record_decode(namespace, self, wrapper, batch_size, use_cudagraph, q_len_per_req)
+        if wrapper_record(wrapper) is None:
+            _record_decode(namespace, self, wrapper, batch_size, use_cudagraph, q_len_per_req)
         return wrapper
 
     return marked(_get_decode_wrapper, original)
@@ -182,8 +164,8 @@ def wrap_get_prefill_wrapper(original: Callable[..., Any]) -> Callable[..., Any]
 
     def _get_prefill_wrapper(self: Any, causal: bool = True) -> Any:
         wrapper = original(self, causal)
-        if wrapper not in _records:
-            _records[wrapper] = _record_prefill(namespace, self, wrapper)
+        if wrapper_record(wrapper) is None:
+            _record_prefill(namespace, self, wrapper)
         return wrapper
 
     return marked(_get_prefill_wrapper, original)

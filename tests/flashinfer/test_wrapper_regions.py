@@ -1,4 +1,4 @@
-"""Tests for wspool.regions: kernel wrappers' own regions, shared by group, capped, freed with their wrappers."""
+"""Tests for wspool.flashinfer.wrapper_buffers' regions: shared by group, capped, freed with their wrappers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import wspool
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import WorkspaceLimitError
 from wspool.flashinfer import wrapper_buffers
-from wspool.regions import WrapperRegions, binding_of, wrapper_regions
+from wspool.flashinfer.wrapper_buffers import WrapperRegions, binding_of, wrapper_regions
 
 
 class _Wrapper:
@@ -156,8 +156,8 @@ import holder
 import threading
 import torch
 import wspool
-import wspool.regions
-from wspool.regions import wrapper_regions
+import wspool.flashinfer.wrapper_buffers as home
+from wspool.flashinfer.wrapper_buffers import wrapper_regions
 
 class Wrapper:
     pass
@@ -171,12 +171,12 @@ def park(held, event=threading.Event()):
     event.wait()
 
 # A thread still running at exit holds both modules and the table, so both outlive the final collection.
-threading.Thread(target=park, args=((holder, wspool.regions, wspool.regions.__dict__["_BOUND"]),), daemon=True).start()
+threading.Thread(target=park, args=((holder, home, home.__dict__["_BOUND"]),), daemon=True).start()
 """
 
 
 def test_a_wrapper_that_dies_at_interpreter_exit_prints_nothing(tmp_path: Path) -> None:
-    """A wrapper freed after wspool.regions' globals were cleared at exit forgets its binding without an error."""
+    """A wrapper freed after wrapper_buffers' globals were cleared at exit forgets its binding without an error."""
     (tmp_path / "holder.py").write_text("held = []\n")
     (tmp_path / "main.py").write_text(_EXIT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}

@@ -1,6 +1,8 @@
-"""wspool.regions on a CUDA device: pinned copies cut from page-locked chunks, and no region made during capture.
+"""wspool.flashinfer.wrapper_buffers' regions on a CUDA device: pinned copies cut from page-locked chunks, and no
+region made during capture.
 
-Every test skips, with the reason, where there is no CUDA device; the CPU side is in tests/core/test_regions.py.
+Every test skips, with the reason, where there is no CUDA device; the CPU side is in
+tests/flashinfer/test_wrapper_regions.py.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import wspool
 from tests.reliability.gpu_scratch import current_cuda_device
 from wspool.errors import WorkspaceFrozenError
-from wspool.regions import PINNED_CHUNK_BYTES, REGION_ALIGNMENT, wrapper_regions
+from wspool.flashinfer.wrapper_buffers import PINNED_CHUNK_BYTES, REGION_ALIGNMENT, wrapper_regions
 
 pytestmark = pytest.mark.gpu
 
