@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+import wspool
 from wspool.integrations.sglang import facts as sf
 
 MiB = 1 << 20
@@ -115,6 +116,20 @@ def test_current_facts_follow_the_runner_being_built() -> None:
             assert sf.current_facts()["num_heads"] == 4
         assert sf.current_facts()["num_heads"] == 16
     assert sf.current_facts() == {}
+
+
+def test_what_the_integration_read_of_sglang_outlives_a_registry_reset() -> None:
+    """SGLang's runtime context is the process's: a registry reset or set after loading reads the same SGLang."""
+    sf.RUNTIME.read(device="cpu", parallel=lambda: SimpleNamespace(attn_tp_size=4, attn_dcp_size=1))
+    try:
+        wspool.reset_registry()
+        wspool.set_registry(wspool.PoolRegistry.from_config())
+        with sf.building(_runner()):
+            assert sf.current_facts()["num_heads"] == 8
+        assert sf.RUNTIME.device == torch.device("cpu") and sf.RUNTIME.deterministic() is False
+    finally:
+        sf.RUNTIME.read()
+    assert (sf.RUNTIME.device, sf.RUNTIME.parallel) == (None, None)
 
 
 def test_a_reader_that_raises_leaves_its_facts_out() -> None:

@@ -107,21 +107,6 @@ _MiB = 1 << 20
 _CALL_FACTS = frozenset((*facts_of.FACT_NAMES, "sglang_bytes"))
 
 
-def _never() -> bool:
-    return False
-
-
-class _Settings:
-    """What the integration learned when it loaded (defaults: no SGLang)."""
-
-    def __init__(self) -> None:
-        self.device: torch.device | None = None
-        self.deterministic: Callable[[], bool] = _never
-
-
-_settings = _Settings()
-
-
 def configure(
     *,
     device: str | torch.device | None = None,
@@ -141,9 +126,14 @@ def configure(
         schedule: ``sglang.srt.runtime_context.get_schedule`` (``max_prefill_tokens``).
         prefill_buffer_tokens: ``sglang.srt.runtime_context.max_prefill_buffer_tokens`` (the chunk ceiling).
     """
-    _settings.device = None if device is None else torch.device(device)
-    _settings.deterministic = deterministic or _never
-    facts_of.set_context_readers(parallel, spec, schedule, prefill_buffer_tokens)
+    facts_of.RUNTIME.read(
+        device=device,
+        deterministic=deterministic,
+        parallel=parallel,
+        spec=spec,
+        schedule=schedule,
+        prefill_buffer_tokens=prefill_buffer_tokens,
+    )
     SaidOnce.forget("SGLang")
 
 
@@ -183,10 +173,11 @@ def _missing(exc: RuleError, w: Workspace, known: Mapping[str, int]) -> RuleErro
 def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
     """Return ``w``'s pool buffer as ``request.dtype``: the same tensor while the buffer is the same."""
     pools = SglangPools.of(wspool.get_registry())
-    device: Any = _settings.device or request.device
+    runtime = facts_of.RUNTIME
+    device: Any = runtime.device or request.device
     lane = wspool.current_lane()
     known = {**facts_of.current_facts(), "sglang_bytes": request.nbytes}
-    rule = w.deterministic_rule if w.deterministic_rule and _settings.deterministic() else w.rule
+    rule = w.deterministic_rule if w.deterministic_rule and runtime.deterministic() else w.rule
     handle = Handles.of(pools.registry).get(w.pool, rule, device, lane, request.dtype, call_facts=_CALL_FACTS)
     held = handle.pool.buffer
     try:

@@ -4,7 +4,8 @@ At each ``get_buffer(name, factory)`` the rules see ``sglang_bytes`` (the
 factory run under fake tensors: nothing allocated, no CUDA context) and the
 model runner's facts, which exist only inside an attention backend's
 constructor (:func:`building`). The runner being built is a context variable,
-following the constructing thread or task. Nothing here imports SGLang. Each
+following the constructing thread or task; what the integration read of
+SGLang when it loaded is :data:`RUNTIME`. Nothing here imports SGLang. Each
 fact and its source: docs/sglang.md ("Facts: sizes that follow the engine").
 """
 
@@ -22,7 +23,9 @@ from wspool.units import positive_int
 
 __all__ = [
     "FACT_NAMES",
+    "RUNTIME",
     "Request",
+    "Runtime",
     "building",
     "current_facts",
     "facts_from_runner",
@@ -131,8 +134,57 @@ def facts_from_runner(runner: Any, *, parallel: Any = None, spec: Any = None) ->
 
 _RUNNER: contextvars.ContextVar[Any] = contextvars.ContextVar("wspool_sglang_runner", default=None)
 _Reader = Callable[[], Any] | None
-# SGLang's runtime context readers: get_parallel, get_spec, get_schedule and max_prefill_buffer_tokens.
-_context: tuple[_Reader, _Reader, _Reader, _Reader] = (None, None, None, None)
+
+
+def _never() -> bool:
+    return False
+
+
+class Runtime:
+    """What the integration read of SGLang when it loaded (defaults: no SGLang).
+
+    One per process (:data:`RUNTIME`), as SGLang's runtime context and the
+    integration's patches are: a registry set or reset after loading reads
+    the same SGLang. ``configure()`` of :mod:`~wspool.integrations.sglang.buffers`
+    writes it (:meth:`read`) at load and clears it at unload, at start-up, before serving;
+    the serving paths read it without a lock.
+
+    Attributes:
+        device: Overrides every pool buffer's device (``cpu`` in tests); ``None``: the factory's.
+        deterministic: Whether SGLang's deterministic inference is on.
+        parallel: ``get_parallel`` (attention TP and DCP widths); ``None``: not read.
+        spec: ``get_spec`` (speculative draft tokens); ``None``: not read.
+        schedule: ``get_schedule`` (``max_prefill_tokens``, ``chunked_prefill_size``); ``None``: not read.
+        prefill_buffer_tokens: ``max_prefill_buffer_tokens`` (the chunk ceiling); ``None``: not read.
+    """
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+        self.deterministic: Callable[[], bool] = _never
+        self.parallel: _Reader = None
+        self.spec: _Reader = None
+        self.schedule: _Reader = None
+        self.prefill_buffer_tokens: _Reader = None
+
+    def read(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        deterministic: Callable[[], bool] | None = None,
+        parallel: _Reader = None,
+        spec: _Reader = None,
+        schedule: _Reader = None,
+        prefill_buffer_tokens: _Reader = None,
+    ) -> None:
+        """Replace what was read of SGLang; what is left out takes its default (no SGLang)."""
+        self.device = None if device is None else torch.device(device)
+        self.deterministic = deterministic or _never
+        self.parallel, self.spec, self.schedule = parallel, spec, schedule
+        self.prefill_buffer_tokens = prefill_buffer_tokens
+
+
+#: The integration's reading of SGLang in this process.
+RUNTIME = Runtime()
 
 
 def set_context_readers(
@@ -146,8 +198,8 @@ def set_context_readers(
         schedule: ``get_schedule`` (``max_prefill_tokens``, ``chunked_prefill_size``).
         prefill_buffer_tokens: ``max_prefill_buffer_tokens`` (the chunk ceiling).
     """
-    global _context
-    _context = (parallel, spec, schedule, prefill_buffer_tokens)
+    RUNTIME.parallel, RUNTIME.spec = parallel, spec
+    RUNTIME.schedule, RUNTIME.prefill_buffer_tokens = schedule, prefill_buffer_tokens
 
 
 @contextmanager
@@ -165,7 +217,7 @@ def current_facts() -> dict[str, int]:
     runner = _RUNNER.get()
     if runner is None:
         return {}
-    get_parallel, get_spec, _, _ = _context
+    get_parallel, get_spec = RUNTIME.parallel, RUNTIME.spec
     parallel = (_read(get_parallel) or _UNKNOWN) if get_parallel is not None else None
     spec = (_read(get_spec) or _UNKNOWN) if get_spec is not None else None
     return facts_from_runner(runner, parallel=parallel, spec=spec)
@@ -189,7 +241,7 @@ def prefill_rows(context_len: int, batch: int, tokens_per_request: int, *, whole
             configured (SGLang turns it off for multimodal models on the Transformers
             backend; diffusion LMs extend by blocks of their own budget).
     """
-    _, _, schedule, buffer_tokens = _context
+    schedule, buffer_tokens = RUNTIME.schedule, RUNTIME.prefill_buffer_tokens
     if schedule is None or buffer_tokens is None:
         return None
     try:
