@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import subprocess
 import sys
@@ -234,6 +235,19 @@ def test_every_engines_switch_is_a_variable_the_settings_know() -> None:
     switches = [info.switch_var for info in ENGINES]
     assert switches == ["WSPOOL_VLLM", "WSPOOL_SGLANG", "WSPOOL_TOKENSPEED"]
     assert set(switches) <= set(all_extra_env_vars())
+
+
+@pytest.mark.parametrize("key", ["vllm", "sglang", "tokenspeed"])
+def test_each_engine_package_and_pyproject_follow_its_spec(key: str) -> None:
+    """The package's integration carries its spec; its switch, device variable and entry point are the spec's."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+    package = importlib.import_module(f"wspool.integrations.{key}")
+    spec = engine_spec(key)
+    assert package.INTEGRATION.info is spec and spec.switch_var == package.ENABLE_ENV_VAR
+    assert getattr(package, "DEVICE_ENV_VAR", None) == spec.device_var
+    assert spec.entry_point == f"wspool.integrations.{key}:register" and callable(package.register)
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"][spec.entry_point_group] == {"wspool": spec.entry_point}
 
 
 def test_plugin_variables_that_are_unset_keep_wspool_on() -> None:
