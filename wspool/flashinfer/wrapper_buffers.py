@@ -21,7 +21,7 @@ import importlib
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -127,7 +127,7 @@ class WrapperRecord:
 
     kind: str
     rule: str | None
-    facts: Mapping[str, int] = field(default_factory=dict)
+    facts: Mapping[str, int]
     why: str | None = None
 
 
@@ -340,12 +340,8 @@ def wrapper_regions(registry: PoolSource, pool: str = INT_POOL) -> WrapperRegion
 
 # -- sizes and the per-registry switch ------------------------------------------------------
 
-#: The int workspace rules. ``mla``: 9 int32 arrays of 16384 work items and 5 of one int32 per SM,
-#: each 16-byte aligned. ``decode``: 2 int32 arrays of P entries, P + 1 offsets, a chunk size and
-#: P split flags, P at most the batch or the planner's grid (at most 32 blocks per SM) per KV head.
-#: ``prefill``: 3 int32 arrays of P, B + 1 offsets, T + 1 merge offsets and P flags, P at most the
-#: grid or the query tiles (16 rows per tile at least). Every term is bounded above; see
-#: docs/wrapper-buffers.md for the carves.
+#: The int workspace rules: ``mla`` is the MLA planner's exact carve, ``decode`` and ``prefill`` bound
+#: their planners' carves above (each term and how it was found: docs/wrapper-buffers.md).
 INT_RULES: Mapping[str, str] = {
     "mla": "9 * 65536 + 5 * round_up(4 * sm_count, 16)",
     "decode": "13 * max(batch_size, ceil_div(32 * sm_count, num_kv_heads)) + 64",
