@@ -240,7 +240,7 @@ device: WSPOOL_STANDIN_DEVICE
 denylist: STANDIN_DISABLE_PLUGINS
 variables:
   STANDIN_WORKSPACE_MB: {unit: MiB, sizes: [standin_scratch.default, flashinfer.standin]}
-pools: [standin_scratch]
+pools: [standin_scratch, flashinfer]
 facts: [standin_bytes]
 """
 STAND_IN_PACKAGE = """\
@@ -332,6 +332,12 @@ def test_without_its_package_the_new_engines_variables_are_unknown(monkeypatch: 
         ("switch: WSPOOL_STANDIN\n", "", r"switch must be a non-empty string"),
         ("order: 4", "order: four", r"order must be a whole number"),
         ("pools:", "pool:", r"unknown key 'pool' \(the keys are allowlist, denylist, "),
+        (
+            ", flashinfer]",
+            "]",
+            r"variables\.STANDIN_WORKSPACE_MB\.sizes names flashinfer\.standin, but 'flashinfer' is "
+            r"not one of the pools it serves \(pools: standin_scratch\)$",
+        ),
         ("standin_scratch.default,", "standin_scratch,", r"variables\.STANDIN_WORKSPACE_MB\.sizes must list the keys"),
         ("unit: MiB", "unit: MiBs", r"variables\.STANDIN_WORKSPACE_MB\.unit = 'MiBs' is not bytes or a size unit"),
     ],

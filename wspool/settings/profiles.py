@@ -417,7 +417,7 @@ def _read_spec(path: Path) -> EngineSpec:
     variables = data.get("variables") or {}
     if not isinstance(variables, dict):
         raise bad("variables", "a mapping of each variable to its unit and the rules it sizes")
-    return EngineSpec(
+    spec = EngineSpec(
         key=path.parent.name,
         name=given["name"],
         distribution=given["distribution"],
@@ -433,6 +433,14 @@ def _read_spec(path: Path) -> EngineSpec:
         pools=names("pools"),
         facts=names("facts"),
     )
+    for variable in spec.variables:
+        for pool, rule in variable.keys:
+            if pool not in spec.pools:
+                raise ConfigError(
+                    f"engine spec {path}: variables.{variable.name}.sizes names {pool}.{rule}, but {pool!r} is not "
+                    f"one of the pools it serves (pools: {', '.join(sorted(spec.pools))})"
+                )
+    return spec
 
 
 def _read_variable(path: Path, engine: str, name: str, node: Any) -> EngineVariable:
