@@ -1,13 +1,15 @@
-"""One workspace pool on one device and lane: a lazily grown, zero-filled ``uint8`` buffer.
+"""One workspace pool on one device and lane, and the handles bound to it.
 
-Nothing is allocated before the first request; the buffer is zero-filled
+A pool's ``uint8`` buffer is allocated at the first request, zero-filled
 (kernels keep semaphores in it), replaced when a request resolves larger
 (rounded by the growth policy, capped by ``max_bytes``), never shrunk. While
 frozen or capturing a CUDA graph a pool never grows: it raises
 :class:`~wspool.errors.WorkspaceFrozenError`. A replaced buffer a graph may
-still use is retired until :meth:`WorkspacePool.release_retired`. Thread-safe
-(no lock held while allocating or logging); two streams on one buffer race:
-give each a lane.
+still use is retired until :meth:`WorkspacePool.release_retired`. A
+:class:`WorkspaceHandle` binds one rule of a pool on one device and lane and
+returns the buffer with no lookup while the process's workspace epoch stands.
+Thread-safe (no lock held while allocating or logging); two streams on one
+buffer race: give each a lane.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
@@ -38,32 +40,62 @@ from wspool.errors import (
     unknown_rule,
 )
 from wspool.freeze import FreezeState, cuda_capture_probe
-from wspool.handles import HitCount, bump_epoch
 from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.units import MAX_SIZE_BYTES, format_size, positive_int
 
 if TYPE_CHECKING:
     from wspool.devices import DeviceLike
-    from wspool.handles import WorkspaceHandle
 
 __all__ = [
+    "EPOCH",
     "Allocator",
+    "HitCount",
     "LimitsRefusal",
     "PoolSource",
     "PoolSpec",
     "PoolStats",
+    "WorkspaceHandle",
     "WorkspacePool",
+    "bump_epoch",
     "zeros_allocator",
 ]
 
 
 _T = TypeVar("_T")
 
-#: Builds the error for a refused growth of a reserved pool: (pool, rule, the call's facts, the refusal).
-#: (pool, why it grows, the facts to check, the call's facts, the refusal).
+#: Builds the error for a refused growth of a reserved pool: (pool, why it grows, the facts to check,
+#: the call's facts, the refusal).
 LimitsRefusal = Callable[["WorkspacePool", str, tuple[str, ...], Mapping[str, object], WorkspaceFrozenError], Exception]
 #: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
 Allocator = Callable[[int, torch.device], torch.Tensor]
+
+
+#: The process's workspace epoch, in a one-item list every handle reads per call: a call site may
+#: cache what it derived from handles while ``EPOCH[0]`` is unchanged. Only :func:`bump_epoch` writes it.
+EPOCH = [0]
+_EPOCH = EPOCH
+_epoch_lock = threading.Lock()
+
+
+def bump_epoch() -> None:
+    """Invalidate every :class:`WorkspaceHandle`: pools call it when they replace a buffer, registries when reset."""
+    with _epoch_lock:
+        _EPOCH[0] += 1
+
+
+class HitCount:
+    """The steady-state calls of one handle on one pool: a cell the pool gives at each binding and counts.
+
+    The count stays with the pool when the handle dies or binds elsewhere. Written without a
+    lock (a count may miss a call two threads make at once).
+    """
+
+    __slots__ = ("count", "handle", "rule")
+
+    def __init__(self, rule: str, handle: WorkspaceHandle) -> None:
+        self.count = 0
+        self.rule = rule
+        self.handle = weakref.ref(handle)  # dead: no call can add to the count any more
 
 
 def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -637,6 +669,248 @@ class WorkspacePool:
             f"WorkspacePool({self.spec.name!r}, device={self.device}, lane={self.lane!r}, "
             f"capacity={format_size(self._state[1])})"
         )
+
+
+#: A handle's steady state while it holds no buffer: ``(epoch, buffer, raw_stream, stream_index, hits, on_stream)``.
+_UNSTEADY: tuple[Any, ...] = (-1, None, None, 0, None, None)
+
+
+def _steady_state() -> tuple[Callable[[], torch.Tensor | None], Callable[[tuple[Any, ...]], None]]:
+    """Make a handle's steady call and what publishes its state, one tuple replaced whole.
+
+    While the state's epoch stands the call counts a hit and returns the buffer, first calling
+    ``on_stream()`` (is the stream capturing?) where ``raw_stream(stream_index)`` is not CUDA's
+    legacy default stream, which cannot capture; otherwise it returns ``None``.
+    """
+    state = _UNSTEADY
+
+    def steady() -> torch.Tensor | None:
+        epoch, buffer, raw_stream, index, hits, on_stream = state
+        if epoch == _EPOCH[0]:
+            if raw_stream is not None and raw_stream(index):
+                on_stream()
+            hits.count += 1
+            return buffer  # type: ignore[no-any-return]
+        return None
+
+    def publish(new: tuple[Any, ...]) -> None:
+        nonlocal state
+        state = new
+
+    return steady, publish
+
+
+def _capture_check(
+    probe: Callable[[], bool] | None, pool: WorkspacePool
+) -> tuple[Callable[[int], int] | None, int, Callable[[], None] | None]:
+    """Return ``(raw_stream, stream_index, on_stream)`` for ``pool``: a probe without CUDA's parts is asked per call."""
+    if probe is None:
+        return None, 0, None
+    parts = getattr(probe, "cuda_parts", None)
+    capturing = probe if parts is None else parts[2]
+
+    def on_stream() -> None:
+        if capturing():
+            pool.note_captured()
+
+    if parts is None:
+        return _any_stream, 0, on_stream
+    return parts[0], parts[1], on_stream
+
+
+def _any_stream(_index: int) -> int:
+    return 1  # a probe without CUDA's parts: any stream may capture
+
+
+def _view(pool: WorkspacePool, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return the one ``dtype`` view of ``buffer`` that every handle of the pool shares while it is current."""
+    key = ("view", dtype)
+    found = pool.buffer_cache.get(key)
+    if found is None or found.data_ptr() != buffer.data_ptr() or found.numel() != buffer.numel():
+        found = buffer.view(dtype)
+        if pool.buffer is buffer:  # the cache belongs to the buffer installed now
+            pool.buffer_cache[key] = found
+    return found  # type: ignore[no-any-return]
+
+
+class WorkspaceHandle:
+    """One pool rule bound on one device and lane; create through :meth:`wspool.PoolRegistry.handle`.
+
+    The buffer is returned as held while the workspace epoch stands (it moves when a
+    pool replaces its buffer, or a registry is reset, reconfigured or replaced); then
+    the next call binds again through the full path and its checks. :attr:`steady` is
+    the steady state; its calls count as requests in a :class:`HitCount` of the pool.
+    Capture semantics: a steady call still asks the pool's capture probe, so a buffer
+    a graph captured is retired, not freed, on growth. Thread-safe; device and lane
+    are fixed per handle.
+
+    Args:
+        bind: Returns the pool instance that serves the rule now (the registry's).
+        rule: The pool's rule that sizes every call.
+        call_facts: The facts the call site may pass to :meth:`sized`; a rule
+            that reads none of them is resolved once per binding.
+        dtype: The dtype of the view returned (``None``: the pool's ``uint8``).
+        facts: Facts bound to the handle (fixed for its call site, e.g. a size the
+            engine passes every call), which the rule reads where a call gives none.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_bind",
+        "_bound",
+        "_bound_facts",
+        "_buffer",
+        "_call_facts",
+        "_cell",
+        "_dtype",
+        "_last_facts",
+        "_pool",
+        "_publish",
+        "_publish_sized",
+        "_raw",
+        "_sized_steady",
+        "_stream_check",
+        "reads_call_facts",
+        "rule",
+        "steady",
+    )
+
+    def __init__(
+        self,
+        bind: Callable[[], WorkspacePool],
+        rule: str,
+        *,
+        call_facts: Iterable[str] = (),
+        dtype: torch.dtype | None = None,
+        facts: Mapping[str, object] | None = None,
+    ) -> None:
+        self._bind = bind
+        self._bound_facts: Mapping[str, object] = dict(facts or {})
+        self.rule = rule
+        self._call_facts = frozenset(call_facts)
+        self._dtype = None if dtype in (None, torch.uint8) else dtype
+        self._bound = -1  # the epoch of the binding
+        self._buffer: torch.Tensor | None = None
+        self._raw: torch.Tensor | None = None
+        self._pool: WorkspacePool | None = None
+        self._stream_check: tuple[Callable[[int], int] | None, int, Callable[[], None] | None] = (None, 0, None)
+        self._last_facts: object = None
+        self._cell: HitCount | None = None  # the count, owned by the pool bound now, of this handle's calls there
+        #: Whether the rule reads any fact the call site passes (decided at binding).
+        self.reads_call_facts = False
+        #: The steady state: what :meth:`get` returns, counted, while the epoch stands since the last
+        #: serve, else ``None`` (then call :meth:`get`); allocation-free.
+        self.steady: Callable[[], torch.Tensor | None]
+        self.steady, self._publish = _steady_state()
+        # The same for sized() calls with the mapping of the previous one.
+        self._sized_steady, self._publish_sized = _steady_state()
+        self._rebind()
+
+    def get(self) -> torch.Tensor:
+        """Return the buffer for a call that passes no facts (the rule's size with its default facts).
+
+        Raises:
+            RuleError: The rule reads a fact no default supplies.
+            WorkspaceFrozenError: Growth was needed while frozen or capturing.
+            WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
+        """
+        buffer = self.steady()
+        if buffer is not None:
+            return buffer
+        return self._serve(self._bound_facts, plain=True)
+
+    __call__ = get
+
+    def fetch(self, facts_of: Callable[[], Mapping[str, object]]) -> torch.Tensor:
+        """Return the buffer, asking ``facts_of()`` for the call's facts only where the rule reads them.
+
+        Raises:
+            The errors of :meth:`sized`.
+        """
+        buffer = self.steady()
+        if buffer is not None:
+            return buffer
+        if self.current_reads_call_facts():
+            return self.sized(facts_of())
+        return self._serve(self._bound_facts, plain=True)
+
+    def sized(self, facts: Mapping[str, object]) -> torch.Tensor:
+        """Return the buffer for a call with ``facts``; the very mapping of the previous call reuses its size.
+
+        Raises:
+            The errors of :meth:`get`, and ``RuleError`` for facts the rule cannot use.
+        """
+        if facts is self._last_facts:
+            buffer = self._sized_steady()
+            if buffer is not None:
+                return buffer
+        if not self.current_reads_call_facts():
+            return self.get()
+        buffer = self._serve(facts, plain=False)
+        self._last_facts = facts
+        return buffer
+
+    def forget_buffer(self) -> None:
+        """Let go of the buffer held (its pool replaced or dropped it, and moved the epoch): the next call serves."""
+        self._publish(_UNSTEADY)
+        self._publish_sized(_UNSTEADY)
+        self._buffer = self._raw = None
+
+    def current_reads_call_facts(self) -> bool:
+        """Whether the rule reads a call fact under the configuration in force now (binding again if it moved)."""
+        if self._bound != _EPOCH[0]:
+            self._rebind()
+        return self.reads_call_facts
+
+    def _serve(self, facts: Mapping[str, object], *, plain: bool) -> torch.Tensor:
+        """The full path: bind again if the epoch moved, then ask the pool (which counts, grows and checks)."""
+        epoch = _EPOCH[0]
+        if self._bound != epoch:
+            self._rebind()
+        pool = self._pool
+        assert pool is not None
+        buffer = pool.workspace(self.rule, facts)
+        if buffer is self._raw and self._buffer is not None:  # the same buffer: the same view, to compare tensors
+            view = self._buffer
+        else:
+            view = buffer if self._dtype is None else _view(pool, buffer, self._dtype)
+            self._raw = buffer
+        self._buffer = view
+        self._last_facts = None
+        self._publish(_UNSTEADY)
+        self._publish_sized(_UNSTEADY)
+        # Held only if nothing moved the epoch meanwhile (this call's own growth did: serve again next time).
+        if _EPOCH[0] == epoch and not pool.watches_streams and (not plain or not self.reads_call_facts):
+            raw_stream, index, on_stream = self._stream_check
+            (self._publish if plain else self._publish_sized)((epoch, view, raw_stream, index, self._cell, on_stream))
+        return view
+
+    def _rebind(self) -> None:
+        epoch = _EPOCH[0]
+        old = self._pool
+        pool = self._bind()
+        if pool is not old:
+            # Counts made on the old pool stay in its cell; this handle counts in a new cell of the new one.
+            if old is not None:
+                old.detach(self)
+            self._cell = pool.attach(self)
+            self._stream_check = _capture_check(pool.capture_probe, pool)
+        compiled = pool.spec.rules.get(self.rule)
+        unbound = self._call_facts.difference(self._bound_facts)
+        self.reads_call_facts = compiled is not None and bool(unbound.intersection(compiled.names))
+        self._pool = pool
+        self._publish(_UNSTEADY)
+        self._publish_sized(_UNSTEADY)
+        self._bound = epoch
+
+    @property
+    def pool(self) -> WorkspacePool:
+        """The pool instance bound now."""
+        assert self._pool is not None
+        return self._pool
+
+    def __repr__(self) -> str:
+        return f"WorkspaceHandle({self.pool.spec.name!r}, rule={self.rule!r}, device={self.pool.device})"
 
 
 class RegionsView(Protocol):

@@ -32,8 +32,16 @@ from wspool.devices import (
 from wspool.devices import describe_device as describe_any_device
 from wspool.errors import ConfigError, RuleError, describe_setting, unknown_rule
 from wspool.freeze import FreezeState
-from wspool.handles import EPOCH, WorkspaceHandle, bump_epoch
-from wspool.pool import Allocator, PoolSource, PoolSpec, PoolStats, RegionsView, WorkspacePool
+from wspool.pool import (
+    Allocator,
+    PoolSource,
+    PoolSpec,
+    PoolStats,
+    RegionsView,
+    WorkspaceHandle,
+    WorkspacePool,
+    bump_epoch,
+)
 from wspool.profile_views import ProfileView, check_rule_facts
 from wspool.settings.profiles import PROFILE_NAMES, ProfileChoice, choose_profile
 from wspool.settings.schema import DEVICE_FACTS, SHAPE_FACTS, WspoolSettings, load_settings, profile_settings
@@ -50,6 +58,8 @@ __all__ = [
 
 
 _PoolKey = tuple[str, torch.device, str]
+#: What serves a rule on the per-call path: the pool instance, a handle of the rule, and its steady state.
+_Served = tuple[WorkspacePool, WorkspaceHandle, Callable[[], torch.Tensor | None]]
 
 
 def _refuse_negative_facts(pool: str, facts: Mapping[str, object]) -> None:
@@ -145,7 +155,7 @@ class PoolRegistry:
         self._pools: dict[_PoolKey, WorkspacePool] = {}
         # lane -> pool -> device as given -> rule -> the pool instance that serves it and a handle
         # of that rule: filled on a call's first miss, once the rule is known to be the pool's own.
-        self._fast: dict[str, dict[str, dict[DeviceLike, dict[str, tuple[WorkspacePool, WorkspaceHandle]]]]] = {}
+        self._fast: dict[str, dict[str, dict[DeviceLike, dict[str, _Served]]]] = {}
         self._views: dict[str, ProfileView] = {}
         self._devices: dict[torch.device, tuple[ProfileView, ProfileChoice, Mapping[str, int]]] = {}
         # The state objects of what is built on this registry (plan caches, an engine's views),
@@ -261,14 +271,12 @@ class PoolRegistry:
             found = self._serving(pool, device, lane, rule)
         if facts:
             return found[0].workspace(rule, facts)
-        handle = found[1]
-        epoch, buffer, raw_stream, index, hits = handle.steady  # WorkspaceHandle.get's steady state, written out
-        if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-            hits.count += 1  # type: ignore[union-attr]
-            return buffer  # type: ignore[return-value]
-        return handle.get()
+        buffer = found[2]()  # the handle's steady state
+        if buffer is not None:
+            return buffer
+        return found[1].get()
 
-    def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> tuple[WorkspacePool, WorkspaceHandle]:
+    def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> _Served:
         """Return the pool instance that serves ``pool``'s own ``rule`` and its handle (a call's first miss).
 
         A device that names "the current device" is resolved on every call and its entry kept
@@ -280,7 +288,8 @@ class PoolRegistry:
                 return self._fast[lane][pool][device][rule]
         found = self.pool(pool, device, lane=lane)
         self._own_rule(pool, rule, device)
-        served = (found, WorkspaceHandle(lambda: self.serving_pool(pool, rule, device, lane), rule))
+        handle = WorkspaceHandle(lambda: self.serving_pool(pool, rule, device, lane), rule)
+        served = (found, handle, handle.steady)
         self._fast.setdefault(lane, {}).setdefault(pool, {}).setdefault(device, {})[rule] = served
         return served
 
@@ -304,7 +313,7 @@ class PoolRegistry:
 
         The handle skips the lookup while nothing changed and binds again through
         :meth:`workspace`'s checks after growth, :meth:`reset`, a declaration or
-        :func:`set_registry` (:mod:`wspool.handles`). A rule that reads none of
+        :func:`set_registry` (:class:`~wspool.pool.WorkspaceHandle`). A rule that reads none of
         ``call_facts`` is resolved once per binding. A handle made from the
         process-wide registry (:func:`get_registry`) serves the process-wide registry
         in force at each binding, so :func:`set_registry` moves it, freeze included;

@@ -1,4 +1,4 @@
-"""Tests for wspool.handles: bound handles serve without lookups, and bind again whenever anything changed."""
+"""Tests for wspool.pool's WorkspaceHandle: it serves without lookups, and binds again whenever anything changed."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 import wspool
 from tests.helpers.registry import make_registry
 from wspool.errors import RuleError, WorkspaceFrozenError
-from wspool.handles import EPOCH, WorkspaceHandle
-from wspool.pool import PoolSpec, WorkspacePool
+from wspool.pool import EPOCH, PoolSpec, WorkspaceHandle, WorkspacePool
 
 MiB = 1 << 20
 CPU = torch.device("cpu")
@@ -113,30 +112,29 @@ def test_a_dtype_view_is_shared_by_every_handle_of_the_pool() -> None:
     assert small is big and big.dtype == torch.int8
 
 
-def test_the_steady_tuple_holds_the_buffer_only_while_the_epoch_stands() -> None:
-    """``steady`` holds get()'s buffer and the count call sites add to while its epoch stands; growth, reset end it."""
+def test_the_steady_call_returns_the_buffer_only_while_the_epoch_stands() -> None:
+    """``steady()`` returns get()'s buffer, counted, while its epoch stands, and ``None`` after growth or reset."""
     reg = make_registry({"p": {"rules": {"small": "1MiB", "big": "2MiB", "rows": "rows * 1MiB"}}})
     handle = reg.handle("p", "small", device=CPU)
-    assert handle.steady[1] is None
+    assert handle.steady() is None
     buffer = handle.get()  # grows, which moves the epoch: the next call serves again and holds it
     assert handle.get() is buffer
-    epoch, held, raw_stream, _, hits = handle.steady
-    assert held is buffer and epoch == EPOCH[0] and raw_stream is None  # on the CPU: no stream to ask
-    assert hits is not None
     before = reg.stats("p", CPU).requests_by_rule["small"]
-    hits.count += 1  # what a call site that writes the steady state out does per call
+    assert handle.steady() is buffer
     assert reg.stats("p", CPU).requests_by_rule["small"] == before + 1
     reg.workspace("p", CPU, rule="big")
-    assert handle.steady[0] != EPOCH[0] or handle.steady[1] is None
+    assert handle.steady() is None
     grown = handle.get()
-    assert handle.steady[1] is grown and handle.get() is grown and handle.steady[0] == EPOCH[0]
+    assert handle.steady() is grown and handle.get() is grown
     reg.reset()
-    assert handle.steady[0] != EPOCH[0] or handle.steady[1] is None
+    assert handle.steady() is None
+    after = reg.stats("p", CPU).requests_by_rule
     reading = reg.handle("p", "rows", device=CPU, call_facts=("rows",))
     facts = {"rows": 1}
     reading.sized(facts)
     reading.sized(facts)
-    assert reading.steady[1] is None  # a rule that reads the call's facts has no fact-free steady state
+    assert reading.steady() is None  # a rule that reads the call's facts has no fact-free steady state
+    assert reg.stats("p", CPU).requests_by_rule.get("small", 0) == after.get("small", 0)  # a miss counts nothing
 
 
 def test_steady_state_calls_of_get_fetch_and_sized_each_count_as_a_request() -> None:
@@ -256,19 +254,23 @@ def test_a_steady_state_call_on_a_capturing_stream_retires_the_buffer(path: str)
     assert pool.stats().retired_bytes == 2 * MiB
 
 
-def test_the_steady_tuple_names_the_probes_stream_function_and_device_index() -> None:
-    """A handle on a pool whose probe has CUDA's parts publishes them in ``steady`` for call sites to check."""
+def test_the_steady_call_asks_the_probes_stream_function_with_the_devices_index() -> None:
+    """A steady call on a pool whose probe has CUDA's parts asks its stream function for the device's index only."""
     probe = _StreamProbe(index=5)
+    asked: list[int] = []
+    stream_of = probe.raw_stream
+
+    def raw_stream(index: int) -> int:
+        asked.append(index)
+        return stream_of(index)
+
+    probe.cuda_parts = (raw_stream, 5, probe.is_capturing)
     pool = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, capture_probe=probe)
     handle = WorkspaceHandle(lambda: pool, "default")
     handle.get()
     buffer = handle.get()
-    assert handle.steady[:4] == (EPOCH[0], buffer, probe.raw_stream, 5)
-    plain = WorkspacePool(PoolSpec("p", {"default": "1MiB"}), CPU, capture_probe=lambda: False)
-    other = WorkspaceHandle(lambda: plain, "default")
-    other.get()
-    other.get()
-    assert other.steady[1] is None  # a probe without parts: every call asks it, so no steady tuple
+    asked.clear()
+    assert handle.steady() is buffer and asked == [5]
 
 
 # -- counts stay with the pool that served them; process-wide handles follow the process-wide registry --------

@@ -29,7 +29,7 @@ from wspool.targets import PartialUndoError, PatchPlan, PatchSet, TargetGroup
 if TYPE_CHECKING:
     import torch
 
-    from wspool.handles import WorkspaceHandle
+    from wspool.pool import WorkspaceHandle
     from wspool.registry import PoolRegistry
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Each function has the signature, dtype and semantics of the vLLM function it
 replaces and draws its buffer from a pool of the process-wide registry through
-a bound handle (:mod:`wspool.handles`): in the steady state a call reads the
+a bound handle (:class:`~wspool.pool.WorkspaceHandle`): in the steady state a call reads the
 lane and returns the buffer the handle holds. docs/vllm.md tables the
 functions, pools, rules and what vLLM relies on. The MLA rules see the
 engine's facts (:mod:`wspool.integrations.vllm.facts`) only where a configured
@@ -31,7 +31,6 @@ import torch
 import wspool
 from wspool.devices import LANES_ENTERED
 from wspool.errors import RuleError, missing_facts
-from wspool.handles import EPOCH, WorkspaceHandle
 from wspool.integrations.patching import marked, require_own_buffers
 from wspool.integrations.vllm import internals
 from wspool.integrations.vllm.facts import (
@@ -43,6 +42,7 @@ from wspool.integrations.vllm.facts import (
     set_call_facts,
 )
 from wspool.integrations.vllm.internals import VllmLanes
+from wspool.pool import EPOCH, WorkspaceHandle
 from wspool.registry import PoolRegistry, get_registry
 
 __all__ = [
@@ -360,10 +360,9 @@ def get_mla_workspace_buffer(return_lse: bool) -> torch.Tensor:
     in_main = not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
     handle = _main_mla[return_lse] if in_main else None
     if handle is not None:
-        epoch, buffer, raw_stream, index, hits = handle.steady
-        if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-            hits.count += 1  # type: ignore[union-attr]
-            return buffer  # type: ignore[return-value]
+        buffer = handle.steady()
+        if buffer is not None:
+            return buffer
     else:
         handle = _mla_handle(return_lse)
     try:
@@ -386,11 +385,8 @@ def get_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device) -> to
         found = _COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
-            epoch, buffer, raw_stream, index, hits = handle.steady  # WorkspaceHandle.get's steady state
-            if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-                hits.count += 1  # type: ignore[union-attr]
-                return buffer  # type: ignore[return-value]
-            return handle.get()
+            buffer = handle.steady()
+            return buffer if buffer is not None else handle.get()
     return _counters(_COUNTERS, min_bytes, device)
 
 
@@ -400,11 +396,8 @@ def get_paged_multi_ctas_kv_counter_buffer(min_bytes: int, device: torch.device)
         found = _PAGED_COUNTERS_MAIN.get(min_bytes)
         if found is not None and found[1] == device:
             handle = found[0]
-            epoch, buffer, raw_stream, index, hits = handle.steady
-            if epoch == EPOCH[0] and (raw_stream is None or not raw_stream(index)):
-                hits.count += 1  # type: ignore[union-attr]
-                return buffer  # type: ignore[return-value]
-            return handle.get()
+            buffer = handle.steady()
+            return buffer if buffer is not None else handle.get()
     return _counters(_PAGED_COUNTERS, min_bytes, device)
 
 
@@ -436,22 +429,17 @@ def get_sparse_workspace_buffer(device: torch.device, min_bytes: int | None = No
     """
     found = _SPARSE_MAIN[0]
     in_main = not _contexts and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
+    buffer = None
     if in_main and found is not None and found[1] == device:
         handle = found[0]
-        epoch, buffer, raw_stream, index, hits = handle.steady
-        if (
-            epoch == EPOCH[0]
-            and (min_bytes is None or min_bytes <= buffer.numel())  # type: ignore[union-attr]
-            and (raw_stream is None or not raw_stream(index))
-        ):
-            hits.count += 1  # type: ignore[union-attr]
-            return buffer  # type: ignore[return-value]
+        buffer = handle.steady()
     else:
         handle = _device_handle(_SPARSE, _SPARSE_MAIN, device)
-    try:
-        buffer = handle.fetch(_facts)
-    except RuleError as exc:
-        raise _missing(exc, _facts()) from exc
+    if buffer is None:
+        try:
+            buffer = handle.fetch(_facts)
+        except RuleError as exc:
+            raise _missing(exc, _facts()) from exc
     if min_bytes is not None and min_bytes > buffer.numel():
         handle.pool.request(min_bytes, "min_bytes")
         buffer = handle()
@@ -499,16 +487,15 @@ def _device_getter(
 
     def get_workspace(device: torch.device) -> torch.Tensor:
         found = main[0]
-        if found is not None and found[1] == device and not _contexts:
-            handle = found[0]
-            epoch, buffer, raw_stream, index, hits = handle.steady
-            if (
-                epoch == EPOCH[0]
-                and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
-                and (raw_stream is None or not raw_stream(index))
-            ):
-                hits.count += 1  # type: ignore[union-attr]
-                return buffer  # type: ignore[return-value]
+        if (
+            found is not None
+            and found[1] == device
+            and not _contexts
+            and (not LANES_ENTERED[0] or _wspool_lane_of() is _MAIN_LANE)
+        ):
+            buffer = found[0].steady()
+            if buffer is not None:
+                return buffer
         return _device_handle(table, main, device).get()
 
     get_workspace.__name__ = get_workspace.__qualname__ = name
