@@ -671,33 +671,52 @@ class WorkspacePool:
         )
 
 
-#: A handle's steady state while it holds no buffer: ``(epoch, buffer, raw_stream, stream_index, hits, on_stream)``.
-_UNSTEADY: tuple[Any, ...] = (-1, None, None, 0, None, None)
+_Hold = Callable[[int, torch.Tensor, HitCount, Callable[[int], int] | None, int, Callable[[], None] | None], None]
 
 
-def _steady_state() -> tuple[Callable[[], torch.Tensor | None], Callable[[tuple[Any, ...]], None]]:
-    """Make a handle's steady call and what publishes its state, one tuple replaced whole.
+def _steady_state() -> tuple[Callable[[], torch.Tensor | None], _Hold, Callable[[], None]]:
+    """Make a handle's steady call, and what holds a served buffer in it and lets go of it.
 
-    While the state's epoch stands the call counts a hit and returns the buffer, first calling
-    ``on_stream()`` (is the stream capturing?) where ``raw_stream(stream_index)`` is not CUDA's
-    legacy default stream, which cannot capture; otherwise it returns ``None``.
+    The state lives in the call's cells. While the epoch held is the process's the call
+    counts a hit and returns the buffer, first calling ``on_stream()`` (is the stream
+    capturing?) where ``raw_stream(index)`` is not CUDA's legacy default stream, which
+    cannot capture; otherwise it returns ``None``. Writers clear the epoch first and set
+    it last, so a call that races them misses (and serves through the full path).
     """
-    state = _UNSTEADY
+    epoch = -1
+    buffer: torch.Tensor | None = None
+    hits: HitCount | None = None
+    raw_stream: Callable[[int], int] | None = None
+    index = 0
+    on_stream: Callable[[], None] | None = None
 
     def steady() -> torch.Tensor | None:
-        epoch, buffer, raw_stream, index, hits, on_stream = state
         if epoch == _EPOCH[0]:
             if raw_stream is not None and raw_stream(index):
-                on_stream()
-            hits.count += 1
-            return buffer  # type: ignore[no-any-return]
+                on_stream()  # type: ignore[misc]
+            hits.count += 1  # type: ignore[union-attr]
+            return buffer
         return None
 
-    def publish(new: tuple[Any, ...]) -> None:
-        nonlocal state
-        state = new
+    def hold(
+        held_epoch: int,
+        held: torch.Tensor,
+        cell: HitCount,
+        stream_of: Callable[[int], int] | None,
+        stream_index: int,
+        on_capturing_stream: Callable[[], None] | None,
+    ) -> None:
+        nonlocal epoch, buffer, hits, raw_stream, index, on_stream
+        epoch = -1
+        buffer, hits, raw_stream, index, on_stream = held, cell, stream_of, stream_index, on_capturing_stream
+        epoch = held_epoch
 
-    return steady, publish
+    def drop() -> None:
+        nonlocal epoch, buffer
+        epoch = -1
+        buffer = None
+
+    return steady, hold, drop
 
 
 def _capture_check(
@@ -738,7 +757,7 @@ class WorkspaceHandle:
 
     The buffer is returned as held while the workspace epoch stands (it moves when a
     pool replaces its buffer, or a registry is reset, reconfigured or replaced); then
-    the next call binds again through the full path and its checks. :attr:`steady` is
+    the next call binds again through the full path and its checks. :attr:`held` is
     the steady state; its calls count as requests in a :class:`HitCount` of the pool.
     Capture semantics: a steady call still asks the pool's capture probe, so a buffer
     a graph captured is retired, not freed, on growth. Thread-safe; device and lane
@@ -762,17 +781,19 @@ class WorkspaceHandle:
         "_buffer",
         "_call_facts",
         "_cell",
+        "_drop",
+        "_drop_sized",
         "_dtype",
+        "_hold",
+        "_hold_sized",
         "_last_facts",
         "_pool",
-        "_publish",
-        "_publish_sized",
         "_raw",
-        "_sized_steady",
+        "_sized_held",
         "_stream_check",
+        "held",
         "reads_call_facts",
         "rule",
-        "steady",
     )
 
     def __init__(
@@ -798,12 +819,13 @@ class WorkspaceHandle:
         self._cell: HitCount | None = None  # the count, owned by the pool bound now, of this handle's calls there
         #: Whether the rule reads any fact the call site passes (decided at binding).
         self.reads_call_facts = False
-        #: The steady state: what :meth:`get` returns, counted, while the epoch stands since the last
-        #: serve, else ``None`` (then call :meth:`get`); allocation-free.
-        self.steady: Callable[[], torch.Tensor | None]
-        self.steady, self._publish = _steady_state()
+        #: The steady state, one call for the handle's life: what :meth:`get` returns, counted, while
+        #: nothing moved the epoch since the handle served, else ``None`` (then call :meth:`get`).
+        #: Allocation-free; a call site may keep it.
+        self.held: Callable[[], torch.Tensor | None]
+        self.held, self._hold, self._drop = _steady_state()
         # The same for sized() calls with the mapping of the previous one.
-        self._sized_steady, self._publish_sized = _steady_state()
+        self._sized_held, self._hold_sized, self._drop_sized = _steady_state()
         self._rebind()
 
     def get(self) -> torch.Tensor:
@@ -814,7 +836,7 @@ class WorkspaceHandle:
             WorkspaceFrozenError: Growth was needed while frozen or capturing.
             WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
         """
-        buffer = self.steady()
+        buffer = self.held()
         if buffer is not None:
             return buffer
         return self._serve(self._bound_facts, plain=True)
@@ -827,7 +849,7 @@ class WorkspaceHandle:
         Raises:
             The errors of :meth:`sized`.
         """
-        buffer = self.steady()
+        buffer = self.held()
         if buffer is not None:
             return buffer
         if self.current_reads_call_facts():
@@ -841,7 +863,7 @@ class WorkspaceHandle:
             The errors of :meth:`get`, and ``RuleError`` for facts the rule cannot use.
         """
         if facts is self._last_facts:
-            buffer = self._sized_steady()
+            buffer = self._sized_held()
             if buffer is not None:
                 return buffer
         if not self.current_reads_call_facts():
@@ -852,8 +874,8 @@ class WorkspaceHandle:
 
     def forget_buffer(self) -> None:
         """Let go of the buffer held (its pool replaced or dropped it, and moved the epoch): the next call serves."""
-        self._publish(_UNSTEADY)
-        self._publish_sized(_UNSTEADY)
+        self._drop()
+        self._drop_sized()
         self._buffer = self._raw = None
 
     def current_reads_call_facts(self) -> bool:
@@ -877,12 +899,12 @@ class WorkspaceHandle:
             self._raw = buffer
         self._buffer = view
         self._last_facts = None
-        self._publish(_UNSTEADY)
-        self._publish_sized(_UNSTEADY)
+        self._drop()
+        self._drop_sized()
         # Held only if nothing moved the epoch meanwhile (this call's own growth did: serve again next time).
         if _EPOCH[0] == epoch and not pool.watches_streams and (not plain or not self.reads_call_facts):
-            raw_stream, index, on_stream = self._stream_check
-            (self._publish if plain else self._publish_sized)((epoch, view, raw_stream, index, self._cell, on_stream))
+            assert self._cell is not None
+            (self._hold if plain else self._hold_sized)(epoch, view, self._cell, *self._stream_check)
         return view
 
     def _rebind(self) -> None:
@@ -899,8 +921,8 @@ class WorkspaceHandle:
         unbound = self._call_facts.difference(self._bound_facts)
         self.reads_call_facts = compiled is not None and bool(unbound.intersection(compiled.names))
         self._pool = pool
-        self._publish(_UNSTEADY)
-        self._publish_sized(_UNSTEADY)
+        self._drop()
+        self._drop_sized()
         self._bound = epoch
 
     @property

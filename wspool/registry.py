@@ -58,8 +58,17 @@ __all__ = [
 
 
 _PoolKey = tuple[str, torch.device, str]
-#: What serves a rule on the per-call path: the pool instance, a handle of the rule, and its steady state.
-_Served = tuple[WorkspacePool, WorkspaceHandle, Callable[[], torch.Tensor | None]]
+
+
+class _Served:
+    """What serves one rule on the per-call path: the pool instance, a handle, and the handle's steady call."""
+
+    __slots__ = ("handle", "held", "pool")
+
+    def __init__(self, pool: WorkspacePool, handle: WorkspaceHandle) -> None:
+        self.pool = pool
+        self.handle = handle
+        self.held = handle.held
 
 
 def _refuse_negative_facts(pool: str, facts: Mapping[str, object]) -> None:
@@ -270,11 +279,11 @@ class PoolRegistry:
         except (KeyError, TypeError):
             found = self._serving(pool, device, lane, rule)
         if facts:
-            return found[0].workspace(rule, facts)
-        buffer = found[2]()  # the handle's steady state
+            return found.pool.workspace(rule, facts)
+        buffer = found.held()  # the handle's steady state
         if buffer is not None:
             return buffer
-        return found[1].get()
+        return found.handle.get()
 
     def _serving(self, pool: str, device: DeviceLike, lane: str, rule: str) -> _Served:
         """Return the pool instance that serves ``pool``'s own ``rule`` and its handle (a call's first miss).
@@ -288,8 +297,7 @@ class PoolRegistry:
                 return self._fast[lane][pool][device][rule]
         found = self.pool(pool, device, lane=lane)
         self._own_rule(pool, rule, device)
-        handle = WorkspaceHandle(lambda: self.serving_pool(pool, rule, device, lane), rule)
-        served = (found, handle, handle.steady)
+        served = _Served(found, WorkspaceHandle(lambda: self.serving_pool(pool, rule, device, lane), rule))
         self._fast.setdefault(lane, {}).setdefault(pool, {}).setdefault(device, {})[rule] = served
         return served
 

@@ -112,28 +112,28 @@ def test_a_dtype_view_is_shared_by_every_handle_of_the_pool() -> None:
     assert small is big and big.dtype == torch.int8
 
 
-def test_the_steady_call_returns_the_buffer_only_while_the_epoch_stands() -> None:
-    """``steady()`` returns get()'s buffer, counted, while its epoch stands, and ``None`` after growth or reset."""
+def test_held_returns_the_buffer_only_while_the_epoch_stands() -> None:
+    """``held()`` returns get()'s buffer, counted, while its epoch stands, and ``None`` after growth or reset."""
     reg = make_registry({"p": {"rules": {"small": "1MiB", "big": "2MiB", "rows": "rows * 1MiB"}}})
     handle = reg.handle("p", "small", device=CPU)
-    assert handle.steady() is None
+    assert handle.held() is None
     buffer = handle.get()  # grows, which moves the epoch: the next call serves again and holds it
     assert handle.get() is buffer
     before = reg.stats("p", CPU).requests_by_rule["small"]
-    assert handle.steady() is buffer
+    assert handle.held() is buffer
     assert reg.stats("p", CPU).requests_by_rule["small"] == before + 1
     reg.workspace("p", CPU, rule="big")
-    assert handle.steady() is None
+    assert handle.held() is None
     grown = handle.get()
-    assert handle.steady() is grown and handle.get() is grown
+    assert handle.held() is grown and handle.get() is grown
     reg.reset()
-    assert handle.steady() is None
+    assert handle.held() is None
     after = reg.stats("p", CPU).requests_by_rule
     reading = reg.handle("p", "rows", device=CPU, call_facts=("rows",))
     facts = {"rows": 1}
     reading.sized(facts)
     reading.sized(facts)
-    assert reading.steady() is None  # a rule that reads the call's facts has no fact-free steady state
+    assert reading.held() is None  # a rule that reads the call's facts has no fact-free steady state
     assert reg.stats("p", CPU).requests_by_rule.get("small", 0) == after.get("small", 0)  # a miss counts nothing
 
 
@@ -254,8 +254,8 @@ def test_a_steady_state_call_on_a_capturing_stream_retires_the_buffer(path: str)
     assert pool.stats().retired_bytes == 2 * MiB
 
 
-def test_the_steady_call_asks_the_probes_stream_function_with_the_devices_index() -> None:
-    """A steady call on a pool whose probe has CUDA's parts asks its stream function for the device's index only."""
+def test_held_asks_the_probes_stream_function_with_the_devices_index() -> None:
+    """``held()`` on a pool whose probe has CUDA's parts asks its stream function for the device's index only."""
     probe = _StreamProbe(index=5)
     asked: list[int] = []
     stream_of = probe.raw_stream
@@ -270,7 +270,7 @@ def test_the_steady_call_asks_the_probes_stream_function_with_the_devices_index(
     handle.get()
     buffer = handle.get()
     asked.clear()
-    assert handle.steady() is buffer and asked == [5]
+    assert handle.held() is buffer and asked == [5]
 
 
 # -- counts stay with the pool that served them; process-wide handles follow the process-wide registry --------

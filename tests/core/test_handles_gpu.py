@@ -62,7 +62,7 @@ def test_calls_on_the_legacy_default_stream_keep_the_steady_state_and_retire_not
     buffer = handle.get()
     raw_stream, _ = cuda_stream_functions()
     assert raw_stream(device.index) == 0  # the legacy default stream, which cannot capture
-    assert handle.steady() is buffer
+    assert handle.held() is buffer
     for _ in range(5):
         assert handle.get() is buffer and reg.workspace("p", device, rule="small") is buffer
     assert reg.stats("p", device).requests_by_rule["small"] == 13

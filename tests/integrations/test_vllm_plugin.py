@@ -32,7 +32,6 @@ from tests.helpers.dcp_config import use_lse_rule_without_facts
 from tests.helpers.paths import REPO_ROOT
 from wspool.errors import RuleError, WorkspaceFrozenError
 from wspool.integrations import vllm as plugin
-from wspool.integrations.vllm import getters as ws
 from wspool.targets import Target
 
 MiB = 1 << 20
@@ -188,11 +187,12 @@ def test_vllm_is_a_version_the_plugin_knows(vllm: ModuleType) -> None:
 def test_load_general_plugins_patches_each_function(loaded: None) -> None:
     """After vLLM loads its plugins, each workspace function vLLM's callers look up is wspool's."""
     mla, sparse, paged, workspace = _module(MLA), _module(SPARSE), _module(PAGED), _module(WORKSPACE)
-    assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
-    assert mla._get_multi_ctas_kv_counter_buffer is ws.get_multi_ctas_kv_counter_buffer
-    assert sparse._get_workspace_buffer is ws.get_sparse_workspace_buffer
-    assert _module(SPARSE_SM120)._get_workspace_buffer is ws.get_sparse_workspace_buffer  # a by-name copy
-    assert paged._get_multi_ctas_kv_counter_buffer is ws.get_paged_multi_ctas_kv_counter_buffer
+    installed = plugin.INTEGRATION.getters  # the replacements the integration made when it activated
+    assert mla._get_workspace_buffer is installed.get_mla_workspace_buffer
+    assert mla._get_multi_ctas_kv_counter_buffer is installed.get_multi_ctas_kv_counter_buffer
+    assert sparse._get_workspace_buffer is installed.get_sparse_workspace_buffer
+    assert _module(SPARSE_SM120)._get_workspace_buffer is installed.get_sparse_workspace_buffer  # a by-name copy
+    assert paged._get_multi_ctas_kv_counter_buffer is installed.get_paged_multi_ctas_kv_counter_buffer
     assert mla.FlashInferMLAImpl.forward_mqa.__wspool__
     assert paged.FlashInferMetadataBuilder._get_workspace_buffer.__module__ == plugin.__name__
     assert workspace.WorkspaceManager.lock.__module__ == plugin.__name__
@@ -561,8 +561,8 @@ def test_missing_or_changed_function_is_a_warning(
     load()
     assert sparse._get_workspace_buffer is changed
     # The by-name copy belongs to the same group: it keeps vLLM's function too.
-    assert _module(SPARSE_SM120)._get_workspace_buffer is not ws.get_sparse_workspace_buffer
-    assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
+    assert _module(SPARSE_SM120)._get_workspace_buffer is not plugin.INTEGRATION.getters.get_sparse_workspace_buffer
+    assert mla._get_workspace_buffer is plugin.INTEGRATION.getters.get_mla_workspace_buffer
     (warning,) = {r.getMessage() for r in warnings_seen.records if r.levelno == logging.WARNING}
     assert f"trtllm-gen's MLA counters ({MLA}._get_multi_ctas_kv_counter_buffer is missing)" in warning
     assert f"{SPARSE}._get_workspace_buffer takes (device), not (device, min_bytes)" in warning
@@ -632,7 +632,11 @@ def test_a_patch_that_cannot_be_undone_is_reported(
 
     class StickyWorkspace(ModuleType):
         def __setattr__(self, name: str, value: Any) -> None:
-            if name == "_get_workspace_buffer" and value is not ws.get_mla_workspace_buffer and refusals:
+            if (
+                name == "_get_workspace_buffer"
+                and value is not plugin.INTEGRATION.getters.get_mla_workspace_buffer
+                and refusals
+            ):
                 refusals.pop()  # refuses the first undo only, so the test's teardown can restore it
                 raise AttributeError("cannot restore")
             super().__setattr__(name, value)
@@ -641,7 +645,7 @@ def test_a_patch_that_cannot_be_undone_is_reported(
     monkeypatch.setattr(mla, "__class__", StickyWorkspace)
     load()
     assert plugin.patched() == [f"{MLA}._get_workspace_buffer"]
-    assert mla._get_workspace_buffer is ws.get_mla_workspace_buffer
+    assert mla._get_workspace_buffer is plugin.INTEGRATION.getters.get_mla_workspace_buffer
     assert mla.FlashInferMLAImpl.forward_mqa.__module__ == MLA  # undone
     (error,) = {r.getMessage() for r in warnings_seen.records if r.levelno >= logging.ERROR}
     assert f"undoing its patches failed for {MLA}._get_workspace_buffer (AttributeError: cannot restore)" in error
@@ -667,7 +671,9 @@ def test_an_optional_target_of_another_shape_leaves_its_group_alone(
     monkeypatch.setitem(sys.modules, DRAFTER, drafter)
     load()
     assert mla._get_workspace_buffer is original and mla.FlashInferMLAImpl.forward_mqa.__module__ == MLA
-    assert mla._get_multi_ctas_kv_counter_buffer is ws.get_multi_ctas_kv_counter_buffer  # another group
+    assert (
+        mla._get_multi_ctas_kv_counter_buffer is plugin.INTEGRATION.getters.get_multi_ctas_kv_counter_buffer
+    )  # another group
     assert f"the MLA decode workspace ({DRAFTER}.folded_decode takes (q, workspace)" in warnings_seen.text
 
 
@@ -763,7 +769,7 @@ def test_vllm_034_workspaces_come_from_pools(vllm034: ModuleType, small_pools: N
     builder = paged.FlashInferMetadataBuilder._get_workspace_buffer(_builder())
     assert (builder.dtype, builder.data_ptr()) == (torch.uint8, _pool_ptr("flashinfer"))
     bindings = [_module(name).get_flashinfer_dsv4_workspace for name in (DSV4, DSV41, DSV41_SPARSE)]
-    assert all(binding is ws.get_dsv4_workspace for binding in bindings)
+    assert all(binding is plugin.INTEGRATION.getters.get_dsv4_workspace for binding in bindings)
     dsv4 = bindings[0](cpu)
     assert (dsv4.dtype, dsv4.numel(), dsv4.data_ptr()) == (torch.uint8, 5 * MiB, _pool_ptr("flashinfer_dsv4"))
     assert all(binding(cpu) is dsv4 for binding in bindings)
@@ -778,7 +784,7 @@ def test_vllm_033_dsv4_workspaces_come_from_one_pool(vllm033: ModuleType, small_
     load()
     cpu = torch.device("cpu")
     bindings = [_module(name)._get_flashinfer_dsv4_workspace for name in (DSV4, DSV41, DSV41_SPARSE)]
-    assert all(binding is ws.get_dsv4_workspace for binding in bindings)
+    assert all(binding is plugin.INTEGRATION.getters.get_dsv4_workspace for binding in bindings)
     assert {binding(cpu).data_ptr() for binding in bindings} == {_pool_ptr("flashinfer_dsv4")}
 
 

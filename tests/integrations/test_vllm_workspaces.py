@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,12 +22,10 @@ MiB = 1 << 20
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def on_cpu() -> Iterator[None]:
-    """Point the replacements at the CPU, as WSPOOL_VLLM_DEVICE=cpu does; forget every hook after."""
-    ws.configure(device="cpu")
-    yield
-    ws.configure()
+@pytest.fixture
+def vg() -> ws.VllmGetters:
+    """The replacements on the CPU, as WSPOOL_VLLM_DEVICE=cpu makes them, with no vLLM hooks."""
+    return ws.VllmGetters(device="cpu")
 
 
 def _small(**pools: Any) -> wspool.PoolRegistry:
@@ -45,33 +42,33 @@ def _builder(**attrs: Any) -> SimpleNamespace:
     return SimpleNamespace(**{**base, "head_dim": 64, **attrs})
 
 
-def test_mla_view_is_int8_and_cached_per_buffer() -> None:
+def test_mla_view_is_int8_and_cached_per_buffer(vg: ws.VllmGetters) -> None:
     """The MLA workspace is one int8 view per buffer: the same tensor until the pool grows, then a new one."""
     reg = _small()
-    first = ws.get_mla_workspace_buffer(False)
-    assert (first.dtype, first.numel()) == (torch.int8, MiB) and ws.get_mla_workspace_buffer(False) is first
-    grown = ws.get_mla_workspace_buffer(True)
+    first = vg.get_mla_workspace_buffer(False)
+    assert (first.dtype, first.numel()) == (torch.int8, MiB) and vg.get_mla_workspace_buffer(False) is first
+    grown = vg.get_mla_workspace_buffer(True)
     assert grown is not first and grown.numel() == 2 * MiB
     assert grown.data_ptr() == reg.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
 
 
-def test_reset_drops_the_buffers_the_getters_hold() -> None:
+def test_reset_drops_the_buffers_the_getters_hold(vg: ws.VllmGetters) -> None:
     """After reset() the getter binds again: a new buffer from the reset registry, not the one it held."""
     reg = _small()
-    first = ws.get_mla_workspace_buffer(False)
+    first = vg.get_mla_workspace_buffer(False)
     assert reg.peek_state(ws.VllmPools) is not None
     reg.reset()
     assert reg.peek_state(ws.VllmPools) is None
-    second = ws.get_mla_workspace_buffer(False)
+    second = vg.get_mla_workspace_buffer(False)
     assert second is not first and second.data_ptr() == reg.stats("flashinfer_mla", "cpu").capacity_bytes * 0 + (
         reg.pool("flashinfer_mla", "cpu").buffer.data_ptr()  # type: ignore[union-attr]
     )
 
 
-def test_plugin_pools_are_declared_below_the_configuration() -> None:
+def test_plugin_pools_are_declared_below_the_configuration(vg: ws.VllmGetters) -> None:
     """The plugin's rules apply unless configured; a configured rule of the same name wins."""
     reg = _small(flashinfer={"rules": {"vllm": "3MiB"}})
-    ws.get_multi_ctas_kv_counter_buffer(64, CPU)
+    vg.get_multi_ctas_kv_counter_buffer(64, CPU)
     assert reg.resolve("flashinfer", "vllm") == 3 * MiB
     assert reg.resolve("flashinfer", "vllm_batch_invariant") == 2048 * MiB
     assert reg.resolve("flashinfer_mla_sparse", "default") == 394 * MiB
@@ -85,42 +82,42 @@ def test_configs_vllm_yaml_writes_out_the_declared_rules() -> None:
     assert rules == {**ws.VLLM_POOLS, "flashinfer_mla": {"default": "128MiB", "lse": "256MiB"}}
 
 
-def test_counters_pool_must_not_share_a_buffer() -> None:
+def test_counters_pool_must_not_share_a_buffer(vg: ws.VllmGetters) -> None:
     """Counters configured to share another pool's buffer are refused, naming the setting."""
     _small(flashinfer_mla_counters={"shared_with": "flashinfer_mla"})
     with pytest.raises(ConfigError, match=r"pool 'flashinfer_mla_counters' must have its own buffer.*SHARED_WITH"):
-        ws.get_multi_ctas_kv_counter_buffer(64, CPU)
+        vg.get_multi_ctas_kv_counter_buffer(64, CPU)
 
 
-def test_counters_grow_to_min_bytes_and_refuse_when_frozen() -> None:
+def test_counters_grow_to_min_bytes_and_refuse_when_frozen(vg: ws.VllmGetters) -> None:
     """The counters grow to a larger min_bytes, zeroed; frozen, such a growth is refused."""
     reg = _small()
-    assert ws.get_multi_ctas_kv_counter_buffer(128, CPU).numel() == 128
-    assert int(ws.get_multi_ctas_kv_counter_buffer(256, CPU).count_nonzero()) == 0
+    assert vg.get_multi_ctas_kv_counter_buffer(128, CPU).numel() == 128
+    assert int(vg.get_multi_ctas_kv_counter_buffer(256, CPU).count_nonzero()) == 0
     reg.freeze()
-    assert ws.get_multi_ctas_kv_counter_buffer(200, CPU).numel() == 256
+    assert vg.get_multi_ctas_kv_counter_buffer(200, CPU).numel() == 256
     with pytest.raises(WorkspaceFrozenError, match=r"flashinfer_mla_counters.*while the registry is frozen"):
-        ws.get_multi_ctas_kv_counter_buffer(512, CPU)
+        vg.get_multi_ctas_kv_counter_buffer(512, CPU)
 
 
-def test_sparse_floor_grows_past_the_rule() -> None:
+def test_sparse_floor_grows_past_the_rule(vg: ws.VllmGetters) -> None:
     """Sparse MLA serves the rule's size, or min_bytes where that is larger, as int8."""
     _small(flashinfer_mla_sparse={"rules": {"default": "1MiB"}})
-    assert ws.get_sparse_workspace_buffer(CPU).numel() == MiB
-    floor = ws.get_sparse_workspace_buffer(CPU, 3 * MiB)
+    assert vg.get_sparse_workspace_buffer(CPU).numel() == MiB
+    floor = vg.get_sparse_workspace_buffer(CPU, 3 * MiB)
     assert (floor.dtype, floor.numel()) == (torch.int8, 3 * MiB)
-    assert ws.get_sparse_workspace_buffer(CPU, MiB) is floor
+    assert vg.get_sparse_workspace_buffer(CPU, MiB) is floor
 
 
-def test_paged_rule_floor_and_batch_invariant_hook() -> None:
+def test_paged_rule_floor_and_batch_invariant_hook(vg: ws.VllmGetters) -> None:
     """The builder gets rule vllm, grown to vLLM's prefill floor; the batch-invariant hook picks the other rule."""
     reg = _small(flashinfer={"shared_with": "", "rules": {"vllm": "1MiB", "vllm_batch_invariant": "5MiB"}})
-    assert ws.get_paged_workspace_buffer(_builder(), 16).numel() == MiB
+    assert vg.get_paged_workspace_buffer(_builder(), 16).numel() == MiB
     wide = _builder(max_num_batched_tokens=64, num_qo_heads=32, head_dim=128)  # 64 * 32 * 128 * 16 = 4 MiB
-    assert ws.get_paged_workspace_buffer(wide, 16).numel() == 4 * MiB
-    assert ws.get_paged_workspace_buffer(_builder(max_num_batched_tokens=None), 16).numel() == 4 * MiB
-    ws.configure(device="cpu", batch_invariant=lambda: True)
-    assert ws.get_paged_workspace_buffer(_builder(), 16).numel() == 5 * MiB
+    assert vg.get_paged_workspace_buffer(wide, 16).numel() == 4 * MiB
+    assert vg.get_paged_workspace_buffer(_builder(max_num_batched_tokens=None), 16).numel() == 4 * MiB
+    vg = ws.VllmGetters(device="cpu", batch_invariant=lambda: True)
+    assert vg.get_paged_workspace_buffer(_builder(), 16).numel() == 5 * MiB
     assert dict(reg.stats("flashinfer", "cpu").requests_by_rule) == {
         "vllm": 3,
         "vLLM's prefill floor": 1,
@@ -128,23 +125,23 @@ def test_paged_rule_floor_and_batch_invariant_hook() -> None:
     }
 
 
-def test_paged_keeps_a_buffer_vllm_set() -> None:
+def test_paged_keeps_a_buffer_vllm_set(vg: ws.VllmGetters) -> None:
     """A buffer set on the builder (vLLM's set_workspace_buffer) is returned as it is."""
     _small()
     mine = torch.zeros(8, dtype=torch.uint8)
-    assert ws.get_paged_workspace_buffer(_builder(_workspace_buffer=mine)) is mine
+    assert vg.get_paged_workspace_buffer(_builder(_workspace_buffer=mine)) is mine
 
 
 def test_vllm_lanes_select_wspool_lanes() -> None:
     """vLLM's (ubatch, lane) (0, 0) is wspool's current lane; any other is its own lane, with its own buffer."""
     reg = _small()
     where: list[tuple[int, int]] = [(0, 0)]
-    ws.configure(device="cpu", lanes=VllmLanes({}, lambda: where[0][1], lambda: where[0][0]))
-    main = ws.get_mla_workspace_buffer(False)
+    vg = ws.VllmGetters(device="cpu", lanes=VllmLanes({}, lambda: where[0][1], lambda: where[0][0]))
+    main = vg.get_mla_workspace_buffer(False)
     with wspool.lane("mine"):
-        assert ws.get_mla_workspace_buffer(False) is not main
+        assert vg.get_mla_workspace_buffer(False) is not main
     where[0] = (1, 2)
-    assert ws.get_mla_workspace_buffer(False) is not main
+    assert vg.get_mla_workspace_buffer(False) is not main
     assert {s.lane for s in reg.all_stats()} == {"main", "mine", "vllm-u1-l2"}
 
 
@@ -159,12 +156,12 @@ def test_facts_from_the_config_reach_the_rule(monkeypatch: pytest.MonkeyPatch) -
         speculative_config=None,
     )
     current = [config]
-    ws.configure(device="cpu", get_config=lambda: current[0])
-    ws.get_mla_workspace_buffer(True)
+    vg = ws.VllmGetters(device="cpu", get_config=lambda: current[0])
+    vg.get_mla_workspace_buffer(True)
     reg = wspool.get_registry()
     assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 4 * 2 * 16 * 256 + MiB + 32 * MiB
     current[0] = SimpleNamespace(**{**vars(config), "scheduler_config": SimpleNamespace(max_num_seqs=64)})
-    ws.get_mla_workspace_buffer(True)
+    vg.get_mla_workspace_buffer(True)
     assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 4 * 2 * 64 * 256 + MiB + 32 * MiB
 
 
@@ -172,14 +169,16 @@ def test_missing_facts_name_what_the_plugin_knows(monkeypatch: pytest.MonkeyPatc
     """A rule that reads facts nobody gave fails naming the facts known and unknown."""
     rule = "8 * num_heads * batch_size * round_up(q_len, 256) + 1MiB"  # num_heads: no call has given it yet
     use_lse_rule_without_facts(monkeypatch, tmp_path, rule)
-    ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
+    vg = ws.VllmGetters(
+        device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
+    )
     with pytest.raises(
         RuleError, match=r"plugin passes the facts it knows: batch_size=8, q_len=1; unknown here: num_heads, cp_world,"
     ):
-        ws.get_mla_workspace_buffer(True)
+        vg.get_mla_workspace_buffer(True)
 
 
-def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
+def test_forward_mqa_wrapper_sets_and_restores_call_facts(vg: ws.VllmGetters) -> None:
     """The wrapper gives the call's heads and DCP size to the rules during the call, and clears them after."""
     _small(flashinfer_mla={"rules": {"default": "1MiB", "lse": "num_heads * cp_world * 1KiB"}})
     seen: list[object] = []
@@ -190,7 +189,7 @@ def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
             raise RuntimeError("kernel failed")
         return "out"
 
-    wrapped = ws.wrap_forward_mqa(forward_mqa)
+    wrapped = vg.wrap_forward_mqa(forward_mqa)
     impl = SimpleNamespace(dcp_world_size=4)
     q = (torch.zeros(2, 32, 8), torch.zeros(2, 32, 4))
     assert wrapped(impl, q, None, None, None) == "out"
@@ -200,7 +199,7 @@ def test_forward_mqa_wrapper_sets_and_restores_call_facts() -> None:
     assert call_facts() is None and wrapped.__wrapped__ is forward_mqa
 
 
-def test_forward_mqa_passes_straight_through_when_no_rule_reads_its_facts() -> None:
+def test_forward_mqa_passes_straight_through_when_no_rule_reads_its_facts(vg: ws.VllmGetters) -> None:
     """With fixed MLA rules the wrapper records nothing: the call goes to vLLM's method as it is."""
     _small()
     seen: list[object] = []
@@ -209,8 +208,8 @@ def test_forward_mqa_passes_straight_through_when_no_rule_reads_its_facts() -> N
         seen.append(call_facts())
         return "out"
 
-    wrapped = ws.wrap_forward_mqa(forward_mqa)
-    assert not ws.mla_reads_call_facts()
+    wrapped = vg.wrap_forward_mqa(forward_mqa)
+    assert not vg.mla_reads_call_facts()
     assert wrapped(SimpleNamespace(dcp_world_size=4), torch.zeros(2, 32, 8), None, None, None) == "out"
     assert seen == [None]
 
@@ -218,14 +217,16 @@ def test_forward_mqa_passes_straight_through_when_no_rule_reads_its_facts() -> N
 def test_call_facts_fill_in_what_the_config_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Inside forward_mqa the heads come from the query where the configuration has none."""
     use_lse_rule_without_facts(monkeypatch, tmp_path)
-    ws.configure(device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8)))
+    vg = ws.VllmGetters(
+        device="cpu", get_config=lambda: SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
+    )
 
     def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> torch.Tensor:
-        return ws.get_mla_workspace_buffer(True)
+        return vg.get_mla_workspace_buffer(True)
 
     with pytest.raises(RuleError, match=r"needs fact\(s\) num_heads "):
-        ws.get_mla_workspace_buffer(True)
-    ws.wrap_forward_mqa(forward_mqa)(SimpleNamespace(dcp_world_size=2), torch.zeros(8, 16, 4), None, None, None)
+        vg.get_mla_workspace_buffer(True)
+    vg.wrap_forward_mqa(forward_mqa)(SimpleNamespace(dcp_world_size=2), torch.zeros(8, 16, 4), None, None, None)
     assert wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 2 * 8 * 256 + 33 * MiB
 
 
@@ -239,14 +240,15 @@ def _dcp_config(*, seqs: int, speculative: int, batched: int, heads: int, dcp: i
     )
 
 
-def _use_kimi_dcp(monkeypatch: pytest.MonkeyPatch, config: SimpleNamespace) -> wspool.PoolRegistry:
-    """configs/kimi_dcp.yaml's DCP rule, a registry that allocates nothing, and ``config`` as vLLM's configuration."""
+def _use_kimi_dcp(
+    monkeypatch: pytest.MonkeyPatch, config: SimpleNamespace
+) -> tuple[wspool.PoolRegistry, ws.VllmGetters]:
+    """configs/kimi_dcp.yaml's DCP rule, a registry that allocates nothing, and getters reading ``config``."""
     monkeypatch.setenv("WSPOOL_CONFIG", str(REPO_ROOT / "configs" / "kimi_dcp.yaml"))
     wspool.reset_registry()
     meta = wspool.PoolRegistry(allocator=lambda n, d: torch.empty(n, dtype=torch.uint8, device="meta"))
     wspool.set_registry(meta)
-    ws.configure(device="cpu", get_config=lambda: config)
-    return meta
+    return meta, ws.VllmGetters(device="cpu", get_config=lambda: config)
 
 
 def test_ragged_dcp_call_is_sized_for_a_row_per_token(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,12 +258,12 @@ def test_ragged_dcp_call_is_sized_for_a_row_per_token(monkeypatch: pytest.Monkey
     kernel sees up to 1024 rows of 32 heads, 8 * 32 * 1024 * 256 B = 64 MiB of softmax slab
     (+ 33 MiB), where the configuration's 256 request rows would give 16 MiB.
     """
-    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
+    reg, vg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
 
     def forward_mqa(self: Any, q: Any, kv: Any, metadata: Any, layer: Any) -> torch.Tensor:
-        return ws.get_mla_workspace_buffer(True)
+        return vg.get_mla_workspace_buffer(True)
 
-    wrapped = ws.wrap_forward_mqa(forward_mqa)
+    wrapped = vg.wrap_forward_mqa(forward_mqa)
     impl = SimpleNamespace(dcp_world_size=4)
     uniform = SimpleNamespace(num_decodes=5, num_decode_tokens=20, causal=True, decode=SimpleNamespace(max_query_len=4))
     wrapped(impl, torch.zeros(20, 32, 8, device="meta"), None, uniform, None)
@@ -273,8 +275,8 @@ def test_ragged_dcp_call_is_sized_for_a_row_per_token(monkeypatch: pytest.Monkey
 
 def test_a_call_from_no_wrapped_site_gets_the_widest_facts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside forward_mqa, the LSE workspace is sized for the most rows any layout has at the full q_len."""
-    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
-    ws.get_mla_workspace_buffer(True)
+    reg, vg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=256, speculative=3, batched=8192, heads=8, dcp=4))
+    vg.get_mla_workspace_buffer(True)
     assert reg.stats("flashinfer_mla", "cpu").peak_request_bytes == 8 * 8 * 4 * 1024 * 256 + 33 * MiB
 
 
@@ -317,14 +319,16 @@ def folded_decode(
 _SCALES = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "bmm1_scale": 1.0, "bmm2_scale": 1.0}
 
 
-def test_folded_draft_decode_gets_a_workspace_for_the_folded_query(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_folded_draft_decode_gets_a_workspace_for_the_folded_query(
+    monkeypatch: pytest.MonkeyPatch, vg: ws.VllmGetters
+) -> None:
     """Kimi K3's draft decode under DCP folds 4 tokens into 128 heads: the pool's buffer follows that shape.
 
     DCP 4, 8 heads per rank (32 after the gather), 64 sequences, 4-token draft blocks: fold_plan
     folds 4 tokens (4 * 32 = 128 heads), so at most min(64 * 4, 8192) / 4 = 64 rows of 128 heads.
     """
-    reg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=64, speculative=3, batched=8192, heads=8, dcp=4))
-    wrapped = ws.wrap_folded_decode(folded_decode)
+    reg, vg = _use_kimi_dcp(monkeypatch, _dcp_config(seqs=64, speculative=3, batched=8192, heads=8, dcp=4))
+    wrapped = vg.wrap_folded_decode(folded_decode)
     q = torch.zeros(12, 32, 576, device="meta")  # 3 requests x 4 draft tokens, 32 heads after the gather
     args = (q, None, None, None, 1024, 4)
     # A buffer of vLLM's own (the CAKE workspace) passes through untouched.
@@ -332,15 +336,15 @@ def test_folded_draft_decode_gets_a_workspace_for_the_folded_query(monkeypatch: 
     assert wrapped(*args, workspace=mine, return_lse=True, dcp_world_size=4, **_SCALES) is mine
     assert [p.capacity_bytes for p in reg.pools()] in ([], [0])  # nothing allocated
     # The pool's view, fetched before the fold, is asked for again with the folded kernel's facts.
-    before = ws.get_mla_workspace_buffer(True)
+    before = vg.get_mla_workspace_buffer(True)
     got = wrapped(*args, workspace=before, return_lse=True, dcp_world_size=4, **_SCALES)
-    assert got is ws.get_mla_workspace_buffer(True) and got.dtype == torch.int8
+    assert got is vg.get_mla_workspace_buffer(True) and got.dtype == torch.int8
     folded = 8 * 32 * 4 * 64 * 256 + 33 * MiB  # 8 * num_heads * cp_world * rows * round_up(1, 256) + ...
     seen = reg.stats("flashinfer_mla", "cpu")
     assert dict(seen.requests_by_rule) == {"lse": 3} and seen.peak_request_bytes == folded == 49 * MiB
     # Without an LSE every token of a request folds, under the default rule.
-    plain = ws.get_mla_workspace_buffer(False)
-    assert wrapped(*args, workspace=plain, **_SCALES) is ws.get_mla_workspace_buffer(False)
+    plain = vg.get_mla_workspace_buffer(False)
+    assert wrapped(*args, workspace=plain, **_SCALES) is vg.get_mla_workspace_buffer(False)
 
 
 def test_folded_draft_decode_sizes_from_the_folded_heads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -348,41 +352,43 @@ def test_folded_draft_decode_sizes_from_the_folded_heads(monkeypatch: pytest.Mon
     use_lse_rule_without_facts(monkeypatch, tmp_path, "q_heads * batch_size * 1KiB")
     monkeypatch.setenv("WSPOOL_POOLS__FLASHINFER_MLA__RULES__DEFAULT", "1KiB")
     wspool.reset_registry()
-    ws.configure(device="cpu", get_config=lambda: _dcp_config(seqs=64, speculative=3, batched=8192, heads=8, dcp=4))
+    vg = ws.VllmGetters(
+        device="cpu", get_config=lambda: _dcp_config(seqs=64, speculative=3, batched=8192, heads=8, dcp=4)
+    )
     with pytest.raises(RuleError, match=r"needs fact\(s\) q_heads"):
-        ws.get_mla_workspace_buffer(True)  # outside a call site nobody knows the kernel's heads
+        vg.get_mla_workspace_buffer(True)  # outside a call site nobody knows the kernel's heads
     q = torch.zeros(12, 32, 576, device="meta")
-    plain = ws.get_mla_workspace_buffer(False)
-    got = ws.wrap_folded_decode(folded_decode)(
+    plain = vg.get_mla_workspace_buffer(False)
+    got = vg.wrap_folded_decode(folded_decode)(
         q, None, None, None, 1024, 4, workspace=plain, return_lse=True, dcp_world_size=4, **_SCALES
     )
     # 64 rows of 4 * 32 = 128 heads: 8 MiB.
     assert got.numel() == 128 * 64 * 1024 == wspool.get_registry().stats("flashinfer_mla", "cpu").peak_request_bytes
 
 
-def test_dsv4_workspace_is_its_own_zeroed_uint8_buffer() -> None:
+def test_dsv4_workspace_is_its_own_zeroed_uint8_buffer(vg: ws.VllmGetters) -> None:
     """DeepSeek V4's sparse workspace: uint8, zeroed, 128 MiB by default, the same tensor while it suffices."""
     reg = _small(flashinfer_dsv4={"rules": {"default": "2MiB"}})
-    buffer = ws.get_dsv4_workspace(CPU)
+    buffer = vg.get_dsv4_workspace(CPU)
     assert (buffer.dtype, buffer.numel(), int(buffer.count_nonzero())) == (torch.uint8, 2 * MiB, 0)
     buffer[0] = 7  # a kernel's counter: wspool never clears it
-    assert ws.get_dsv4_workspace(CPU) is buffer and int(buffer[0]) == 7
+    assert vg.get_dsv4_workspace(CPU) is buffer and int(buffer[0]) == 7
     assert reg.buffer_pool("flashinfer_dsv4") == "flashinfer_dsv4"
     fresh = _small()
-    ws.get_dsv4_workspace(CPU)
+    vg.get_dsv4_workspace(CPU)
     assert fresh.resolve("flashinfer_dsv4", "default") == 128 * MiB
 
 
-def test_dsv4_workspace_refuses_to_share_a_buffer() -> None:
+def test_dsv4_workspace_refuses_to_share_a_buffer(vg: ws.VllmGetters) -> None:
     """The DSv4 pool configured to share another pool's buffer is refused, naming the setting."""
     _small(flashinfer_dsv4={"shared_with": "flashinfer_mla_counters"}, flashinfer_mla_counters={"rules": {"c": "1"}})
     with pytest.raises(ConfigError, match=r"pool 'flashinfer_dsv4' must have its own buffer.*FLASHINFER_DSV4__SHARED"):
-        ws.get_dsv4_workspace(CPU)
+        vg.get_dsv4_workspace(CPU)
 
 
-def test_dash_workspace_is_a_pool_buffer() -> None:
+def test_dash_workspace_is_a_pool_buffer(vg: ws.VllmGetters) -> None:
     """DASH attention's FlashInfer workspace: uint8 of the rule's size, one per device and lane."""
     reg = _small(flashinfer_dash={"rules": {"default": "3MiB"}})
-    buffer = ws.get_dash_workspace(CPU)
-    assert (buffer.dtype, buffer.numel()) == (torch.uint8, 3 * MiB) and ws.get_dash_workspace(CPU) is buffer
+    buffer = vg.get_dash_workspace(CPU)
+    assert (buffer.dtype, buffer.numel()) == (torch.uint8, 3 * MiB) and vg.get_dash_workspace(CPU) is buffer
     assert dict(reg.stats("flashinfer_dash", "cpu").requests_by_rule) == {"default": 2}

@@ -136,7 +136,6 @@ def _applied(integration: Any) -> dict[str, Patch]:
 def _vllm_probes() -> list[_Probe]:
     os.environ["WSPOOL_VLLM_DEVICE"] = "cpu"
     from wspool.integrations import vllm
-    from wspool.integrations.vllm import getters
 
     vllm.register()
     patches = _applied(vllm.INTEGRATION)
@@ -176,7 +175,10 @@ def _vllm_probes() -> list[_Probe]:
     if f"{mla.__name__}.FlashInferMLAImpl.forward_mqa" in patches:
         probes.append(
             _wrapper_probe(
-                "forward_mqa wrapper (added)", "per layer", getters.wrap_forward_mqa, (object(), q, None, None, None)
+                "forward_mqa wrapper (added)",
+                "per layer",
+                vllm.INTEGRATION.getters.wrap_forward_mqa,
+                (object(), q, None, None, None),
             )
         )
     return probes

@@ -31,7 +31,7 @@ import torch
 from wspool.bounds import Reservation
 from wspool.devices import DeviceLike
 from wspool.errors import WspoolError
-from wspool.integrations.patching import Integration, entry_points, replacing
+from wspool.integrations.patching import Integration, entry_points
 from wspool.integrations.reserving import RESERVE_ENV_VAR, reserve_for_engine, write_snapshot
 from wspool.integrations.vllm import getters as ws
 from wspool.integrations.vllm import internals, wrappers
@@ -80,15 +80,34 @@ _GPU_WORKER = "vllm.v1.worker.gpu_worker"
 _FOLLOWS_LANE = "also sets wspool's lane"
 
 
+def _installing(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A target's ``make`` that puts the integration's getter ``name`` (:class:`~.getters.VllmGetters`) in place."""
+
+    def make(_original: Callable[..., Any]) -> Callable[..., Any]:
+        return getattr(INTEGRATION.getters, name)  # type: ignore[no-any-return]
+
+    return make
+
+
+def _wrapping(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A target's ``make`` that wraps the original with the integration's wrapper ``name``."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        return getattr(INTEGRATION.getters, name)(original)  # type: ignore[no-any-return]
+
+    return make
+
+
 def _paged_method(original: Callable[..., Any]) -> Callable[..., Any]:
     # vLLM's constant for its prefill floor, read from the module that defines the original.
     per_elem = getattr(original, "__globals__", {}).get("FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM")
     per_elem = per_elem if isinstance(per_elem, int) else None
+    get_paged_workspace_buffer = INTEGRATION.getters.get_paged_workspace_buffer
 
     def _get_workspace_buffer(self: Any) -> Any:
-        return ws.get_paged_workspace_buffer(self, per_elem)
+        return get_paged_workspace_buffer(self, per_elem)
 
-    _get_workspace_buffer.__doc__ = ws.get_paged_workspace_buffer.__doc__
+    _get_workspace_buffer.__doc__ = get_paged_workspace_buffer.__doc__
     return _get_workspace_buffer
 
 
@@ -154,7 +173,7 @@ def reservation_lanes(config: Any) -> list[str]:
     names = []
     for ubatch in range(max(1, int(ubatches))):
         for lane in range(workspace_lanes):
-            names.append(ws.current_lane() if (ubatch, lane) == (0, 0) else f"vllm-u{ubatch}-l{lane}")
+            names.append(INTEGRATION.getters.current_lane() if (ubatch, lane) == (0, 0) else f"vllm-u{ubatch}-l{lane}")
     return names
 
 
@@ -172,8 +191,9 @@ def reserve_before_kv_cache(worker: Any) -> Reservation | None:
     except WspoolError as exc:
         logger.warning("wspool: vLLM's pools not reserved: %s", exc)
         return None
-    rules = reservation_rules(config, internals.attention_backends(config) or (), ws.batch_invariant_mode())
-    device = ws.served_device() or getattr(worker, "device", None) or "cuda"
+    getters = INTEGRATION.getters
+    rules = reservation_rules(config, internals.attention_backends(config) or (), getters.batch_invariant_mode())
+    device = getters.served_device() or getattr(worker, "device", None) or "cuda"
     return reserve_for_engine(
         "vLLM",
         limits_from_config(config),
@@ -228,19 +248,19 @@ GROUPS: tuple[TargetGroup, ...] = (
     TargetGroup(
         "the MLA decode workspace",
         (
-            Target(_MLA, "_get_workspace_buffer", ("return_lse",), replacing(ws.get_mla_workspace_buffer), _MLA_POOL),
+            Target(_MLA, "_get_workspace_buffer", ("return_lse",), _installing("get_mla_workspace_buffer"), _MLA_POOL),
             Target(
                 _MLA,
                 "FlashInferMLAImpl.forward_mqa",
                 ("self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
-                ws.wrap_forward_mqa,
+                _wrapping("wrap_forward_mqa"),
                 "the kernel's facts (rows, q_len, heads, cp_world)",
             ),
             Target(
                 _DRAFTER,
                 "folded_decode",
                 _FOLDED_DECODE_PARAMETERS,
-                ws.wrap_folded_decode,
+                _wrapping("wrap_folded_decode"),
                 "the folded kernel's facts",
                 optional=True,
             ),
@@ -253,7 +273,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _MLA,
                 "_get_multi_ctas_kv_counter_buffer",
                 ("min_bytes", "device"),
-                replacing(ws.get_multi_ctas_kv_counter_buffer),
+                _installing("get_multi_ctas_kv_counter_buffer"),
                 "pool flashinfer_mla_counters",
             ),
         ),
@@ -265,14 +285,14 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _SPARSE,
                 "_get_workspace_buffer",
                 ("device", "min_bytes"),
-                replacing(ws.get_sparse_workspace_buffer),
+                _installing("get_sparse_workspace_buffer"),
                 _SPARSE_POOL,
             ),
             Target(
                 _SPARSE_SM120,
                 "_get_workspace_buffer",
                 ("device", "min_bytes"),
-                replacing(ws.get_sparse_workspace_buffer),
+                _installing("get_sparse_workspace_buffer"),
                 _SPARSE_POOL,
                 optional=True,
             ),
@@ -293,7 +313,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _PAGED,
                 "_get_multi_ctas_kv_counter_buffer",
                 ("min_bytes", "device"),
-                replacing(ws.get_paged_multi_ctas_kv_counter_buffer),
+                _installing("get_paged_multi_ctas_kv_counter_buffer"),
                 "pool flashinfer_counters",
             ),
         ),
@@ -329,7 +349,7 @@ GROUPS: tuple[TargetGroup, ...] = (
             # vLLM 0.34: one function, two copies imported by name; vLLM 0.33: a function in each
             # model's module, the second imported by name.
             *(
-                Target(module, name, ("device",), replacing(ws.get_dsv4_workspace), _DSV4_POOL, optional=True)
+                Target(module, name, ("device",), _installing("get_dsv4_workspace"), _DSV4_POOL, optional=True)
                 for name in ("get_flashinfer_dsv4_workspace", "_get_flashinfer_dsv4_workspace")
                 for module in (_DSV4, _DSV41, _DSV41_SPARSE)
             ),
@@ -342,7 +362,7 @@ GROUPS: tuple[TargetGroup, ...] = (
                 _DASH,
                 "_workspace",
                 ("device",),
-                replacing(ws.get_dash_workspace),
+                _installing("get_dash_workspace"),
                 "pool flashinfer_dash",
                 optional=True,
             ),
@@ -363,14 +383,14 @@ GROUPS: tuple[TargetGroup, ...] = (
     TargetGroup(
         "vLLM's workspace lanes",
         (
-            Target(_WORKSPACE, "use_workspace_lane", ("lane",), ws.wrap_use_workspace_lane, _FOLLOWS_LANE),
+            Target(_WORKSPACE, "use_workspace_lane", ("lane",), _wrapping("wrap_use_workspace_lane"), _FOLLOWS_LANE),
             # Import it by name: copies bound at their import, patched where that import came first.
             *(
                 Target(
                     module,
                     "use_workspace_lane",
                     ("lane",),
-                    ws.wrap_use_workspace_lane,
+                    _wrapping("wrap_use_workspace_lane"),
                     _FOLLOWS_LANE,
                     optional=True,
                     imported_only=True,
@@ -395,10 +415,18 @@ TARGETS: tuple[Target, ...] = tuple(target for group in GROUPS for target in gro
 
 
 class VllmIntegration(Integration):
-    """vLLM's integration: :data:`GROUPS` patched group by group, each all or none."""
+    """vLLM's integration: :data:`GROUPS` patched group by group, each all or none.
+
+    Its :attr:`getters` are the replacements it installs and the state they share, made
+    anew when it activates (with vLLM's hooks) and when it deactivates (with none).
+    """
 
     info = engine_spec("vllm")
     pools = ws.VllmPools
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger)
+        self.getters = ws.VllmGetters()
 
     def groups(self) -> tuple[TargetGroup, ...]:
         """Return :data:`GROUPS`."""
@@ -428,12 +456,12 @@ class VllmIntegration(Integration):
 
         except ImportError:
             pass
-        ws.configure(get_config=get_config, lanes=lanes, batch_invariant=batch_invariant)
+        self.getters = ws.VllmGetters(get_config=get_config, lanes=lanes, batch_invariant=batch_invariant)
         return missing
 
     def deactivate(self) -> None:
-        """Forget vLLM's hooks."""
-        ws.configure()
+        """Forget vLLM's hooks and the handles the getters bound."""
+        self.getters = ws.VllmGetters()
 
 
 #: The plugin of this process.

@@ -28,7 +28,6 @@ from wspool.flashinfer.wrapper_buffers import (
 )
 from wspool.integrations.patching import SaidOnce, marked
 from wspool.integrations.vllm.facts import facts_from_config
-from wspool.integrations.vllm.getters import current_lane
 
 __all__ = ["step_bounds", "wrap_get_decode_wrapper", "wrap_get_prefill_wrapper"]
 
@@ -83,8 +82,16 @@ def _bind(
     if rule is None:
         why = f"backend {backend!r} on {device} may plan with fa3, trtllm-gen or another planner no rule bounds"
         return _leave(wrapper, kind, facts, why)
+    from wspool.integrations.vllm import INTEGRATION  # the package that installed this wrapper: loaded
+
     record = bind_recorded(
-        wrapper, workspace, kind=kind, rule=rule, facts=facts, lane=current_lane(), label=f"vllm-{kind}"
+        wrapper,
+        workspace,
+        kind=kind,
+        rule=rule,
+        facts=facts,
+        lane=INTEGRATION.getters.current_lane(),
+        label=f"vllm-{kind}",
     )
     return record if record.rule is not None else _left_alone(record)
 
