@@ -28,7 +28,7 @@ import torch
 import wspool
 from tests.helpers.sglang_model import TINY_LLAMA
 from tests.helpers.tokenspeed_cpu import SM100_SM_COUNT
-from wspool.errors import WorkspaceFrozenError
+from wspool.errors import RuleError, WorkspaceFrozenError
 from wspool.integrations import tokenspeed
 from wspool.integrations.tokenspeed import buffers
 from wspool.settings.schema import load_settings_with_provenance
@@ -349,6 +349,23 @@ def test_the_zeroed_buffers_have_pools_of_their_own_per_device(ts: TokenSpeed, m
     assert ts.trtllm_mla.get_trtllm_workspace_buffer(meta).device == meta
     assert ts.dsa._get_dsa_sparse_workspace(meta).device == meta
     assert ts.trtllm_mla.get_trtllm_workspace_buffer(CPU) is backend.trtllm_workspace
+
+
+def test_a_rule_reading_a_fact_the_integration_does_not_pass_names_the_facts_it_does(
+    ts: TokenSpeed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DSA's workspace sized by a fact TokenSpeed's integration does not pass fails naming the facts it does pass."""
+    monkeypatch.setenv("WSPOOL_POOLS__TOKENSPEED_DSA__RULES__DEFAULT", "q_len * 1MiB")
+    tokenspeed.register()
+    with pytest.raises(
+        RuleError,
+        match=r"needs fact\(s\) q_len .*\(for TokenSpeed's DSA sparse MLA workspace the integration passes the "
+        r"facts it knows: tokenspeed_bytes=\d+; .*; see docs/tokenspeed\.md\)$",
+    ):
+        ts.dsa._get_dsa_sparse_workspace(CPU)
+    monkeypatch.setenv("WSPOOL_POOLS__TOKENSPEED_DSA__FACTS__Q_LEN", "2")
+    wspool.reset_registry()
+    assert ts.dsa._get_dsa_sparse_workspace(CPU).numel() == 2 * MiB  # a default fact serves it
 
 
 class _Wrapper:

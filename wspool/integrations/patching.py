@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from wspool.errors import ConfigError, quote
+from wspool.errors import ConfigError, RuleError, missing_facts, quote
 from wspool.settings.profiles import EngineSpec
 from wspool.targets import PartialUndoError, PatchPlan, PatchSet, TargetGroup
 
@@ -45,6 +45,7 @@ __all__ = [
     "device_variable",
     "entry_points",
     "marked",
+    "missing_workspace_facts",
     "parse_switch",
     "replacing",
     "require_own_buffers",
@@ -132,6 +133,13 @@ class Workspace:
         return f"pools.{self.pool}.rules.{self.rule}"
 
 
+def missing_workspace_facts(
+    exc: RuleError, engine: str, w: Workspace, known: Mapping[str, int], fact_names: Sequence[str], docs: str
+) -> RuleError:
+    """The error for ``w``'s rule reading a fact the ``engine`` integration does not pass (it passes ``fact_names``)."""
+    return missing_facts(exc, f"for {engine}'s {w.name} the integration", known, fact_names, docs)
+
+
 def declared_rules(rules: Iterable[tuple[str, str]], size: str) -> Mapping[str, Mapping[str, str]]:
     """Return the rules an engine declares: each ``(pool, rule)`` sized by ``size``, what the engine allocates."""
     pools: dict[str, dict[str, str]] = {}
@@ -210,6 +218,37 @@ class Handles:
             made = self.registry.handle(pool, rule, device=device, lane=lane, call_facts=call_facts, dtype=dtype)
             found = self._handles.setdefault(key, made)
         return found
+
+    def serve(
+        self,
+        w: Workspace,
+        rule: str,
+        device: Any,
+        lane: str,
+        facts: Mapping[str, int],
+        *,
+        engine: str,
+        fact_names: Sequence[str],
+        docs: str,
+        dtype: torch.dtype | None = None,
+        call_facts: Any = (),
+    ) -> tuple[WorkspaceHandle, torch.Tensor, torch.Tensor | None]:
+        """Serve ``w`` sized by ``rule`` for ``facts``: return its handle, the view, and the pool's buffer before.
+
+        The buffer before is what the caller compares to say once what it serves
+        where the pool made or grew its buffer. On ``device`` and ``lane``, as ``dtype``.
+
+        Raises:
+            RuleError: The rule reads a fact ``facts`` lacks, naming ``engine``'s integration as what
+                passes ``fact_names`` and pointing to ``docs``.
+        """
+        handle = self.get(w.pool, rule, device, lane, dtype, call_facts=call_facts)
+        held = handle.pool.buffer
+        try:
+            view = handle.sized(facts)
+        except RuleError as exc:
+            raise missing_workspace_facts(exc, engine, w, facts, fact_names, docs) from exc
+        return handle, view, held
 
 
 class SaidOnce:

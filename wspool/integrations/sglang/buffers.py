@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 import wspool
-from wspool.errors import RuleError, missing_facts
 from wspool.integrations.patching import (
     Handles,
     SaidOnce,
@@ -105,6 +104,7 @@ SGLANG_POOLS = declared_rules(
 
 _MiB = 1 << 20
 _CALL_FACTS = frozenset((*facts_of.FACT_NAMES, "sglang_bytes"))
+_DOCS = "see docs/sglang.md"
 
 
 def configure(
@@ -165,11 +165,6 @@ class SglangPools:
         return registry.state(cls, lambda: cls(registry))
 
 
-def _missing(exc: RuleError, w: Workspace, known: Mapping[str, int]) -> RuleError:
-    passer = f"for SGLang's {w.name} the integration"
-    return missing_facts(exc, passer, known, facts_of.FACT_NAMES, "see docs/sglang.md")
-
-
 def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
     """Return ``w``'s pool buffer as ``request.dtype``: the same tensor while the buffer is the same."""
     pools = SglangPools.of(wspool.get_registry())
@@ -178,12 +173,10 @@ def _from_pool(w: Workspace, request: facts_of.Request) -> torch.Tensor:
     lane = wspool.current_lane()
     known = {**facts_of.current_facts(), "sglang_bytes": request.nbytes}
     rule = w.deterministic_rule if w.deterministic_rule and runtime.deterministic() else w.rule
-    handle = Handles.of(pools.registry).get(w.pool, rule, device, lane, request.dtype, call_facts=_CALL_FACTS)
-    held = handle.pool.buffer
-    try:
-        view = handle.sized(known)
-    except RuleError as exc:
-        raise _missing(exc, w, known) from exc
+    handle, view, held = Handles.of(pools.registry).serve(
+        w, rule, device, lane, known, engine="SGLang", fact_names=facts_of.FACT_NAMES, docs=_DOCS,
+        dtype=request.dtype, call_facts=_CALL_FACTS,
+    )  # fmt: skip
     buffer = handle.pool.buffer
     assert buffer is not None
     first = SaidOnce.of(pools.registry).first("SGLang", "served", w.name, rule, device, lane)

@@ -35,8 +35,15 @@ from typing import Any
 import torch
 
 import wspool
-from wspool.errors import ConfigError, RuleError, missing_facts
-from wspool.integrations.patching import Handles, SaidOnce, Workspace, declared_rules, require_own_buffers
+from wspool.errors import ConfigError, RuleError
+from wspool.integrations.patching import (
+    Handles,
+    SaidOnce,
+    Workspace,
+    declared_rules,
+    missing_workspace_facts,
+    require_own_buffers,
+)
 from wspool.units import MiB, ceil_div, format_size, round_up
 
 __all__ = [
@@ -103,6 +110,7 @@ TOKENSPEED_POOLS = declared_rules(((w.pool, w.rule) for w in WORKSPACES), "token
 
 _SCRATCH = BLOCK.pool
 _CALL_FACTS = frozenset(FACT_NAMES)
+_DOCS = "see docs/tokenspeed.md"
 
 
 class TokenspeedPools:
@@ -146,11 +154,7 @@ class TokenspeedPools:
         try:
             return self.registry.resolve(w.pool, w.rule, device=device, **facts)
         except RuleError as exc:
-            raise _missing(exc, w, facts) from exc
-
-
-def _missing(exc: RuleError, w: Workspace, known: Mapping[str, int]) -> RuleError:
-    return missing_facts(exc, f"for TokenSpeed's {w.name} the integration", known, FACT_NAMES, "see docs/tokenspeed.md")
+            raise missing_workspace_facts(exc, "TokenSpeed", w, facts, FACT_NAMES, _DOCS) from exc
 
 
 def _pools() -> TokenspeedPools:
@@ -161,12 +165,9 @@ def _serve(w: Workspace, device: Any, facts: Mapping[str, int]) -> torch.Tensor:
     """Return ``w``'s pool buffer on ``device`` for ``facts`` (the same mapping each call keeps the fast path)."""
     lane = wspool.current_lane()
     pools = _pools()
-    handle = Handles.of(pools.registry).get(w.pool, w.rule, device, lane, call_facts=_CALL_FACTS)
-    held = handle.pool.buffer
-    try:
-        buffer = handle.sized(facts)
-    except RuleError as exc:
-        raise _missing(exc, w, facts) from exc
+    _, buffer, held = Handles.of(pools.registry).serve(
+        w, w.rule, device, lane, facts, engine="TokenSpeed", fact_names=FACT_NAMES, docs=_DOCS, call_facts=_CALL_FACTS
+    )
     if buffer is not held and SaidOnce.of(pools.registry).first("TokenSpeed", w.setting, device, lane):
         own = facts.get("tokenspeed_bytes", 0)
         logger.info(
