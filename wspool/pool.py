@@ -671,7 +671,9 @@ class WorkspacePool:
         )
 
 
-_Hold = Callable[[int, torch.Tensor, HitCount, Callable[[int], int] | None, int, Callable[[], None] | None], None]
+#: How a steady call asks about capture: ``(raw_stream, stream_index, on_stream)`` (see :func:`_steady_state`).
+_StreamCheck = tuple[Callable[[int], int] | None, int, Callable[[], None] | None]
+_Hold = Callable[[int, torch.Tensor, HitCount, _StreamCheck], None]
 
 
 def _steady_state() -> tuple[Callable[[], torch.Tensor | None], _Hold, Callable[[], None]]:
@@ -698,17 +700,10 @@ def _steady_state() -> tuple[Callable[[], torch.Tensor | None], _Hold, Callable[
             return buffer
         return None
 
-    def hold(
-        held_epoch: int,
-        held: torch.Tensor,
-        cell: HitCount,
-        stream_of: Callable[[int], int] | None,
-        stream_index: int,
-        on_capturing_stream: Callable[[], None] | None,
-    ) -> None:
+    def hold(held_epoch: int, held: torch.Tensor, cell: HitCount, stream_check: _StreamCheck) -> None:
         nonlocal epoch, buffer, hits, raw_stream, index, on_stream
         epoch = -1
-        buffer, hits, raw_stream, index, on_stream = held, cell, stream_of, stream_index, on_capturing_stream
+        buffer, hits, (raw_stream, index, on_stream) = held, cell, stream_check
         epoch = held_epoch
 
     def drop() -> None:
@@ -719,9 +714,7 @@ def _steady_state() -> tuple[Callable[[], torch.Tensor | None], _Hold, Callable[
     return steady, hold, drop
 
 
-def _capture_check(
-    probe: Callable[[], bool] | None, pool: WorkspacePool
-) -> tuple[Callable[[int], int] | None, int, Callable[[], None] | None]:
+def _capture_check(probe: Callable[[], bool] | None, pool: WorkspacePool) -> _StreamCheck:
     """Return ``(raw_stream, stream_index, on_stream)`` for ``pool``: a probe without CUDA's parts is asked per call."""
     if probe is None:
         return None, 0, None
@@ -814,7 +807,7 @@ class WorkspaceHandle:
         self._buffer: torch.Tensor | None = None
         self._raw: torch.Tensor | None = None
         self._pool: WorkspacePool | None = None
-        self._stream_check: tuple[Callable[[int], int] | None, int, Callable[[], None] | None] = (None, 0, None)
+        self._stream_check: _StreamCheck = (None, 0, None)
         self._last_facts: object = None
         self._cell: HitCount | None = None  # the count, owned by the pool bound now, of this handle's calls there
         #: Whether the rule reads any fact the call site passes (decided at binding).
@@ -904,7 +897,7 @@ class WorkspaceHandle:
         # Held only if nothing moved the epoch meanwhile (this call's own growth did: serve again next time).
         if _EPOCH[0] == epoch and not pool.watches_streams and (not plain or not self.reads_call_facts):
             assert self._cell is not None
-            (self._hold if plain else self._hold_sized)(epoch, view, self._cell, *self._stream_check)
+            (self._hold if plain else self._hold_sized)(epoch, view, self._cell, self._stream_check)
         return view
 
     def _rebind(self) -> None:
