@@ -565,23 +565,19 @@ def _make_replacements(getters: VllmGetters) -> None:
         def use_workspace_lane(lane: int) -> Iterator[None]:
             outside = _OUTSIDE_VLLM_LANES.get()
             if lane:
-                name = vllm_lane_names.get(lane) or vllm_lane_names.setdefault(lane, f"vllm-u0-l{lane}")
+                inside = vllm_lane_names.get(lane) or vllm_lane_names.setdefault(lane, f"vllm-u0-l{lane}")
                 token = _OUTSIDE_VLLM_LANES.set(outside if outside is not None else _wspool_lane_of())
-                try:
-                    with original(lane), wspool.lane(name):
-                        yield
-                finally:
-                    _OUTSIDE_VLLM_LANES.reset(token)
             elif outside is not None:  # lane 0 inside another lane: the lane outside them all
-                token = _OUTSIDE_VLLM_LANES.set(None)
-                try:
-                    with original(lane), wspool.lane(outside):
-                        yield
-                finally:
-                    _OUTSIDE_VLLM_LANES.reset(token)
+                inside, token = outside, _OUTSIDE_VLLM_LANES.set(None)
             else:
                 with original(lane):
                     yield
+                return
+            try:
+                with original(lane), wspool.lane(inside):
+                    yield
+            finally:
+                _OUTSIDE_VLLM_LANES.reset(token)
 
         lanes_followed = True
         point_fast_path()
