@@ -77,8 +77,8 @@ def _random_calls_never_grow(device: str, backend: str, limits: dict[str, object
     plan = reserved.reserve_for(limits, pools=list(RULES), rules=RULES, devices=[device])
     reserved.freeze()
     lazy = wspool.PoolRegistry.from_config(profile="hopper")
-    key = ("flashinfer_mla", str(torch.device(device)), "main")
     buffer = reserved.pool("flashinfer_mla", device).buffer
+    key = ("flashinfer_mla", str(buffer.device) if buffer is not None else device, "main")
     assert buffer is not None and buffer.numel() == plan.buffers[key]
     grows = _grows(reserved)
     mla_sets, paged_sets = _mla_sets(device, longest), _paged_sets(device, longest)
