@@ -71,10 +71,10 @@ def _engine_path(figures: Mapping[str, Any]) -> list[str]:
         if "skipped" in found:
             lines.append(f"  {engine}: skipped ({found['skipped']})")
             continue
-        lines.append(f"  {engine} {found['version']}:{'':28} own ns  wspool ns  ratio")
+        lines.append(f"  {engine} {found['version']}:{'':35} own ns  wspool ns  ratio")
         for row in found["rows"]:
             lines.append(
-                f"    {row['call']:<46} {row['path']:<10} {row['own_ns']:8.1f} {row['wspool_ns']:10.1f}  "
+                f"    {row['call']:<46} {row['path']:<17} {row['own_ns']:8.1f} {row['wspool_ns']:10.1f}  "
                 f"{row['ratio']:5.2f}x"
             )
     return lines

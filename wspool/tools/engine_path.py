@@ -181,6 +181,21 @@ def _vllm_probes() -> list[_Probe]:
                 (object(), q, None, None, None),
             )
         )
+    if "vllm.models.kimi_k3.nvidia.specialized_decode.drafter.attention.folded_decode" in patches:
+        # Kimi K3's drafter (vLLM 0.34), as its attention calls it: a buffer of the pool's, the LSE asked.
+        workspace = vllm.INTEGRATION.getters.get_mla_workspace_buffer(True)
+        probes.append(
+            _wrapper_probe(
+                "folded_decode wrapper (added)",
+                "per drafter layer",
+                vllm.INTEGRATION.getters.wrap_folded_decode,
+                (q, None, None, None, 8, 4),
+                workspace=workspace,
+                return_lse=True,
+                dcp_world_size=1,
+                kv_lora_rank=512,
+            )
+        )
     return probes
 
 

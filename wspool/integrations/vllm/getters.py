@@ -199,6 +199,8 @@ class VllmGetters:
     mla_reads_call_facts: Callable[[], bool]
     #: Wraps ``FlashInferMLAImpl.forward_mqa`` (see :meth:`wrap_forward_mqa`).
     wrap_forward_mqa: Callable[[Callable[..., Any]], Callable[..., Any]]
+    #: Wraps Kimi K3's draft ``folded_decode`` (see :meth:`wrap_folded_decode`).
+    wrap_folded_decode: Callable[[Callable[..., Any]], Callable[..., Any]]
     #: Wraps ``use_workspace_lane`` (see :meth:`wrap_use_workspace_lane`).
     wrap_use_workspace_lane: Callable[[Callable[[int], Any]], Callable[[int], Any]]
     #: The wspool lane of the calling context's vLLM micro-batch and workspace lane (see the module).
@@ -273,65 +275,6 @@ class VllmGetters:
         address = workspace.data_ptr()
         buffers = (handle.pool.buffer for handle in list(self.mla.values()))
         return any(buffer is not None and buffer.data_ptr() == address for buffer in buffers)
-
-    def wrap_folded_decode(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """Wrap Kimi K3's draft ``folded_decode`` so its MLA workspace is sized for the folded query.
-
-        vLLM 0.34's drafter folds ``fold`` query tokens of a request into each row's heads
-        (``fold`` from vLLM's ``fold_plan``). Where ``workspace`` is the ``flashinfer_mla``
-        pool's and a rule reads the call's facts, the pool is asked again with the folded
-        kernel's facts and that buffer passed on; a buffer of vLLM's own goes through
-        unchanged (docs/vllm.md).
-        """
-        fold_plan = getattr(original, "__globals__", {}).get("fold_plan")
-        reads_call_facts, is_mla_view, config_facts = self.mla_reads_call_facts, self.is_mla_view, self.config_facts
-        get_mla = self.get_mla_workspace_buffer
-
-        def _fold(tokens_per_request: int, heads: int, need_lse: bool) -> int:
-            if not need_lse:
-                return tokens_per_request
-            try:
-                return int(fold_plan(tokens_per_request, heads, True, False)[0])  # type: ignore[misc]
-            except Exception:  # no plan vLLM could use either: one token per row is never smaller for the rules
-                return 1
-
-        def folded_decode(
-            q: Any,
-            kv_cache: Any,
-            block_table: Any,
-            seq_lens: Any,
-            max_seq_len: Any,
-            tokens_per_request: int,
-            *,
-            workspace: Any,
-            return_lse: bool = False,
-            dcp_world_size: int = 1,
-            **kwargs: Any,
-        ) -> Any:
-            if reads_call_facts() and is_mla_view(workspace):
-                cp_world = dcp_world_size or 1
-                tokens, heads = q.shape[0], q.shape[-2]
-                fold = _fold(tokens_per_request, heads, return_lse or cp_world > 1)
-                shape = folded_kernel_shape(tokens, heads, cp_world, fold)
-                previous = set_call_facts(config_facts.for_kernel(shape))
-                try:
-                    workspace = get_mla(return_lse)
-                finally:
-                    set_call_facts(previous)
-            return original(
-                q,
-                kv_cache,
-                block_table,
-                seq_lens,
-                max_seq_len,
-                tokens_per_request,
-                workspace=workspace,
-                return_lse=return_lse,
-                dcp_world_size=dcp_world_size,
-                **kwargs,
-            )
-
-        return marked(folded_decode, original)
 
 
 def _prefill_floor(builder: Any, bytes_per_elem: int | None) -> int:
@@ -467,6 +410,45 @@ def _make_replacements(getters: VllmGetters) -> None:
 
         return marked(forward_mqa, original)
 
+    def wrap_folded_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap Kimi K3's draft ``folded_decode`` so its MLA workspace is sized for the folded query.
+
+        vLLM 0.34's drafter folds ``fold`` query tokens of a request into each row's heads
+        (``fold`` from vLLM's ``fold_plan``). Where ``workspace`` is the ``flashinfer_mla``
+        pool's and a rule reads the call's facts, the pool is asked again with the folded
+        kernel's facts and that buffer passed on; a buffer of vLLM's own goes through
+        unchanged (docs/vllm.md). Otherwise the call passes straight through.
+        """
+        fold_plan = getattr(original, "__globals__", {}).get("fold_plan")
+
+        def _fold(tokens_per_request: int, heads: int, need_lse: bool) -> int:
+            if not need_lse:
+                return tokens_per_request
+            try:
+                return int(fold_plan(tokens_per_request, heads, True, False)[0])  # type: ignore[misc]
+            except Exception:  # no plan vLLM could use either: one token per row is never smaller for the rules
+                return 1
+
+        def folded_decode(*args: Any, **kwargs: Any) -> Any:
+            if (not mla_reads and mla_epoch == EPOCH[0]) or not mla_reads_call_facts():
+                return original(*args, **kwargs)
+            if getters.is_mla_view(kwargs.get("workspace")):  # keyword-only in vLLM, as the rest read here
+                q = args[0] if args else kwargs["q"]
+                tokens_per_request = args[5] if len(args) > 5 else kwargs["tokens_per_request"]
+                return_lse = bool(kwargs.get("return_lse", False))
+                cp_world = kwargs.get("dcp_world_size", 1) or 1
+                tokens, heads = q.shape[0], q.shape[-2]
+                fold = _fold(tokens_per_request, heads, return_lse or cp_world > 1)
+                shape = folded_kernel_shape(tokens, heads, cp_world, fold)
+                previous = set_call_facts(config_facts.for_kernel(shape))
+                try:
+                    kwargs["workspace"] = get_mla_workspace_buffer(return_lse)
+                finally:
+                    set_call_facts(previous)
+            return original(*args, **kwargs)
+
+        return marked(folded_decode, original)
+
     # -- trtllm-gen's counters: vLLM passes its largest batch's size, the same every step ----------
 
     def counters_getter(pool: str, name: str, doc: str) -> Callable[[int, torch.device], torch.Tensor]:
@@ -587,6 +569,7 @@ def _make_replacements(getters: VllmGetters) -> None:
     getters.get_mla_workspace_buffer = get_mla_workspace_buffer
     getters.mla_reads_call_facts = mla_reads_call_facts
     getters.wrap_forward_mqa = wrap_forward_mqa
+    getters.wrap_folded_decode = wrap_folded_decode
     getters.wrap_use_workspace_lane = wrap_use_workspace_lane
     getters.get_multi_ctas_kv_counter_buffer = counters_getter(
         POOL_COUNTERS,
