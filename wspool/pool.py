@@ -86,16 +86,25 @@ def bump_epoch() -> None:
 class HitCount:
     """The steady-state calls of one handle on one pool: a cell the pool gives at each binding and counts.
 
-    The count stays with the pool when the handle dies or binds elsewhere. Written without a
-    lock (a count may miss a call two threads make at once).
+    While the handle is bound here, :meth:`total` reads the running count of its steady
+    state (an int in a closure cell, added to without a lock) from where the binding
+    began; once the handle binds elsewhere the count is final. It stays with the pool when
+    the handle dies. A call two threads make as the handle binds again counts in either pool.
     """
 
-    __slots__ = ("count", "handle", "rule")
+    __slots__ = ("base", "count", "handle", "read", "rule")
 
     def __init__(self, rule: str, handle: WorkspaceHandle) -> None:
-        self.count = 0
+        self.count = 0  # final once the handle bound elsewhere
+        self.base = 0
+        self.read: Callable[[], int] | None = None  # the running count, while the handle is bound here
         self.rule = rule
         self.handle = weakref.ref(handle)  # dead: no call can add to the count any more
+
+    def total(self) -> int:
+        """Return the steady-state calls counted here so far."""
+        read = self.read
+        return self.count if read is None else read() - self.base
 
 
 def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -589,7 +598,7 @@ class WorkspacePool:
             live = []
             for held in self._cells:  # a dead handle's cell is final: fold it into the totals
                 if held.handle() is None:
-                    self._taken[held.rule] = self._taken.get(held.rule, 0) + held.count
+                    self._taken[held.rule] = self._taken.get(held.rule, 0) + held.total()
                 else:
                     live.append(held)
             live.append(cell)
@@ -631,7 +640,7 @@ class WorkspacePool:
             for rule, taken in self._taken.items():
                 counts[rule] = counts.get(rule, 0) + taken
             for cell in self._cells:
-                counts[cell.rule] = counts.get(cell.rule, 0) + cell.count
+                counts[cell.rule] = counts.get(cell.rule, 0) + cell.total()
             by_rule = {name: count for name, count in counts.items() if count}
             return PoolStats(
                 pool=self.spec.name,
@@ -691,18 +700,28 @@ def _steady_state() -> tuple[Callable[[], torch.Tensor | None], _Hold, Callable[
     raw_stream: Callable[[int], int] | None = None
     index = 0
     on_stream: Callable[[], None] | None = None
+    calls = 0  # every steady call of the handle's life: a cell, cheaper to add to than an attribute
 
     def steady() -> torch.Tensor | None:
+        nonlocal calls
         if epoch == _EPOCH[0]:
             if raw_stream is not None and raw_stream(index):
                 on_stream()  # type: ignore[misc]
-            hits.count += 1  # type: ignore[union-attr]
+            calls += 1
             return buffer
         return None
+
+    def read() -> int:
+        return calls
 
     def hold(held_epoch: int, held: torch.Tensor, cell: HitCount, stream_check: _StreamCheck) -> None:
         nonlocal epoch, buffer, hits, raw_stream, index, on_stream
         epoch = -1
+        if cell is not hits:  # the calls from now on count in the pool that gave ``cell``
+            now = calls
+            if hits is not None:
+                hits.count, hits.read = now - hits.base, None
+            cell.base, cell.read = now, read
         buffer, hits, (raw_stream, index, on_stream) = held, cell, stream_check
         epoch = held_epoch
 
@@ -782,6 +801,7 @@ class WorkspaceHandle:
         "_last_facts",
         "_pool",
         "_raw",
+        "_sized_cell",
         "_sized_held",
         "_stream_check",
         "held",
@@ -809,7 +829,9 @@ class WorkspaceHandle:
         self._pool: WorkspacePool | None = None
         self._stream_check: _StreamCheck = (None, 0, None)
         self._last_facts: object = None
-        self._cell: HitCount | None = None  # the count, owned by the pool bound now, of this handle's calls there
+        # The counts, owned by the pool bound now, of this handle's steady calls there (get(), sized()).
+        self._cell: HitCount | None = None
+        self._sized_cell: HitCount | None = None
         #: Whether the rule reads any fact the call site passes (decided at binding).
         self.reads_call_facts = False
         #: The steady state, one call for the handle's life: what :meth:`get` returns, counted, while
@@ -896,8 +918,10 @@ class WorkspaceHandle:
         self._drop_sized()
         # Held only if nothing moved the epoch meanwhile (this call's own growth did: serve again next time).
         if _EPOCH[0] == epoch and not pool.watches_streams and (not plain or not self.reads_call_facts):
-            assert self._cell is not None
-            (self._hold if plain else self._hold_sized)(epoch, view, self._cell, self._stream_check)
+            if plain:
+                self._hold(epoch, view, self._cell, self._stream_check)  # type: ignore[arg-type]
+            else:
+                self._hold_sized(epoch, view, self._sized_cell, self._stream_check)  # type: ignore[arg-type]
         return view
 
     def _rebind(self) -> None:
@@ -908,7 +932,7 @@ class WorkspaceHandle:
             # Counts made on the old pool stay in its cell; this handle counts in a new cell of the new one.
             if old is not None:
                 old.detach(self)
-            self._cell = pool.attach(self)
+            self._cell, self._sized_cell = pool.attach(self), pool.attach(self)
             self._stream_check = _capture_check(pool.capture_probe, pool)
         compiled = pool.spec.rules.get(self.rule)
         unbound = self._call_facts.difference(self._bound_facts)
