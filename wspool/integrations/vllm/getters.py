@@ -14,7 +14,7 @@ takes the current CUDA device when its handle binds (vLLM runs one device per
 worker process). ``WSPOOL_VLLM_DEVICE`` overrides every device (tests: ``cpu``).
 Lanes: vLLM's workspace lane and micro-batch select wspool lane ``main`` (or
 the one :func:`wspool.lane` set) for ``(0, 0)``, else ``vllm-u<ubatch>-l<lane>``;
-:meth:`VllmGetters.wrap_use_workspace_lane` keeps wspool's lane following vLLM's.
+:attr:`VllmGetters.wrap_use_workspace_lane` keeps wspool's lane following vLLM's.
 Thread semantics: thread-safe. Capture semantics: growth while vLLM's workspace
 is locked or during capture raises :class:`~wspool.errors.WorkspaceFrozenError`.
 """
@@ -197,11 +197,11 @@ class VllmGetters:
     get_dash_workspace: Callable[[torch.device], torch.Tensor]
     #: Whether the MLA rules read a fact the wrapped call sites record (decided once per epoch).
     mla_reads_call_facts: Callable[[], bool]
-    #: Wraps ``FlashInferMLAImpl.forward_mqa`` (see :meth:`wrap_forward_mqa`).
+    #: Wraps ``FlashInferMLAImpl.forward_mqa``: the MLA rules see the kernel's shape where they read it.
     wrap_forward_mqa: Callable[[Callable[..., Any]], Callable[..., Any]]
-    #: Wraps Kimi K3's draft ``folded_decode`` (see :meth:`wrap_folded_decode`).
+    #: Wraps Kimi K3's draft ``folded_decode``: its MLA workspace sized for the folded query where a rule reads it.
     wrap_folded_decode: Callable[[Callable[..., Any]], Callable[..., Any]]
-    #: Wraps ``use_workspace_lane`` (see :meth:`wrap_use_workspace_lane`).
+    #: Wraps vLLM's ``use_workspace_lane``: wspool's lane follows vLLM's workspace lane.
     wrap_use_workspace_lane: Callable[[Callable[[int], Any]], Callable[[int], Any]]
     #: The wspool lane of the calling context's vLLM micro-batch and workspace lane (see the module).
     current_lane: Callable[[], str]
@@ -291,7 +291,7 @@ def _make_replacements(getters: VllmGetters) -> None:
 
     Shared cells: ``contexts`` (vLLM's micro-batch contexts while wspool's lane follows
     vLLM's workspace lane, else a mapping never empty, so every call takes the full path)
-    and the MLA decision of :func:`mla_reads_call_facts`. Each getter keeps its lane-main
+    and the MLA decision of :attr:`VllmGetters.mla_reads_call_facts`. Each getter keeps its lane-main
     handle's steady call (a miss until that handle served) and, where vLLM passes them,
     the device and size it was bound for.
     """
