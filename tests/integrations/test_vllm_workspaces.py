@@ -319,9 +319,18 @@ def folded_decode(
 _SCALES = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "bmm1_scale": 1.0, "bmm2_scale": 1.0}
 
 
-def test_folded_draft_decode_gets_a_workspace_for_the_folded_query(
-    monkeypatch: pytest.MonkeyPatch, vg: ws.VllmGetters
-) -> None:
+def test_folded_draft_decode_passes_straight_through_where_no_rule_reads_the_call(vg: ws.VllmGetters) -> None:
+    """With MLA rules that read no call fact, the drafter's call reaches folded_decode as made: no pool is asked."""
+    reg = _small()
+    wrapped = vg.wrap_folded_decode(folded_decode)
+    pool_view = vg.get_mla_workspace_buffer(True)
+    before = dict(reg.stats("flashinfer_mla", "cpu").requests_by_rule)
+    q = torch.zeros(12, 32, 576, device="meta")
+    assert wrapped(q, None, None, None, 1024, 4, workspace=pool_view, return_lse=True, **_SCALES) is pool_view
+    assert not vg.mla_reads_call_facts() and dict(reg.stats("flashinfer_mla", "cpu").requests_by_rule) == before
+
+
+def test_folded_draft_decode_gets_a_workspace_for_the_folded_query(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kimi K3's draft decode under DCP folds 4 tokens into 128 heads: the pool's buffer follows that shape.
 
     DCP 4, 8 heads per rank (32 after the gather), 64 sequences, 4-token draft blocks: fold_plan
