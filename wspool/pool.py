@@ -1,15 +1,12 @@
 """One workspace pool on one device and lane, and the handles bound to it.
 
-A pool's ``uint8`` buffer is allocated at the first request, zero-filled
-(kernels keep semaphores in it), replaced when a request resolves larger
-(rounded by the growth policy, capped by ``max_bytes``), never shrunk. While
-frozen or capturing a CUDA graph a pool never grows: it raises
-:class:`~wspool.errors.WorkspaceFrozenError`. A replaced buffer a graph may
-still use is retired until :meth:`WorkspacePool.release_retired`. A
-:class:`WorkspaceHandle` binds one rule of a pool on one device and lane and
-returns the buffer with no lookup while the process's workspace epoch stands.
-Thread-safe (no lock held while allocating or logging); two streams on one
-buffer race: give each a lane.
+A pool's ``uint8`` buffer is allocated at the first request, zero-filled (kernels keep semaphores
+in it), replaced when a request resolves larger (rounded by the growth policy, capped by
+``max_bytes``), never shrunk. Frozen or capturing a CUDA graph, a pool never grows
+(:class:`~wspool.errors.WorkspaceFrozenError`); a replaced buffer a graph may use is retired until
+:meth:`WorkspacePool.release_retired`. A :class:`WorkspaceHandle` serves one rule with no lookup
+while the workspace epoch stands. Thread-safe, with no lock held while allocating or logging; two
+streams on one buffer race: give each a lane. docs/reliability.md states the guarantees.
 """
 
 from __future__ import annotations
@@ -22,15 +19,14 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import torch
 
-from wspool.devices import StreamOrderWatch
+from wspool.devices import DeviceLike, StreamOrderWatch
 from wspool.errors import (
     SizeError,
     WorkspaceFrozenError,
-    WorkspaceLimitError,
     WspoolError,
     describe_setting,
     growth_above_limit,
@@ -41,37 +37,24 @@ from wspool.errors import (
 )
 from wspool.freeze import FreezeState, cuda_capture_probe
 from wspool.rules import LiteralRule, SizeRule, compile_rule
-from wspool.units import MAX_SIZE_BYTES, format_size, positive_int
-
-if TYPE_CHECKING:
-    from wspool.devices import DeviceLike
+from wspool.units import MAX_SIZE_BYTES, format_size, parse_size, positive_int
 
 __all__ = [
-    "EPOCH",
-    "Allocator",
-    "HitCount",
-    "LimitsRefusal",
-    "PoolSource",
-    "PoolSpec",
-    "PoolStats",
-    "WorkspaceHandle",
-    "WorkspacePool",
-    "bump_epoch",
-    "zeros_allocator",
-]
+    "EPOCH", "Allocator", "HitCount", "LimitsRefusal", "PoolSource", "PoolSpec", "PoolStats", "WorkspaceHandle",
+    "WorkspacePool", "bump_epoch", "zeros_allocator",
+]  # fmt: skip
 
 
 _T = TypeVar("_T")
 
-#: Builds the error for a refused growth of a reserved pool: (pool, why it grows, the facts to check,
-#: the call's facts, the refusal).
+#: Builds a reserved pool's refused-growth error: (pool, why it grows, facts to check, the call's, the refusal).
 LimitsRefusal = Callable[["WorkspacePool", str, tuple[str, ...], Mapping[str, object], WorkspaceFrozenError], Exception]
 #: Makes a zero-filled ``uint8`` tensor of ``nbytes`` on ``device``.
 Allocator = Callable[[int, torch.device], torch.Tensor]
 
 
-#: The process's workspace epoch, in a one-item list every handle reads per call: a call site may
-#: cache what it derived from handles while ``EPOCH[0]`` is unchanged. Only :func:`bump_epoch` writes it.
+#: The process's workspace epoch, read by every handle per call: a call site may cache what it derived
+#: from handles while ``EPOCH[0]`` is unchanged. Only :func:`bump_epoch` writes it.
 EPOCH = [0]
 _EPOCH = EPOCH
 _epoch_lock = threading.Lock()
@@ -84,12 +67,10 @@ def bump_epoch() -> None:
 
 
 class HitCount:
-    """The steady-state calls of one handle on one pool: a cell the pool gives at each binding and counts.
+    """The steady-state calls of one handle on one pool, from where its binding there began.
 
-    While the handle is bound here, :meth:`total` reads the running count of its steady
-    state (an int in a closure cell, added to without a lock) from where the binding
-    began; once the handle binds elsewhere the count is final. It stays with the pool when
-    the handle dies. A call two threads make as the handle binds again counts in either pool.
+    The pool gives one at each binding and keeps it when the handle dies or binds elsewhere (then the
+    count is final). Counted without a lock; a call made as the handle binds again counts in either pool.
     """
 
     __slots__ = ("base", "count", "handle", "read", "rule")
@@ -97,9 +78,9 @@ class HitCount:
     def __init__(self, rule: str, handle: WorkspaceHandle) -> None:
         self.count = 0  # final once the handle bound elsewhere
         self.base = 0
-        self.read: Callable[[], int] | None = None  # the running count, while the handle is bound here
+        self.read: Callable[[], int] | None = None  # the running count, while bound here
         self.rule = rule
-        self.handle = weakref.ref(handle)  # dead: no call can add to the count any more
+        self.handle = weakref.ref(handle)  # dead: the count is final
 
     def total(self) -> int:
         """Return the steady-state calls counted here so far."""
@@ -116,9 +97,8 @@ def zeros_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
 class PoolStats:
     """A snapshot of one pool's state (pool, device and lane as strings).
 
-    ``grow_count`` includes the first allocation; ``refused_count`` counts requests
-    refused (frozen, capturing, over the limit, out of memory); ``retired_bytes``
-    are old buffers kept for captured graphs.
+    ``grow_count`` includes the first allocation; ``refused_count`` counts requests refused (frozen,
+    capturing, over the limit, out of memory); ``retired_bytes`` are old buffers kept for captured graphs.
     """
 
     pool: str
@@ -137,8 +117,9 @@ class PoolStats:
 class PoolSpec:
     """A pool's configuration, shared by its instances on every device and lane.
 
-    ``rule_pools`` and ``rule_facts`` name, for rules a ``shared_with`` pool brought
-    to this buffer, that pool and its default facts.
+    ``rule_pools`` and ``rule_facts`` map each rule to the pool whose ``pools.<pool>.rules.<rule>``
+    key sets it and to that pool's default facts: this pool's, but for rules a ``shared_with`` pool
+    brought to this buffer. ``facts`` are the pool's own default facts.
     """
 
     def __init__(
@@ -151,21 +132,16 @@ class PoolSpec:
         facts: Mapping[str, int] | None = None,
         rule_facts: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
-        from wspool.units import parse_size  # the one place sizes are parsed
-
         self.name = name
         self.rule_pools: dict[str, str] = {rule: (rule_pools or {}).get(rule, name) for rule in rules}
-        """Rule name -> the pool whose ``pools.<pool>.rules.<rule>`` key sets it."""
         self.rules: dict[str, SizeRule] = {
             rule: compile_rule(source, ("pools", self.rule_pools[rule], "rules", rule))
             for rule, source in rules.items()
         }
         self.facts: dict[str, int] = dict(facts or {})
-        """The pool's own default facts."""
         self.rule_facts: dict[str, Mapping[str, int]] = {
             rule: (rule_facts or {}).get(rule, self.facts) for rule in rules
         }
-        """Rule name -> the default facts of the pool that brought it (this pool's, for its own rules)."""
         self.growth = growth
         self.granularity = 0 if growth in ("exact", "power_of_two") else parse_size(growth)
         self.max_bytes = max_bytes
@@ -199,7 +175,6 @@ def _growth_refusal(
     spec: PoolSpec,
     device: torch.device,
     lane: str,
-    *,
     nbytes: int,
     old: int,
     reason: str,
@@ -209,11 +184,11 @@ def _growth_refusal(
 ) -> _GrowthRefusal | None:
     """Return the error and log line refusing a growth to ``nbytes`` (over a limit, frozen, capturing), or ``None``."""
     limit = spec.max_bytes
+    where = f"pool {spec.name!r} on {device} (lane {lane})"
     if (limit is not None and nbytes > limit) or nbytes > MAX_SIZE_BYTES:
         shown = limit if limit is not None and nbytes > limit else MAX_SIZE_BYTES
         what = "max_bytes" if shown == limit else "wspool's size limit"
         hint = f"raise {spec.setting('max_bytes')}" if shown == limit else f"lower {setting}"
-        where = f"pool {spec.name!r} on {device} (lane {lane})"
         return (
             growth_above_limit(where, nbytes, format_size(nbytes), reason, what, shown, format_size(shown), hint),
             "wspool: refused %s on %s lane %s: %s (%s) needs %s bytes, above %s %d",
@@ -221,35 +196,12 @@ def _growth_refusal(
         )
     if frozen or capturing:
         why = "during CUDA-graph capture" if capturing else "while the registry is frozen"
-        where = f"pool {spec.name!r} on {device} (lane {lane})"
         return (
             growth_while_frozen(where, why, reason, nbytes, format_size(nbytes), old, setting),
             "wspool: refused growth of %s on %s lane %s %s: %s needs %s bytes, %d available",
             (spec.name, device, lane, why, reason, readable_int(nbytes), old),
         )
     return None
-
-
-def _allocation_failure(
-    spec: PoolSpec,
-    device: torch.device,
-    lane: str,
-    exc: BaseException,
-    *,
-    old: int,
-    capacity: int,
-    reason: str,
-    setting: str,
-) -> WorkspaceLimitError:
-    """The error for an allocator that failed to grow the buffer from ``old`` to ``capacity`` bytes."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        cause = "the device is out of memory"
-    else:
-        first = (str(exc).splitlines() or [""])[0][:120]
-        cause = f"the allocation failed ({type(exc).__name__}: {first})"
-    where = f"pool {spec.name!r} on {device} (lane {lane})"
-    kept = format_size(old) if old else "empty"
-    return growth_failed(where, old, kept, capacity, format_size(capacity), reason, cause, setting)
 
 
 class _RuleSlot:
@@ -261,27 +213,23 @@ class _RuleSlot:
         self, rule: SizeRule | None, label: str, setting: str, defaults: Mapping[str, int] | None = None
     ) -> None:
         self.rule = rule
-        # A literal rule's size, read without a method call on the hot path.
-        self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None
+        self.nbytes = rule.nbytes if isinstance(rule, LiteralRule) else None  # a literal rule's, read with no call
         # Configured default facts over the device's: what a call's missing facts are read from.
         self.defaults: Mapping[str, int] = defaults if defaults is not None else {}
-        # The size of a call that gives no facts, resolved once (None: the defaults lack a fact,
-        # and such a call raises the error that names it).
+        # The size of a call that gives no facts, resolved once; None where the defaults lack a fact
+        # or hold one the rule cannot use: such a call resolves, and raises the error naming it.
         self.default_nbytes: int | None = None
         if rule is not None and self.nbytes is None and set(rule.names) <= set(self.defaults):
-            # A default fact the rule cannot use: each call raises the rule's own error.
             with contextlib.suppress(ValueError):
                 self.default_nbytes = rule.resolve(self.defaults)
         self.label = label  # says why the pool grew, e.g. "rule lse"
         self.setting = setting  # the key that sizes these requests, for error messages
-        # next() on itertools.count is atomic under the GIL: exact counts without a lock.
-        self.counter = itertools.count()
+        self.counter = itertools.count()  # next() is atomic under the GIL: exact counts without a lock
         self._reads = 0
 
     def read_count(self) -> int:
         """Return the requests counted so far; callers hold the pool's lock, so reads never overlap."""
-        # next() returns how often it was called before: the requests plus this slot's earlier reads.
-        count = next(self.counter) - self._reads
+        count = next(self.counter) - self._reads  # next() counted this slot's earlier reads too
         self._reads += 1
         return count
 
@@ -338,12 +286,9 @@ class WorkspacePool:
         # concurrent first requests allocate once while the allocator runs without the lock.
         self._grower: int | None = None
         self._grown = threading.Condition(self._lock)
-        # (buffer, capacity) replaced as one object, so unlocked readers never see a
-        # new capacity with the old, smaller buffer.
+        # (buffer, capacity) replaced as one object: unlocked readers never see a new capacity with the old buffer.
         self._state: tuple[torch.Tensor | None, int] = (None, 0)
-        self._peak = 0
-        self._grows = 0
-        self._refused = 0
+        self._peak = self._grows = self._refused = 0
         self._last_reason: str | None = None
         self._captured = False
         self._buffer_epoch = 0  # FreezeState.stamp() when the current buffer was installed
@@ -357,8 +302,7 @@ class WorkspacePool:
         self._handles: weakref.WeakSet[WorkspaceHandle] = weakref.WeakSet()
         self._cells: list[HitCount] = []
         self._taken: dict[str, int] = {}
-        # Set by a reservation (wspool.bounds): turns a refused growth into the error naming the limit
-        # the call's facts exceed. Read only on the growth path.
+        # Set by a reservation (wspool.bounds): a refused growth names the limit the call's facts exceed.
         self.limits_refusal: LimitsRefusal | None = None
 
     # -- the per-call path -------------------------------------------------
@@ -411,12 +355,13 @@ class WorkspacePool:
     def request(self, nbytes: int, reason: str = "request") -> torch.Tensor:
         """Return the buffer for an explicit size in bytes, grown first if needed; raises as :meth:`workspace`.
 
-        A ``nbytes`` that is not a positive integer raises :class:`SizeError` and counts nothing.
+        A ``nbytes`` that is not a positive ``int`` (bool is not one) raises :class:`SizeError` and counts nothing.
         """
-        if type(nbytes) is not int or nbytes <= 0:
-            self._check_request_size(nbytes)
-        # The serve steps below repeat workspace()'s on purpose: that one is the
-        # per-call path, where a shared helper's call measured about a fifth of its cost.
+        if (type(nbytes) is not int or nbytes <= 0) and positive_int(nbytes) is None:
+            raise SizeError(
+                f"pool {self.spec.name!r}: a request needs a positive integer number of bytes, got {nbytes!r}"
+            )
+        # The steps below repeat workspace()'s: a helper shared with it would add a call to the per-call path.
         slot = self._slots.get(reason)
         if slot is None:
             with self._lock:
@@ -434,26 +379,16 @@ class WorkspacePool:
             return buffer  # type: ignore[return-value]
         return self._serve_growing(slot, nbytes)
 
-    def _check_request_size(self, nbytes: object) -> None:
-        """Refuse a request size that is not a positive integer (``int`` subclasses other than bool pass)."""
-        if positive_int(nbytes) is None:
-            raise SizeError(
-                f"pool {self.spec.name!r}: a request needs a positive integer number of bytes, got {nbytes!r}"
-            )
-
     def _note_peak(self, nbytes: int) -> None:
         with self._lock:
             if nbytes > self._peak:
                 self._peak = nbytes
 
     def _serve_growing(self, slot: _RuleSlot, nbytes: int, facts: Mapping[str, object] | None = None) -> torch.Tensor:
-        try:
+        if slot.rule is None or facts is None:
             buffer = self._grow(nbytes, slot.label, slot.setting)
-        except WorkspaceFrozenError as exc:
-            if self.limits_refusal is None or slot.rule is None or facts is None:
-                raise
-            merged = {**slot.defaults, **facts}
-            raise self.limits_refusal(self, slot.label, slot.rule.names, merged, exc) from exc
+        else:
+            buffer = self.grow_to(nbytes, slot.label, slot.setting, {**slot.defaults, **facts}, slot.rule.names)
         next(slot.counter)
         if nbytes > self._peak:
             self._note_peak(nbytes)
@@ -471,8 +406,7 @@ class WorkspacePool:
     ) -> torch.Tensor:
         """Grow to hold at least ``nbytes`` for ``reason``; ``setting`` is the key errors name (overflow recovery).
 
-        ``facts`` (those of ``names``, default all) are the call's: a reserved pool's
-        refusal names any of them beyond its limit.
+        A reserved pool's refusal names any of the call's ``facts`` (those of ``names``, default all) beyond its limit.
         """
         if facts is None or self.limits_refusal is None:
             return self._grow(nbytes, reason, setting)
@@ -512,17 +446,8 @@ class WorkspacePool:
 
     def _refusal_locked(self, nbytes: int, reason: str, setting: str, capturing: bool) -> _GrowthRefusal | None:
         """Return the error and log line for a refused growth (counted), or ``None`` to grow."""
-        refusal = _growth_refusal(
-            self.spec,
-            self.device,
-            self.lane,
-            nbytes=nbytes,
-            old=self._state[1],
-            reason=reason,
-            setting=setting,
-            frozen=self._freeze.refuses_growth(),
-            capturing=capturing,
-        )
+        frozen, old = self._freeze.refuses_growth(), self._state[1]
+        refusal = _growth_refusal(self.spec, self.device, self.lane, nbytes, old, reason, setting, frozen, capturing)
         if refusal is not None:
             self._refused += 1
         return refusal
@@ -534,7 +459,6 @@ class WorkspacePool:
 
     def _allocate_and_install(self, nbytes: int, capacity: int, old: int, reason: str, setting: str) -> torch.Tensor:
         """Allocate outside the lock (this thread is the pool's one grower), then install under it."""
-        spec = self.spec
         try:
             # Never an inference tensor, even when the first request comes under torch.inference_mode:
             # the buffer outlives that context, and kernels may write to it in place outside it.
@@ -548,9 +472,14 @@ class WorkspacePool:
             logger.warning(
                 "wspool: out of memory growing %s from %d to %d bytes for %s", self._where, old, capacity, reason
             )
-            raise _allocation_failure(
-                spec, self.device, self.lane, exc, old=old, capacity=capacity, reason=reason, setting=setting
-            ) from exc
+            if isinstance(exc, torch.OutOfMemoryError):
+                cause = "the device is out of memory"
+            else:
+                first = (str(exc).splitlines() or [""])[0][:120]
+                cause = f"the allocation failed ({type(exc).__name__}: {first})"
+            kept = format_size(old) if old else "empty"
+            where = f"pool {self.spec.name!r} on {self.device} (lane {self.lane})"
+            raise growth_failed(where, old, kept, capacity, format_size(capacity), reason, cause, setting) from exc
         with self._lock:
             refusal = self._refusal_locked(nbytes, reason, setting, False) if self._freeze.refuses_growth() else None
             if refusal is None:
@@ -589,10 +518,7 @@ class WorkspacePool:
         self._captured = True
 
     def attach(self, handle: WorkspaceHandle) -> HitCount:
-        """Bind ``handle`` here: return the new cell its steady-state calls count in, a request of its rule each.
-
-        The cell stays this pool's: :meth:`stats` counts it after the handle died or bound elsewhere.
-        """
+        """Bind ``handle`` here: return a new :class:`HitCount` for its steady calls, each a request of its rule."""
         cell = HitCount(handle.rule, handle)
         with self._lock:
             live = []
@@ -643,18 +569,11 @@ class WorkspacePool:
                 counts[cell.rule] = counts.get(cell.rule, 0) + cell.total()
             by_rule = {name: count for name, count in counts.items() if count}
             return PoolStats(
-                pool=self.spec.name,
-                device=str(self.device),
-                lane=self.lane,
-                capacity_bytes=self._state[1],
-                peak_request_bytes=self._peak,
-                request_count=sum(by_rule.values()),
-                grow_count=self._grows,
-                last_grow_reason=self._last_reason,
-                refused_count=self._refused,
-                retired_bytes=sum(t.numel() for t in self._retired),
-                requests_by_rule=MappingProxyType(by_rule),
-            )
+                pool=self.spec.name, device=str(self.device), lane=self.lane, capacity_bytes=self._state[1],
+                peak_request_bytes=self._peak, request_count=sum(by_rule.values()), grow_count=self._grows,
+                last_grow_reason=self._last_reason, refused_count=self._refused,
+                retired_bytes=sum(t.numel() for t in self._retired), requests_by_rule=MappingProxyType(by_rule),
+            )  # fmt: skip
 
     def release_retired(self) -> int:
         """Drop retired buffers once no captured graph can replay them; return the bytes released."""
@@ -686,13 +605,10 @@ _Hold = Callable[[int, torch.Tensor, HitCount, _StreamCheck], None]
 
 
 def _steady_state() -> tuple[Callable[[], torch.Tensor | None], _Hold, Callable[[], None]]:
-    """Make a handle's steady call, and what holds a served buffer in it and lets go of it.
+    """Make a handle's steady call (docs/performance.md), and what holds a served buffer in it and lets go of it.
 
-    The state lives in the call's cells. While the epoch held is the process's the call
-    counts a hit and returns the buffer, first calling ``on_stream()`` (is the stream
-    capturing?) where ``raw_stream(index)`` is not CUDA's legacy default stream, which
-    cannot capture; otherwise it returns ``None``. Writers clear the epoch first and set
-    it last, so a call that races them misses (and serves through the full path).
+    ``on_stream()`` asks about capture where ``raw_stream(index)`` is not CUDA's legacy default stream,
+    which cannot capture. Writers clear the epoch first and set it last: a call racing them misses.
     """
     epoch = -1
     buffer: torch.Tensor | None = None
@@ -700,7 +616,7 @@ def _steady_state() -> tuple[Callable[[], torch.Tensor | None], _Hold, Callable[
     raw_stream: Callable[[int], int] | None = None
     index = 0
     on_stream: Callable[[], None] | None = None
-    calls = 0  # every steady call of the handle's life: a cell, cheaper to add to than an attribute
+    calls = 0  # every steady call of the handle's life: a cell is cheaper to add to than an attribute
 
     def steady() -> torch.Tensor | None:
         nonlocal calls
@@ -744,9 +660,7 @@ def _capture_check(probe: Callable[[], bool] | None, pool: WorkspacePool) -> _St
         if capturing():
             pool.note_captured()
 
-    if parts is None:
-        return _any_stream, 0, on_stream
-    return parts[0], parts[1], on_stream
+    return (_any_stream, 0, on_stream) if parts is None else (parts[0], parts[1], on_stream)
 
 
 def _any_stream(_index: int) -> int:
@@ -767,47 +681,24 @@ def _view(pool: WorkspacePool, buffer: torch.Tensor, dtype: torch.dtype) -> torc
 class WorkspaceHandle:
     """One pool rule bound on one device and lane; create through :meth:`wspool.PoolRegistry.handle`.
 
-    The buffer is returned as held while the workspace epoch stands (it moves when a
-    pool replaces its buffer, or a registry is reset, reconfigured or replaced); then
-    the next call binds again through the full path and its checks. :attr:`held` is
-    the steady state; its calls count as requests in a :class:`HitCount` of the pool.
-    Capture semantics: a steady call still asks the pool's capture probe, so a buffer
-    a graph captured is retired, not freed, on growth. Thread-safe; device and lane
-    are fixed per handle.
+    The buffer is held while the workspace epoch stands (a pool replacing its buffer, or a registry
+    reset, reconfigured or replaced, moves it); the next call then binds again through the full path.
+    Steady calls count as the pool's requests (:class:`HitCount`) and still ask the capture probe, so
+    a buffer a graph captured is retired, not freed, on growth. Thread-safe; device and lane are fixed.
 
     Args:
         bind: Returns the pool instance that serves the rule now (the registry's).
         rule: The pool's rule that sizes every call.
-        call_facts: The facts the call site may pass to :meth:`sized`; a rule
-            that reads none of them is resolved once per binding.
+        call_facts: The facts the call site may pass to :meth:`sized`; a rule reading none resolves once per binding.
         dtype: The dtype of the view returned (``None``: the pool's ``uint8``).
-        facts: Facts bound to the handle (fixed for its call site, e.g. a size the
-            engine passes every call), which the rule reads where a call gives none.
+        facts: Facts fixed for the call site, read where a call gives none.
     """
 
     __slots__ = (
-        "__weakref__",
-        "_bind",
-        "_bound",
-        "_bound_facts",
-        "_buffer",
-        "_call_facts",
-        "_cell",
-        "_drop",
-        "_drop_sized",
-        "_dtype",
-        "_hold",
-        "_hold_sized",
-        "_last_facts",
-        "_pool",
-        "_raw",
-        "_sized_cell",
-        "_sized_held",
-        "_stream_check",
-        "held",
-        "reads_call_facts",
-        "rule",
-    )
+        "__weakref__", "_bind", "_bound", "_bound_facts", "_buffer", "_call_facts", "_cell", "_drop", "_drop_sized",
+        "_dtype", "_hold", "_hold_sized", "_last_facts", "_pool", "_raw", "_sized_cell", "_sized_held",
+        "_stream_check", "held", "reads_call_facts", "rule",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -829,14 +720,12 @@ class WorkspaceHandle:
         self._pool: WorkspacePool | None = None
         self._stream_check: _StreamCheck = (None, 0, None)
         self._last_facts: object = None
-        # The counts, owned by the pool bound now, of this handle's steady calls there (get(), sized()).
-        self._cell: HitCount | None = None
+        self._cell: HitCount | None = None  # the bound pool's counts of get() and sized() steady calls
         self._sized_cell: HitCount | None = None
         #: Whether the rule reads any fact the call site passes (decided at binding).
         self.reads_call_facts = False
-        #: The steady state, one call for the handle's life: what :meth:`get` returns, counted, while
-        #: nothing moved the epoch since the handle served, else ``None`` (then call :meth:`get`).
-        #: Allocation-free; a call site may keep it.
+        #: The steady state, one allocation-free call for the handle's life (a call site may keep it):
+        #: what :meth:`get` returns, counted, while the epoch stands since the handle served, else ``None``.
         self.held: Callable[[], torch.Tensor | None]
         self.held, self._hold, self._drop = _steady_state()
         # The same for sized() calls with the mapping of the previous one.
@@ -844,13 +733,7 @@ class WorkspaceHandle:
         self._rebind()
 
     def get(self) -> torch.Tensor:
-        """Return the buffer for a call that passes no facts (the rule's size with its default facts).
-
-        Raises:
-            RuleError: The rule reads a fact no default supplies.
-            WorkspaceFrozenError: Growth was needed while frozen or capturing.
-            WorkspaceLimitError: Growth was needed beyond ``max_bytes`` or memory.
-        """
+        """Return the buffer for a call with no facts of its own; raises as :meth:`WorkspacePool.workspace`."""
         buffer = self.held()
         if buffer is not None:
             return buffer
@@ -859,11 +742,7 @@ class WorkspaceHandle:
     __call__ = get
 
     def fetch(self, facts_of: Callable[[], Mapping[str, object]]) -> torch.Tensor:
-        """Return the buffer, asking ``facts_of()`` for the call's facts only where the rule reads them.
-
-        Raises:
-            The errors of :meth:`sized`.
-        """
+        """Return the buffer, calling ``facts_of()`` only where the rule reads call facts; raises as :meth:`sized`."""
         buffer = self.held()
         if buffer is not None:
             return buffer
@@ -872,11 +751,7 @@ class WorkspaceHandle:
         return self._serve(self._bound_facts, plain=True)
 
     def sized(self, facts: Mapping[str, object]) -> torch.Tensor:
-        """Return the buffer for a call with ``facts``; the very mapping of the previous call reuses its size.
-
-        Raises:
-            The errors of :meth:`get`, and ``RuleError`` for facts the rule cannot use.
-        """
+        """Return the buffer for ``facts`` (the previous call's very mapping reuses its size); raises as :meth:`get`."""
         if facts is self._last_facts:
             buffer = self._sized_held()
             if buffer is not None:
@@ -953,13 +828,9 @@ class WorkspaceHandle:
 
 
 class RegionsView(Protocol):
-    """What accounting reads of a registry's wrapper regions, the registry state under this key.
-
-    :class:`wspool.flashinfer.wrapper_buffers.WrapperRegions` is one.
-    """
+    """What accounting reads of a registry's wrapper regions, its state under this key (``WrapperRegions``)."""
 
     def binding(self, wrapper: Any) -> Any: ...
-
     def stats(self) -> list[dict[str, Any]]: ...
 
 
@@ -967,22 +838,13 @@ class PoolSource(Protocol):
     """What accounting and agreement read from a registry (:class:`~wspool.PoolRegistry` is one); thread-safe."""
 
     def existing_wrapper_regions(self) -> RegionsView | None: ...
-
     def state(self, kind: type[_T], make: Callable[[], _T] | None = None) -> _T: ...
-
     def peek_state(self, kind: type[_T]) -> _T | None: ...
-
     @property
     def is_frozen(self) -> bool: ...
-
     def resolve(self, pool: str, rule: str = "default", *, device: DeviceLike = None, **facts: object) -> int: ...
-
     def pool_names(self) -> list[str]: ...
-
     def buffer_pool(self, name: str) -> str: ...
-
     def spec(self, pool: str, device: DeviceLike = None) -> PoolSpec: ...
-
     def pool(self, name: str, device: DeviceLike = None, *, lane: str | None = None) -> WorkspacePool: ...
-
     def pools(self) -> Iterator[WorkspacePool]: ...
