@@ -40,8 +40,8 @@ from wspool.rules import LiteralRule, SizeRule, compile_rule
 from wspool.units import MAX_SIZE_BYTES, format_size, parse_size, positive_int
 
 __all__ = [
-    "EPOCH", "Allocator", "HitCount", "LimitsRefusal", "PoolSource", "PoolSpec", "PoolStats", "WorkspaceHandle",
-    "WorkspacePool", "bump_epoch", "zeros_allocator",
+    "EPOCH", "Allocator", "HitCount", "LimitsRefusal", "PoolSource", "PoolSpec", "PoolStats", "RegionsView",
+    "WorkspaceHandle", "WorkspacePool", "bump_epoch", "zeros_allocator",
 ]  # fmt: skip
 
 
