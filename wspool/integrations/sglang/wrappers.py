@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -285,10 +285,10 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
 
 
 def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``FlashInferMLAIndicesUpdaterDecode.call_begin_forward``: bind the wrapper once, plan inside supplying."""
+    """Wrap ``FlashInferMLAIndicesUpdaterDecode.call_begin_forward``: bind the wrapper once, supply it to the plan."""
 
-    supplied = wrapper_buffers.SUPPLIED_BY_THREAD  # set inline around exactly the plan call: it runs every step
-    thread = threading.get_ident
+    # It runs every step: the last wrapper seen is known by identity (a weak reference), without a look-up.
+    seen: weakref.ref[Any] | None = None
 
     # SGLang 0.5.23's parameters, written out: forwarding them costs less than packing *args and **kwargs.
     @functools.wraps(original)
@@ -306,29 +306,10 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
         req_pool_indices: Any,
         **fast_decode_kwargs: Any,
     ) -> Any:
-        binding = binding_of(wrapper)
-        if binding is None and wrapper_record(wrapper) is None:
-            binding = _bind_mla(wrapper)  # None: it keeps FlashInfer's buffers and plans as written
-        # None supplies nothing, even inside an outer supply: that wrapper's region is not this one's.
-        key = thread()
-        previous = supplied.get(key)
-        supplied[key] = binding
-        try:
-            if fast_decode_kwargs:  # graph replays pass their host arrays; an eager step passes none
-                return original(
-                    self,
-                    wrapper,
-                    paged_kernel_lens,
-                    paged_kernel_lens_sum,
-                    q_indptr,
-                    kv_indptr,
-                    init_metadata_replay,
-                    spec_info,
-                    plan=plan,
-                    req_pool_indices=req_pool_indices,
-                    **fast_decode_kwargs,
-                )
-            # Without ** the call is a plain vectorcall: no keyword dictionary is merged.
+        nonlocal seen
+        if seen is None or seen() is not wrapper:
+            seen = wrapper_buffers.recorded_once(wrapper, _bind_mla)  # unbound: FlashInfer's buffers, as written
+        if fast_decode_kwargs:  # graph replays pass their host arrays; an eager step passes none
             return original(
                 self,
                 wrapper,
@@ -340,11 +321,25 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
                 spec_info,
                 plan=plan,
                 req_pool_indices=req_pool_indices,
+                **fast_decode_kwargs,
             )
-        finally:
-            supplied[key] = previous  # a None entry reads as nothing supplied
+        # Without ** the call is a plain vectorcall: no keyword dictionary is merged.
+        return original(
+            self,
+            wrapper,
+            paged_kernel_lens,
+            paged_kernel_lens_sum,
+            q_indptr,
+            kv_indptr,
+            init_metadata_replay,
+            spec_info,
+            plan=plan,
+            req_pool_indices=req_pool_indices,
+        )
 
-    return call_begin_forward
+    # The wrapper's binding is supplied on this thread for exactly the call; an unbound wrapper supplies nothing,
+    # even inside an outer supply (that region is not its own).
+    return wrapper_buffers.supplies_binding(call_begin_forward)
 
 
 def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -370,12 +365,9 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        binding = binding_of(wrapper_paged)
-        if binding is None and not use_ragged and wrapper_record(wrapper_paged) is None:
-            binding = _bind_mla(wrapper_paged)
-        return wrapper_buffers.call_supplying(
-            binding,
-            original,
+        if not use_ragged and binding_of(wrapper_paged) is None and wrapper_record(wrapper_paged) is None:
+            _bind_mla(wrapper_paged)
+        return original(
             self,
             wrapper_ragged,
             wrapper_paged,
@@ -391,7 +383,7 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
             **kwargs,
         )
 
-    return call_begin_forward
+    return wrapper_buffers.supplies_binding(call_begin_forward, "wrapper_paged")  # as the decode one
 
 
 # -- the seams -----------------------------------------------------------------------------
