@@ -12,7 +12,7 @@ import gc
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -38,7 +38,7 @@ from wspool.flashinfer import (
 )
 from wspool.flashinfer.mla import MLA_FLOAT_CARVES
 from wspool.flashinfer.refusals import grow_after_overflow
-from wspool.flashinfer.wrapper_buffers import binding_of, wrapper_regions
+from wspool.flashinfer.wrapper_buffers import WrapperBinding, binding_of, wrapper_regions
 from wspool.units import MiB, ceil_div, round_up
 
 # -- the rules against the planners' carves (FlashInfer's scheduler.cuh) ----------------------
@@ -531,60 +531,23 @@ def test_an_unbound_wrappers_int_overflow_is_raised_as_it_is() -> None:
     assert info.value is error
 
 
-def test_a_marked_call_supplies_its_wrappers_binding_on_its_thread_for_the_call_only() -> None:
-    """A marked call supplies its wrapper's binding on its thread for the call; the innermost wins, unbound: none."""
-    registry = wspool.PoolRegistry()
-    outer, inner, unbound = _Wrapper(), _Wrapper(), _Wrapper()
-    bound = [
-        wrapper_buffers.bind_mla_wrapper(
-            w, registry=registry, device=torch.device("cpu"), lane="main", facts={"sm_count": 132}
-        )
-        for w in (outer, inner)
-    ]
+def test_call_supplying_supplies_the_binding_on_its_thread_for_the_call_only() -> None:
+    """The plan call sees its binding on its own thread; a nested call's is restored after; other threads see none."""
+    outer, inner = (WrapperBinding(None, None, "mla") for _ in range(2))  # type: ignore[arg-type]
+    supplied = wrapper_buffers.SUPPLIED_BY_THREAD
     seen: list[object] = []
 
-    def call(wrapper: object, then: Callable[[], object]) -> None:
-        then()
-
-    def call_paged(wrapper_paged: object, then: Callable[[], object]) -> None:
-        then()
-
-    call = wrapper_buffers.supplies_binding(call)
-    call_paged = wrapper_buffers.supplies_binding(call_paged, "wrapper_paged")
-    look = wrapper_buffers.supplied_binding
-
     def elsewhere() -> None:
-        other = threading.Thread(target=lambda: seen.append(look()))
+        seen.append(supplied.get(threading.get_ident()))
+
+    def plan() -> None:
+        seen.append(supplied.get(threading.get_ident()))
+        wrapper_buffers.call_supplying(inner, lambda: seen.append(supplied.get(threading.get_ident())))
+        seen.append(supplied.get(threading.get_ident()))
+        other = threading.Thread(target=elsewhere)
         other.start()
         other.join()
 
-    def plan() -> None:
-        seen.append(look())
-        call_paged(inner, lambda: seen.append(look()))
-        seen.append(look())
-        call(unbound, lambda: seen.append(look()))
-        elsewhere()
-
-    call(outer, plan)
-    seen.append(look())
-    assert seen == [bound[0], bound[1], bound[0], None, None, None]
-
-
-def test_recorded_once_calls_first_for_a_wrapper_met_first_and_returns_its_weak_reference() -> None:
-    """recorded_once calls first() for a wrapper neither bound nor recorded, once; it returns a reference to it."""
-    registry = wspool.PoolRegistry()
-    met, bound = _Wrapper(), _Wrapper()
-    wrapper_buffers.bind_mla_wrapper(
-        bound, registry=registry, device=torch.device("cpu"), lane="main", facts={"sm_count": 132}
-    )
-    calls: list[object] = []
-
-    def first(wrapper: object) -> None:
-        calls.append(wrapper)
-        wrapper_buffers.record_wrapper(wrapper, wrapper_buffers.WrapperRecord("mla", None, {}, "kept"))
-
-    ref = wrapper_buffers.recorded_once(met, first)
-    assert ref is not None and ref() is met
-    assert wrapper_buffers.recorded_once(met, first) is ref and calls == [met]
-    other = wrapper_buffers.recorded_once(bound, first)
-    assert other is not None and other() is bound and calls == [met]
+    wrapper_buffers.call_supplying(outer, plan)
+    assert seen == [outer, inner, outer, None]
+    assert supplied.get(threading.get_ident()) is None

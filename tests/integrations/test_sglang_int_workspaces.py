@@ -20,8 +20,11 @@ memory (:class:`CpuTorch`), and the CPU stands in for an H200.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
+import threading
+import weakref
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -435,3 +438,34 @@ def test_unregister_restores_sglang(srt: SGLang, loaded: None) -> None:
     mla.init_forward_metadata(_decode_batch(srt, 3))
     assert binding_of(mla.decode_wrapper) is None
     assert mla.decode_wrapper._int_workspace_buffer.numel() == FLASHINFER_INT_DEFAULT_BYTES
+
+
+def test_the_mla_decode_seam_supplies_each_wrappers_own_binding_and_lets_a_dead_ones_go(
+    srt: SGLang, loaded: None
+) -> None:
+    """Alternating wrappers each plan with their own binding, on the calling thread; a dead one's region is freed."""
+    supplied: list[object] = []
+
+    def original(self: object, wrapper: object, *args: object, **kwargs: object) -> None:
+        supplied.append(wrapper_buffers.SUPPLIED_BY_THREAD.get(threading.get_ident()))
+
+    seam = sw.supplying_mla_decode(original)
+    first, second = _Stand(), _Stand()
+    registry, cpu = wspool.get_registry(), torch.device("cpu")
+    bindings = [
+        wrapper_buffers.bind_mla_wrapper(w, registry=registry, device=cpu, lane="main", facts={"sm_count": 132})
+        for w in (first, second)
+    ]
+    for wrapper in (first, second, first, first):
+        seam(None, wrapper, None, 0, None, None, plan=None, req_pool_indices=None)
+    assert supplied == [bindings[0], bindings[1], bindings[0], bindings[0]] and bindings[0] is not None
+    assert wrapper_buffers.SUPPLIED_BY_THREAD.get(threading.get_ident()) is None
+    region = weakref.ref(bindings[0].region)
+    del first, bindings, wrapper
+    supplied.clear()
+    gc.collect()
+    assert region() is None
+
+
+class _Stand:
+    """Stands in for an MLA wrapper: wspool binds any object, held weakly."""

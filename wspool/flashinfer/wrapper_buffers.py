@@ -18,7 +18,6 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -47,6 +46,7 @@ __all__ = [
     "READ_VERSIONS",
     "REGION_ALIGNMENT",
     "SUPPLIED",
+    "SUPPLIED_BY_THREAD",
     "IntRegion",
     "PlanOwner",
     "WrapperBinding",
@@ -56,6 +56,7 @@ __all__ = [
     "bind_paged_wrapper",
     "bind_recorded",
     "binding_of",
+    "call_supplying",
     "declare_int_pool",
     "install_mla_hook",
     "int_bytes",
@@ -65,9 +66,6 @@ __all__ = [
     "paged_int_rule",
     "planner_backend",
     "record_wrapper",
-    "recorded_once",
-    "supplied_binding",
-    "supplies_binding",
     "supplying",
     "uninstall_mla_hook",
     "wrapper_record",
@@ -355,27 +353,13 @@ INT_RULES: Mapping[str, str] = {
 #: The FlashInfer class whose constructor makes the MLA int workspace and pinned copy.
 MLA_BACKEND_CLASS = ("flashinfer.mla._batch_mla._backends._fa_common", "_BatchMLAGeneratedFaMechanics")
 
-#: The binding MLA backends built in this context take (this thread or task only), set by :func:`supplying`.
+#: The binding whose buffers an MLA backend built in this context takes (this thread or task only),
+#: set by :func:`supplying` around a plan.
 SUPPLIED: contextvars.ContextVar[WrapperBinding | None] = contextvars.ContextVar("wspool_mla_supply", default=None)
-_SUPPLYING: dict[Any, str] = {}  # the code of the functions supplies_binding marked: their wrapper's argument
+#: The binding a synchronous plan call on each thread supplies (read before :data:`SUPPLIED`, whose set and
+#: reset cost grows with the context), set around exactly the plan call; a ``None`` entry supplies nothing.
+SUPPLIED_BY_THREAD: dict[int, WrapperBinding | None] = {}
 _hook_lock = threading.Lock()
-
-
-def supplies_binding(function: Callable[..., _R], argument: str = "wrapper") -> Callable[..., _R]:
-    """Mark ``function``: MLA backends built while it runs, on its thread, take its argument ``argument``'s binding.
-
-    :func:`supplied_binding` reads it off the stack, so the call pays nothing; the innermost marked call wins.
-    """
-    _SUPPLYING[function.__code__] = argument
-    return function
-
-
-def supplied_binding() -> WrapperBinding | None:
-    """The binding an MLA backend built here takes: this thread's innermost marked call's, else :data:`SUPPLIED`."""
-    frame: Any = sys._getframe(1)
-    while frame is not None and frame.f_code not in _SUPPLYING:
-        frame = frame.f_back
-    return (frame is not None and binding_of(frame.f_locals[_SUPPLYING[frame.f_code]])) or SUPPLIED.get()
 
 
 def keep_flashinfer_buffers(registry: PoolRegistry, keep: bool = True) -> None:
@@ -502,7 +486,9 @@ def _supplied_init(original: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        binding = supplied_binding()
+        binding = SUPPLIED_BY_THREAD.get(threading.get_ident()) if SUPPLIED_BY_THREAD else None
+        if binding is None:
+            binding = SUPPLIED.get()
         if binding is not None:
             int_buffer = kwargs.get("int_workspace_buffer")
             if int_buffer is None:
@@ -631,7 +617,21 @@ def _check_mla_bytes(registry: PoolRegistry, device: torch.device, facts: Mappin
 
 def int_setting_of(wrapper: Any) -> str | None:
     """The key of the rule that sized ``wrapper``'s region (what an int-carve overflow names), or ``None``."""
-    return getattr(binding_of(wrapper), "setting", None)
+    binding = binding_of(wrapper)
+    return None if binding is None else binding.setting
+
+
+def call_supplying(binding: WrapperBinding | None, call: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    """Run ``call(*args, **kwargs)`` (a wrapper's plan) with ``binding`` supplied on this thread (none: as is)."""
+    if binding is None:
+        return call(*args, **kwargs)
+    key = threading.get_ident()
+    previous = SUPPLIED_BY_THREAD.get(key)
+    SUPPLIED_BY_THREAD[key] = binding
+    try:
+        return call(*args, **kwargs)
+    finally:
+        SUPPLIED_BY_THREAD[key] = previous
 
 
 @contextlib.contextmanager
@@ -660,14 +660,6 @@ def record_wrapper(wrapper: Any, record: WrapperRecord) -> WrapperRecord:
     if found is None or found[1] is not record:
         _remember(_RECORDS, wrapper, record)
     return record
-
-
-def recorded_once(wrapper: Any, first: Callable[[Any], object]) -> weakref.ref[Any] | None:
-    """Call ``first(wrapper)`` unless ``wrapper`` is bound or recorded; the tables' weak reference to it, if any."""
-    if _BOUND.get(id(wrapper)) is None and _RECORDS.get(id(wrapper)) is None:
-        first(wrapper)
-    found = _BOUND.get(id(wrapper)) or _RECORDS.get(id(wrapper))
-    return None if found is None else found[0]
 
 
 def bind_recorded(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -284,11 +285,23 @@ def _bind_mla(wrapper: Any) -> WrapperBinding | None:
     return binding
 
 
-def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``FlashInferMLAIndicesUpdaterDecode.call_begin_forward``: bind the wrapper once, supply it to the plan."""
+def _nothing() -> None:
+    return None
 
-    # It runs every step: the last wrapper seen is known by identity (a weak reference), without a look-up.
-    seen: weakref.ref[Any] | None = None
+
+def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``FlashInferMLAIndicesUpdaterDecode.call_begin_forward``: bind the wrapper once, plan inside supplying."""
+
+    supplied = wrapper_buffers.SUPPLIED_BY_THREAD  # set inline around exactly the plan call: it runs every step
+    thread = threading.get_ident
+    # The last bound wrapper met and its binding, one tuple (threads replace it whole): known by identity, without
+    # a look-up. An MLA wrapper's binding never changes once made (bind_mla_wrapper keeps it); the tuple is let go
+    # when its wrapper dies, so it keeps no region alive.
+    seen: tuple[Callable[[], Any], WrapperBinding | None] = (_nothing, None)
+
+    def forget(_dead: Any) -> None:
+        nonlocal seen
+        seen = (_nothing, None)
 
     # SGLang 0.5.23's parameters, written out: forwarding them costs less than packing *args and **kwargs.
     @functools.wraps(original)
@@ -307,9 +320,33 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
         **fast_decode_kwargs: Any,
     ) -> Any:
         nonlocal seen
-        if seen is None or seen() is not wrapper:
-            seen = wrapper_buffers.recorded_once(wrapper, _bind_mla)  # unbound: FlashInfer's buffers, as written
-        if fast_decode_kwargs:  # graph replays pass their host arrays; an eager step passes none
+        ref, binding = seen
+        if ref() is not wrapper:
+            binding = binding_of(wrapper)
+            if binding is None and wrapper_record(wrapper) is None:
+                binding = _bind_mla(wrapper)  # None: it keeps FlashInfer's buffers and plans as written
+            if binding is not None:
+                seen = (weakref.ref(wrapper, forget), binding)
+        # None supplies nothing, even inside an outer supply: that wrapper's region is not this one's.
+        key = thread()
+        previous = supplied.get(key)
+        supplied[key] = binding
+        try:
+            if fast_decode_kwargs:  # graph replays pass their host arrays; an eager step passes none
+                return original(
+                    self,
+                    wrapper,
+                    paged_kernel_lens,
+                    paged_kernel_lens_sum,
+                    q_indptr,
+                    kv_indptr,
+                    init_metadata_replay,
+                    spec_info,
+                    plan=plan,
+                    req_pool_indices=req_pool_indices,
+                    **fast_decode_kwargs,
+                )
+            # Without ** the call is a plain vectorcall: no keyword dictionary is merged.
             return original(
                 self,
                 wrapper,
@@ -321,25 +358,11 @@ def supplying_mla_decode(original: Callable[..., Any]) -> Callable[..., Any]:
                 spec_info,
                 plan=plan,
                 req_pool_indices=req_pool_indices,
-                **fast_decode_kwargs,
             )
-        # Without ** the call is a plain vectorcall: no keyword dictionary is merged.
-        return original(
-            self,
-            wrapper,
-            paged_kernel_lens,
-            paged_kernel_lens_sum,
-            q_indptr,
-            kv_indptr,
-            init_metadata_replay,
-            spec_info,
-            plan=plan,
-            req_pool_indices=req_pool_indices,
-        )
+        finally:
+            supplied[key] = previous  # a None entry reads as nothing supplied
 
-    # The wrapper's binding is supplied on this thread for exactly the call; an unbound wrapper supplies nothing,
-    # even inside an outer supply (that region is not its own).
-    return wrapper_buffers.supplies_binding(call_begin_forward)
+    return call_begin_forward
 
 
 def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -365,9 +388,12 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        if not use_ragged and binding_of(wrapper_paged) is None and wrapper_record(wrapper_paged) is None:
-            _bind_mla(wrapper_paged)
-        return original(
+        binding = binding_of(wrapper_paged)
+        if binding is None and not use_ragged and wrapper_record(wrapper_paged) is None:
+            binding = _bind_mla(wrapper_paged)
+        return wrapper_buffers.call_supplying(
+            binding,
+            original,
             self,
             wrapper_ragged,
             wrapper_paged,
@@ -383,7 +409,7 @@ def supplying_mla_prefill(original: Callable[..., Any]) -> Callable[..., Any]:
             **kwargs,
         )
 
-    return wrapper_buffers.supplies_binding(call_begin_forward, "wrapper_paged")  # as the decode one
+    return call_begin_forward
 
 
 # -- the seams -----------------------------------------------------------------------------
