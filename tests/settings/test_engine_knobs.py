@@ -268,12 +268,16 @@ def stand_in_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator
     import sys
 
     import wspool.integrations
+    from wspool.settings import profiles
     from wspool.settings.profiles import engine_specs
 
     package = tmp_path / "standin"
     package.mkdir()
     (package / "engine.yaml").write_text(STAND_IN_SPEC)
     (package / "__init__.py").write_text(STAND_IN_PACKAGE)
+    # Installed, the package would sit beside the others: its spec among the package data, its module importable.
+    shipped = profiles.engine_spec_files()
+    monkeypatch.setattr(profiles, "engine_spec_files", lambda: [*shipped, package / "engine.yaml"])
     monkeypatch.setattr(wspool.integrations, "__path__", [*wspool.integrations.__path__, str(tmp_path)])
     engine_specs.cache_clear()
     yield
@@ -351,3 +355,20 @@ def test_a_malformed_engine_spec_is_an_error_naming_its_file_and_key(
     (tmp_path / "standin" / "engine.yaml").write_text(STAND_IN_SPEC.replace(written, instead, 1))
     with pytest.raises(ConfigError, match=rf"^engine spec {re.escape(str(tmp_path))}/standin/engine\.yaml: {error}"):
         engine_specs()
+
+
+def test_the_settings_read_the_engine_specs_without_importing_any_integration() -> None:
+    """In a fresh interpreter, reading every spec and loading settings with an engine's switch set imports no
+    module of wspool.integrations (the specs are package data read as files)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; os.environ['WSPOOL_VLLM'] = '0'; "
+        "from wspool.settings.profiles import engine_specs; from wspool.settings.schema import load_settings; "
+        "keys = [s.key for s in engine_specs()]; load_settings(); "
+        "assert keys == ['vllm', 'sglang', 'tokenspeed'], keys; "
+        "assert not [m for m in sys.modules if m.startswith('wspool.integrations')], sorted(sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

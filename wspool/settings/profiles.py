@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import atexit
 import importlib.metadata
-import importlib.util
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ if TYPE_CHECKING:  # wspool.devices imports torch; the settings load without it
 
 __all__ = [
     "AUTO",
+    "ENGINE_PACKAGES_FOLDER",
     "ENGINE_SPEC_FILE",
     "FALLBACK_PROFILE",
     "PROFILE_NAMES",
@@ -47,6 +46,7 @@ __all__ = [
     "engine_knob_settings",
     "engine_knobs",
     "engine_spec",
+    "engine_spec_files",
     "engine_specs",
     "find_config_file",
     "load_profile",
@@ -221,8 +221,10 @@ def choose_profile(setting: str, description: DeviceDescription | None, *, sourc
     return ProfileChoice(FALLBACK_PROFILE, f"auto: no profile was measured for {shown}; vLLM's fixed sizes")
 
 
-#: The file in each engine's package under ``wspool.integrations`` that holds the engine's spec.
+#: The file in each engine's package that holds the engine's spec.
 ENGINE_SPEC_FILE = "engine.yaml"
+#: The folder of wspool's package data whose subfolders are the engine packages.
+ENGINE_PACKAGES_FOLDER = "integrations"
 
 
 @dataclass(frozen=True)
@@ -338,26 +340,36 @@ def _names(raw: str) -> list[str]:
 def engine_specs() -> tuple[EngineSpec, ...]:
     """Return every engine's spec, in ``wspool doctor``'s order: each package's :data:`ENGINE_SPEC_FILE`.
 
-    The packages are the folders of ``wspool.integrations`` (its ``__path__`` once imported),
-    found and read without importing it: an engine is added by its own package alone.
+    Read from :func:`engine_spec_files`: an engine is added by its own package alone.
     Read once per process; ``engine_specs.cache_clear()`` reads them again.
 
     Raises:
         ConfigError: A spec file is malformed, naming the file and the key.
     """
-    package = sys.modules.get("wspool.integrations")
-    if package is not None:
-        folders = list(package.__path__)
-    else:
-        found = importlib.util.find_spec("wspool.integrations")
-        folders = list(found.submodule_search_locations or ()) if found is not None else []
     found_specs: dict[str, EngineSpec] = {}
-    for folder in folders:  # a package in an earlier folder hides one of its name in a later one, as import does
-        for path in sorted(Path(folder).glob(f"*/{ENGINE_SPEC_FILE}")):
-            if path.parent.name not in found_specs:
-                found_specs[path.parent.name] = _read_spec(path)
+    for path in engine_spec_files():
+        if path.parent.name not in found_specs:
+            found_specs[path.parent.name] = _read_spec(path)
     specs = sorted(found_specs.values(), key=lambda spec: (spec.order, spec.key))
     return tuple(specs)
+
+
+def engine_spec_files() -> list[Path]:
+    """Return each engine package's :data:`ENGINE_SPEC_FILE`, by package name.
+
+    The specs are package data (``<engine>/engine.yaml`` in wspool's ``integrations`` folder,
+    shipped as the configuration files are) and are read as files: no engine package, nor the
+    package that holds them, is imported, so the settings depend on no layer above them.
+    """
+    folder = resources.files(_PACKAGE).joinpath(ENGINE_PACKAGES_FOLDER)
+    if not folder.is_dir():
+        return []
+    found = []
+    for package in sorted(folder.iterdir(), key=lambda entry: entry.name):
+        entry = package.joinpath(ENGINE_SPEC_FILE)
+        if package.is_dir() and entry.is_file():
+            found.append(Path(_files.enter_context(resources.as_file(entry))))
+    return found
 
 
 def engine_spec(key: str) -> EngineSpec:
